@@ -1,0 +1,205 @@
+"""The Llama-family decoder as pure functions over NamedTuple parameter trees.
+
+`forward(config, params, tokens, positions, mask, cache) -> (logits, cache)` computes logits for
+`tokens (B, T)` at `positions (B, T)`. A negative position marks left padding: its keys are
+never visible. Positions must be consecutive along T within a row (RoPE starts from the first).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from mlxfun import cache as kv
+from mlxfun import masks
+from mlxfun.config import ModelConfig
+
+
+class Dense(NamedTuple):
+    weight: mx.array  # (out, in)
+    bias: mx.array | None = None  # (out,)
+
+
+class Quantized(NamedTuple):
+    """MLX affine quantization; bits and group size follow from the shapes and the input width."""
+
+    weight: mx.array  # (out, in * bits / 32) uint32
+    scales: mx.array  # (out, in / group_size)
+    biases: mx.array  # (out, in / group_size)
+    bias: mx.array | None = None  # (out,)
+
+
+Linear = Dense | Quantized
+
+
+class Layer(NamedTuple):
+    attn_norm: mx.array  # (E,)
+    qkv: Linear  # E -> (H + 2 * Hkv) * D, q/k/v fused at load time
+    o: Linear  # H * D -> E
+    mlp_norm: mx.array  # (E,)
+    gate_up: Linear  # E -> 2 * I, gate then up
+    down: Linear  # I -> E
+    q_norm: mx.array | None = None  # (D,) Qwen3
+    k_norm: mx.array | None = None  # (D,)
+
+
+class Params(NamedTuple):
+    embed: Linear  # (V, E) table, used as lm_head when tied
+    layers: tuple[Layer, ...]
+    norm: mx.array  # (E,)
+    lm_head: Linear | None = None  # (V, E); None when tied to `embed`
+
+
+def quant_shape(q: Quantized, in_features: int) -> tuple[int, int]:
+    """(group_size, bits) of a quantized matrix with `in_features` inputs."""
+    return in_features // q.scales.shape[-1], q.weight.shape[-1] * 32 // in_features
+
+
+def dequantize(q: Quantized, in_features: int) -> mx.array:
+    group_size, bits = quant_shape(q, in_features)
+    return mx.dequantize(q.weight, q.scales, q.biases, group_size=group_size, bits=bits)
+
+
+def linear(p: Linear, x: mx.array) -> mx.array:
+    """x (..., in) -> (..., out)."""
+    if isinstance(p, Quantized):
+        group_size, bits = quant_shape(p, x.shape[-1])
+        y = mx.quantized_matmul(x, p.weight, p.scales, p.biases, transpose=True,
+                                group_size=group_size, bits=bits)
+    else:
+        y = x @ p.weight.T
+    return y if p.bias is None else y + p.bias
+
+
+def embed(p: Linear, tokens: mx.array, hidden_size: int) -> mx.array:
+    """tokens (B, T) -> (B, T, E): rows of the table, dequantized if needed."""
+    if isinstance(p, Quantized):
+        group_size, bits = quant_shape(p, hidden_size)
+        return mx.dequantize(p.weight[tokens], p.scales[tokens], p.biases[tokens],
+                             group_size=group_size, bits=bits)
+    return p.weight[tokens]
+
+
+def rope_freqs(config: ModelConfig) -> mx.array | None:
+    """Per-pair inverse frequencies for llama3 scaling; None where mx.fast.rope's base suffices."""
+    s = config.rope_scaling
+    if s is None or s.kind != "llama3":
+        return None
+    d = config.head_dim
+    inv = [config.rope_theta ** (-2 * i / d) for i in range(d // 2)]
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    out = []
+    for f in inv:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(f)
+        elif wavelen > low_wavelen:
+            out.append(f / s.factor)
+        else:
+            smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor)
+            out.append((1 - smooth) * f / s.factor + smooth * f)
+    # mx.fast.rope takes periods (1 / frequency).
+    return mx.array([1.0 / f for f in out], dtype=mx.float32)
+
+
+def rope(config: ModelConfig, x: mx.array, offset: mx.array) -> mx.array:
+    """x (B, H, T, D) rotated for positions offset[b] + t; offset (B,) int32."""
+    freqs = rope_freqs(config)
+    s = config.rope_scaling
+    scale = 1.0 / s.factor if s is not None and s.kind == "linear" else 1.0
+    return mx.fast.rope(x, config.head_dim, traditional=config.rope_traditional,
+                        base=None if freqs is not None else config.rope_theta,
+                        scale=scale, offset=offset, freqs=freqs)
+
+
+def attention(config: ModelConfig, layer: Layer, x: mx.array, positions: mx.array, mask: mx.array | None,
+              window: int | None, cache_kv: tuple[mx.array, mx.array] | None,
+              cache_positions: mx.array | None, slot: mx.array | None):
+    """x (B, T, E) -> ((B, T, E), new (keys, values) of this layer or None)."""
+    B, T, _ = x.shape
+    H, K, D = config.num_heads, config.num_kv_heads, config.head_dim
+    qkv = linear(layer.qkv, x)  # (B, T, (H + 2K) D)
+    q, k, v = mx.split(qkv, [H * D, (H + K) * D], axis=-1)
+    q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
+    k = k.reshape(B, T, K, D).transpose(0, 2, 1, 3)  # (B, K, T, D)
+    v = v.reshape(B, T, K, D).transpose(0, 2, 1, 3)
+    if layer.q_norm is not None:
+        q = mx.fast.rms_norm(q, layer.q_norm, config.rms_norm_eps)
+        k = mx.fast.rms_norm(k, layer.k_norm, config.rms_norm_eps)
+    offset = positions[:, 0]
+    q, k = rope(config, q, offset), rope(config, k, offset)
+
+    new_kv = None
+    if cache_kv is None:
+        keys, values, key_pos = k, v, positions
+    else:
+        new_kv = (kv.write(cache_kv[0], k, slot), kv.write(cache_kv[1], v, slot))
+        if T == 1:
+            # The written slot replaced the oldest one, which a window of the ring's size never sees.
+            keys, values = new_kv
+            key_pos = kv.write_positions(cache_positions, positions, slot)
+        else:
+            # A chunk may overwrite slots its own earlier queries still see: attend old + new.
+            keys = mx.concatenate([cache_kv[0], k], axis=2)  # (B, K, C + T, D)
+            values = mx.concatenate([cache_kv[1], v], axis=2)
+            key_pos = mx.concatenate([cache_positions, positions], axis=1)  # (B, C + T)
+    if mask is None:
+        mask = masks.causal(positions, key_pos)
+    if window is not None:
+        mask = mask & masks.window(positions, key_pos, window)
+    mask = masks.never_empty(mask)  # (B, T, S)
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask[:, None])
+    out = out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
+    return linear(layer.o, out), new_kv
+
+
+def mlp(layer: Layer, x: mx.array) -> mx.array:
+    gate, up = mx.split(linear(layer.gate_up, x), 2, axis=-1)  # (B, T, I) each
+    return linear(layer.down, silu(gate) * up)
+
+
+def silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
+
+
+def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
+           mask: mx.array | None = None, cache: kv.KVCache | None = None):
+    """tokens (B, T), positions (B, T) -> (final hidden states (B, T, E), new cache or None).
+
+    `mask` (B, T, S) is the padding/causal visibility over the keys: the cache's slots after this
+    step's write when T == 1, the cache's slots then the T new tokens when T > 1, the T tokens when
+    there is no cache. None derives it from positions (`masks.causal`). Windows are applied on top.
+    """
+    h = embed(params.embed, tokens, config.hidden_size)
+    slot = None if cache is None else kv.next_slot(cache)
+    new_keys, new_values = [], []
+    for i, layer in enumerate(params.layers):
+        layer_kv = None if cache is None else (cache.keys[i], cache.values[i])
+        cache_pos = None if cache is None else cache.positions
+        a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
+                               positions, mask, config.layer_windows[i], layer_kv, cache_pos, slot)
+        h = h + a
+        h = h + mlp(layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps))
+        if written is not None:
+            new_keys.append(written[0])
+            new_values.append(written[1])
+    h = mx.fast.rms_norm(h, params.norm, config.rms_norm_eps)
+    if cache is None:
+        return h, None
+    return h, kv.advance(cache, tuple(new_keys), tuple(new_values), positions, slot)
+
+
+def logits(params: Params, h: mx.array) -> mx.array:
+    """h (..., E) -> logits (..., V)."""
+    return linear(params.embed if params.lm_head is None else params.lm_head, h)
+
+
+def forward(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
+            mask: mx.array | None = None, cache: kv.KVCache | None = None):
+    """tokens (B, T), positions (B, T) -> (logits (B, T, V), new cache or None)."""
+    h, cache = hidden(config, params, tokens, positions, mask, cache)
+    return logits(params, h), cache

