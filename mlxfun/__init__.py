@@ -1,7 +1,9 @@
 """mlxfun: batched text generation for Llama-family models, in pure functional MLX."""
 
 from mlxfun.errors import InputError, MlxfunError, ModelError
+from mlxfun.generate import Event, GenerationResult, generate, stream_generate
 from mlxfun.load import Model, load, save
 from mlxfun.score import score
 
-__all__ = ["InputError", "MlxfunError", "Model", "ModelError", "load", "save", "score"]
+__all__ = ["Event", "GenerationResult", "InputError", "MlxfunError", "Model", "ModelError", "generate",
+           "load", "save", "score", "stream_generate"]

@@ -1,0 +1,320 @@
+"""Batched generation: every prompt answered exactly as if it ran alone.
+
+Prompts are left-padded to a common length; padding gets negative positions, so the masks hide
+it from every query at prefill and at each decode step, and each row's positions start at 0 at
+its first real token. The host loop only schedules: it pipelines the compiled decode step with
+`mx.async_eval` and checks stops one step behind.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple, Sequence
+
+import mlx.core as mx
+
+from mlxfun import cache as kv
+from mlxfun import sampling
+from mlxfun.detok import RowText
+from mlxfun.errors import InputError
+from mlxfun.load import Model
+from mlxfun.step import DecodeState, Mode, StepOut, Steps, compiled_steps
+
+Prompt = str | Sequence[int] | Sequence[dict]
+
+
+class Event(NamedTuple):
+    """One generated token of one row (a streaming event)."""
+
+    row: int
+    token: int  # -1 on the closing event of a row that ended without a new token
+    text: str  # the newly final text (may be empty: a character or stop string still pending)
+    finish_reason: str | None  # "stop" or "length" on the row's last event, else None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    prompt_time: float = 0.0
+    generation_tokens: int = 0
+    generation_time: float = 0.0
+    peak_memory_gb: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_time if self.prompt_time else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generation_tokens / self.generation_time if self.generation_time else 0.0
+
+    def summary(self) -> str:
+        return (f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tokens/s\n"
+                f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.1f} tokens/s\n"
+                f"Peak memory: {self.peak_memory_gb:.3f} GB")
+
+
+@dataclass
+class GenerationResult:
+    texts: list[str]
+    token_ids: list[list[int]]  # generated ids, without the closing EOS
+    finish_reasons: list[str]
+    stats: Stats
+    seeds: list[int]  # each row's sampling seed, to repeat the run
+    logprobs: list[list[float]] | None = None  # per row, the chosen tokens' log-probabilities
+    top_logprobs: list[list[tuple[tuple[int, float], ...]]] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Per-call options of `generate`, validated and expanded to one entry per row."""
+
+    max_tokens: tuple[int, ...]
+    stop: tuple[tuple[str, ...], ...]
+    settings: sampling.Settings
+    mode: Mode
+    prefill_step: int = 512
+    max_kv_size: int | None = None
+    seeds: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+
+
+def per_row(name: str, value, n: int) -> list:
+    """`value` for each of n rows: a list must have exactly n entries."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise InputError(f"{name} has {len(value)} values for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def _stops(stop, n: int) -> tuple[tuple[str, ...], ...]:
+    if stop is None or isinstance(stop, str):
+        return ((stop,) if stop else (),) * n
+    if all(isinstance(s, str) for s in stop):
+        return (tuple(stop),) * n  # one list of stop strings for every row
+    rows = per_row("stop", list(stop), n)
+    return tuple(((s,) if isinstance(s, str) else tuple(s or ())) for s in rows)
+
+
+def encode_prompts(model: Model, prompts, chat: bool) -> list[list[int]]:
+    """Token ids for each prompt: text, a token-id list, or (chat) a message list."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+        prompts = [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        prompts = [prompts]
+    if not prompts:
+        raise InputError("no prompts given")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            ids = model.tokenizer.encode_chat([{"role": "user", "content": p}]) if chat else model.tokenizer.encode(p)
+        elif p and isinstance(p[0], dict):
+            ids = model.tokenizer.encode_chat(list(p))
+        else:
+            ids = [int(t) for t in p]
+            if any(t < 0 or t >= model.config.vocab_size for t in ids):
+                raise InputError(f"prompt {i} has token ids outside [0, {model.config.vocab_size})")
+        if not ids:
+            raise InputError(f"prompt {i} is empty")
+        out.append(ids)
+    return out
+
+
+def check_context(model: Model, prompts: list[list[int]], max_kv_size: int | None) -> None:
+    limit = model.config.max_position_embeddings
+    for i, ids in enumerate(prompts):
+        if len(ids) >= limit:
+            raise InputError(f"prompt {i} has {len(ids)} tokens; the model's context is {limit} "
+                             "(at least one position must be left to generate)")
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[mx.array, mx.array]:
+    """-> tokens (B, L) and positions (B, L): 0 at each row's first real token, negative on padding."""
+    L = max(len(p) for p in prompts)
+    tokens = [[0] * (L - len(p)) + p for p in prompts]
+    positions = [list(range(len(p) - L, len(p))) for p in prompts]
+    return mx.array(tokens, dtype=mx.int32), mx.array(positions, dtype=mx.int32)
+
+
+class Batch:
+    """A static batch: prefill all prompts, then decode until every row has finished."""
+
+    def __init__(self, model: Model, prompts: list[list[int]], gen: GenerationConfig, steps: Steps | None = None):
+        self.model = model
+        self.config = model.config.with_max_kv_size(gen.max_kv_size)
+        self.prompts = prompts
+        self.gen = gen
+        self.steps = steps or compiled_steps(self.config, gen.mode)
+        self.stats = Stats(prompt_tokens=sum(len(p) for p in prompts))
+        self.rows = [RowText(model.tokenizer, s) for s in gen.stop]
+        self.finish: list[str | None] = [None] * len(prompts)
+        self.logprobs: list[list[float]] = [[] for _ in prompts]
+        self.top: list[list] = [[] for _ in prompts]
+        self.limit = self.config.max_position_embeddings
+        self.window = self.config.max_window  # a ring of this many slots bounds the cache
+
+    def _capacity(self, length: int) -> int:
+        c = kv.bucket(length)
+        return c if self.window is None else min(c, self.window)
+
+    def prefill(self) -> tuple[StepOut, DecodeState]:
+        tokens, positions = left_pad(self.prompts)
+        B, L = tokens.shape
+        dtype = self.model.params.norm.dtype
+        cache = kv.empty(self.config, B, self._capacity(L), dtype)
+        params = self.model.params
+        start, h = 0, None
+        while start < L:
+            # A linear cache grows to hold the chunk; a full ring keeps it from crossing its end.
+            size = min(self.gen.prefill_step, L - start)
+            cache = kv.grow(cache, self._capacity(start + size))
+            cap = kv.capacity(cache)
+            if cap == self.window:
+                size = min(size, cap - start % cap)
+            h, cache = self.steps.prefill(params, tokens[:, start:start + size], positions[:, start:start + size],
+                                          cache)
+            mx.eval(h, cache)
+            start += size
+        counts = mx.zeros((B, self.config.vocab_size), mx.int32) if self.gen.mode.penalties else None
+        steps0 = mx.zeros((B,), mx.int32)
+        out = self.steps.first(params, h, self.gen.settings, steps0, counts)
+        if counts is not None:
+            counts = sampling.update_counts(counts, out.tokens)
+        state = DecodeState(cache, out.tokens, positions[:, -1] + 1, steps0 + 1, counts)
+        return out, state
+
+    def _grow(self, state: DecodeState, written: int) -> DecodeState:
+        """Room for the next token: grow a linear cache by a bucket when full."""
+        cap = kv.capacity(state.cache)
+        if written < cap or (self.window is not None and cap == self.window):
+            return state
+        return state._replace(cache=kv.grow(state.cache, self._capacity(written + 1)))
+
+    def events(self) -> Iterator[Event]:
+        """Run the batch, yielding one event per generated token of each live row."""
+        t0 = time.perf_counter()
+        out, state = self.prefill()
+        mx.eval(out, state)
+        t1 = time.perf_counter()
+        self.stats.prompt_time = t1 - t0
+        written = max(len(p) for p in self.prompts)  # slots used: the padded prompt length
+        params, settings = self.model.params, self.gen.settings
+        while True:
+            # Queue the next step before reading this one, so the device never waits on the host.
+            if not all(self.finish):
+                state = self._grow(state, written)
+                next_out, next_state = self.steps.decode(params, state, settings)
+                mx.async_eval(next_out, next_state)
+                written += 1
+            yield from self._take(out)
+            if all(self.finish):
+                break
+            out, state = next_out, next_state
+        self.stats.generation_time = time.perf_counter() - t1
+        self.stats.generation_tokens = sum(len(r.tokens) for r in self.rows)
+        self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+
+    def _take(self, out: StepOut) -> Iterator[Event]:
+        """Hand out one step's tokens on the host; finish rows on EOS, stop strings and limits."""
+        tokens = out.tokens.tolist()
+        logprob = None if out.logprob is None else out.logprob.tolist()
+        top = None if out.top_ids is None else list(zip(out.top_ids.tolist(), out.top_logprobs.tolist()))
+        eos = () if self.gen.ignore_eos else self.model.tokenizer.eos_token_ids
+        for b, token in enumerate(tokens):
+            if self.finish[b] is not None:
+                continue
+            row = self.rows[b]
+            if token in eos:
+                self.finish[b] = "stop"
+                yield Event(b, token, row.flush(), "stop")
+                continue
+            piece = row.add(token)
+            lp = None if logprob is None else logprob[b]
+            tp = None if top is None else tuple(zip(top[b][0], top[b][1]))
+            if lp is not None:
+                self.logprobs[b].append(lp)
+            if tp is not None:
+                self.top[b].append(tp)
+            if row.stopped_at is not None:
+                self.finish[b] = "stop"
+            elif len(row.tokens) >= self.gen.max_tokens[b] or len(self.prompts[b]) + len(row.tokens) >= self.limit:
+                self.finish[b] = "length"
+            if self.finish[b] is not None:
+                piece += row.flush()
+            yield Event(b, token, piece, self.finish[b], lp, tp)
+
+    def result(self) -> GenerationResult:
+        ids = [r.tokens if r.tokens_at_stop is None else r.tokens[: r.tokens_at_stop] for r in self.rows]
+        want_lp = self.gen.mode.top_logprobs >= 0
+        return GenerationResult(
+            texts=[r.final_text for r in self.rows],
+            token_ids=ids,
+            finish_reasons=list(self.finish),
+            stats=self.stats,
+            seeds=list(self.gen.seeds),
+            logprobs=[lp[: len(i)] for lp, i in zip(self.logprobs, ids)] if want_lp else None,
+            top_logprobs=[tp[: len(i)] for tp, i in zip(self.top, ids)] if self.gen.mode.top_logprobs > 0 else None,
+        )
+
+
+def make_config(n: int, *, max_tokens=256, temperature=0.0, top_p=1.0, min_p=0.0, top_k=0,
+                repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None,
+                stop=None, logprobs: int | None = None, prefill_step: int = 512,
+                max_kv_size: int | None = None, ignore_eos: bool = False) -> GenerationConfig:
+    """Validate every option and expand it to n rows."""
+    max_tokens = per_row("max_tokens", max_tokens, n)
+    if any(not isinstance(m, int) or m < 1 for m in max_tokens):
+        raise InputError(f"max_tokens must be positive integers, got {max_tokens}")
+    if logprobs is not None and (not isinstance(logprobs, int) or logprobs < 0):
+        raise InputError(f"logprobs must be None or a non-negative integer, got {logprobs!r}")
+    if prefill_step < 1:
+        raise InputError(f"prefill_step must be positive, got {prefill_step}")
+    if max_kv_size is not None and max_kv_size < 1:
+        raise InputError(f"max_kv_size must be positive, got {max_kv_size}")
+    settings = sampling.make_settings(
+        n, temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k, repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
+    mode = Mode(sample=not sampling.all_greedy(settings), penalties=sampling.needs_counts(settings),
+                top_logprobs=-1 if logprobs is None else logprobs)
+    return GenerationConfig(tuple(max_tokens), _stops(stop, n), settings, mode, prefill_step, max_kv_size,
+                            tuple(sampling.seeds(settings)), ignore_eos)
+
+
+def stream_generate(model: Model, prompts, *, chat: bool = False, **options) -> Iterator[Event]:
+    """Like `generate`, yielding an `Event` per generated token of each row as it is produced."""
+    batch = _batch(model, prompts, chat, options)
+    yield from batch.events()
+
+
+def _batch(model: Model, prompts, chat: bool, options: dict) -> Batch:
+    ids = encode_prompts(model, prompts, chat)
+    gen = make_config(len(ids), **options)
+    check_context(model, ids, gen.max_kv_size)
+    return Batch(model, ids, gen)
+
+
+def generate(model: Model, prompts: Prompt | list[Prompt], *, max_tokens: int | list[int] = 256,
+             temperature: float | list[float] = 0.0, top_p: float | list[float] = 1.0,
+             min_p: float | list[float] = 0.0, top_k: int | list[int] = 0,
+             repetition_penalty: float | list[float] = 1.0, presence_penalty: float | list[float] = 0.0,
+             frequency_penalty: float | list[float] = 0.0, seed: int | list[int] | None = None,
+             stop: str | list[str] | list[list[str]] | None = None, chat: bool = False,
+             logprobs: int | None = None, prefill_step: int = 512,
+             max_kv_size: int | None = None, ignore_eos: bool = False) -> GenerationResult:
+    """Generate for one prompt or many, batched; each row's output equals its output alone.
+
+    Per-row options take one value for all prompts or a list with one value per prompt.
+    `logprobs`: None for none, 0 for the chosen tokens' log-probabilities, n for the n most likely too.
+    """
+    batch = _batch(model, prompts, chat, dict(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, seed=seed, stop=stop, logprobs=logprobs,
+        prefill_step=prefill_step, max_kv_size=max_kv_size, ignore_eos=ignore_eos))
+    for _ in batch.events():
+        pass
+    return batch.result()

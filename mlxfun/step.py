@@ -1,0 +1,111 @@
+"""The compiled steps of generation: chunked prefill and the one-token decode step.
+
+`decode` is one `mx.compile`d function (decoder, sampling and cache update together). Everything
+that varies per token (cache cursor, positions, step counters, sampling settings) is an array
+argument, so it traces once per (batch size, cache capacity) and never per token.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable, NamedTuple
+
+import mlx.core as mx
+
+from mlxfun import llama, sampling
+from mlxfun.cache import KVCache
+from mlxfun.config import ModelConfig
+from mlxfun.llama import Params
+
+
+class Mode(NamedTuple):
+    """What a decode step computes; each distinct Mode is its own compiled function."""
+
+    sample: bool = False  # False: greedy argmax for every row
+    penalties: bool = False  # track per-row token counts for repetition/presence/frequency penalties
+    top_logprobs: int = -1  # -1: no logprobs; 0: the chosen token's; n: and the n most likely
+
+
+class DecodeState(NamedTuple):
+    """Everything a decode step reads and writes, as arrays."""
+
+    cache: KVCache
+    tokens: mx.array  # (B,) int32: the last token of each row
+    positions: mx.array  # (B,) int32: the position of `tokens`
+    steps: mx.array  # (B,) int32: tokens generated so far per row (the sampler's counter)
+    counts: mx.array | None  # (B, V) int32: each row's generated-token counts (penalties only)
+
+
+class StepOut(NamedTuple):
+    tokens: mx.array  # (B,) int32
+    logprob: mx.array | None  # (B,) float32
+    top_ids: mx.array | None  # (B, n) int32
+    top_logprobs: mx.array | None  # (B, n) float32
+
+
+def choose(mode: Mode, logits: mx.array, settings: sampling.Settings, steps: mx.array,
+           counts: mx.array | None) -> StepOut:
+    """logits (B, V) -> the next token per row, with logprobs when the mode asks for them."""
+    logits = logits.astype(mx.float32)
+    tokens = sampling.sample(logits, settings, steps, counts) if mode.sample else sampling.greedy(logits)
+    if mode.top_logprobs < 0:
+        return StepOut(tokens, None, None, None)
+    logp = sampling.logprobs(logits)  # (B, V)
+    chosen = sampling.chosen_logprob(logp, tokens)
+    if mode.top_logprobs == 0:
+        return StepOut(tokens, chosen, None, None)
+    ids, values = sampling.top_logprobs(logp, mode.top_logprobs)
+    return StepOut(tokens, chosen, ids, values)
+
+
+def decode_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeState,
+                settings: sampling.Settings) -> tuple[StepOut, DecodeState]:
+    """One token for every row: decoder, sampling and cache update."""
+    logits, cache = llama.forward(config, params, state.tokens[:, None], state.positions[:, None],
+                                  None, state.cache)  # (B, 1, V)
+    out = choose(mode, logits[:, -1], settings, state.steps, state.counts)
+    counts = None if state.counts is None else sampling.update_counts(state.counts, out.tokens)
+    return out, DecodeState(cache, out.tokens, state.positions + 1, state.steps + 1, counts)
+
+
+def prefill_chunk(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
+                  cache: KVCache) -> tuple[mx.array, KVCache]:
+    """tokens (B, T) into the cache -> (hidden state of the last token (B, E), cache)."""
+    h, cache = llama.hidden(config, params, tokens, positions, None, cache)
+    return h[:, -1], cache
+
+
+def first_token(config: ModelConfig, mode: Mode, params: Params, h: mx.array, settings: sampling.Settings,
+                steps: mx.array, counts: mx.array | None) -> StepOut:
+    """h (B, E): the last prompt position's hidden state -> the first generated token."""
+    return choose(mode, llama.logits(params, h), settings, steps, counts)
+
+
+class Steps(NamedTuple):
+    """The functions a generation loop calls; `compiled_steps` caches them per config and mode."""
+
+    decode: Callable
+    prefill: Callable
+    first: Callable
+
+
+def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | None = None) -> Steps:
+    """Fresh compiled steps. `on_trace` runs each time the decode step is traced (profiling, tests)."""
+
+    def decode(params, state, settings):
+        if on_trace is not None:
+            on_trace()
+        return decode_step(config, mode, params, state, settings)
+
+    def first(params, h, settings, steps, counts):
+        return first_token(config, mode, params, h, settings, steps, counts)
+
+    def prefill(params, tokens, positions, cache):
+        return prefill_chunk(config, params, tokens, positions, cache)
+
+    return Steps(mx.compile(decode), prefill, mx.compile(first))
+
+
+@lru_cache(maxsize=32)
+def compiled_steps(config: ModelConfig, mode: Mode) -> Steps:
+    return make_steps(config, mode)
