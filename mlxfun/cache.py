@@ -2,8 +2,8 @@
 
 Every row writes the same slot, `cursor % capacity`; each slot records the position it holds
 (negative: empty or padding), so masks come from positions alone and the buffer may be a ring.
-The host keeps `cursor + T <= capacity` for a linear cache (growing it in buckets) and never lets
-a chunk cross the ring's end; a ring is a cache whose capacity is the model's attention window.
+The host never lets a chunk cross the buffer's end and grows the buffer (in buckets) before a row
+would overwrite a slot it still sees; a bounded cache is a ring as wide as the attention window.
 """
 
 from __future__ import annotations
@@ -58,15 +58,41 @@ def advance(cache: KVCache, keys: tuple, values: tuple, new_positions: mx.array,
 
 
 def grow(cache: KVCache, new_capacity: int) -> KVCache:
-    """A linear (never wrapped) cache with room for `new_capacity` slots; contents unchanged."""
-    extra = new_capacity - capacity(cache)
+    """The cache with room for `new_capacity` slots, every row's data kept. The buffer is first
+    unrolled (oldest slot first) so each row's data stays contiguous and ends at the cursor,
+    which becomes the old capacity. Host-side: reads the cursor."""
+    old = capacity(cache)
+    extra = new_capacity - old
     if extra <= 0:
         return cache
+    shift = -(int(cache.cursor) % old)
+    keys = tuple(mx.roll(k, shift, axis=2) for k in cache.keys)
+    values = tuple(mx.roll(v, shift, axis=2) for v in cache.values)
+    positions = mx.roll(cache.positions, shift, axis=1)
     pad = [(0, 0), (0, 0), (0, extra), (0, 0)]
     return KVCache(
-        keys=tuple(mx.pad(k, pad) for k in cache.keys),
-        values=tuple(mx.pad(v, pad) for v in cache.values),
-        positions=mx.pad(cache.positions, [(0, 0), (0, extra)], constant_values=-1),
+        keys=tuple(mx.pad(k, pad) for k in keys),
+        values=tuple(mx.pad(v, pad) for v in values),
+        positions=mx.pad(positions, [(0, 0), (0, extra)], constant_values=-1),
+        cursor=mx.array(old, mx.int32),
+    )
+
+
+def row_index(batch: int, rows: list[int]) -> mx.array:
+    """(batch,) gather index into concat([a, b]) that takes b's j-th row for row rows[j], else a's."""
+    index = list(range(batch))
+    for j, r in enumerate(rows):
+        index[r] = batch + j
+    return mx.array(index, dtype=mx.int32)
+
+
+def replace_rows(cache: KVCache, rows: list[int], new: KVCache) -> KVCache:
+    """The cache with rows `rows` replaced by the rows of `new` (same capacity and cursor)."""
+    idx = row_index(cache.positions.shape[0], rows)
+    return KVCache(
+        keys=tuple(mx.concatenate([a, b])[idx] for a, b in zip(cache.keys, new.keys)),
+        values=tuple(mx.concatenate([a, b])[idx] for a, b in zip(cache.values, new.values)),
+        positions=mx.concatenate([cache.positions, new.positions])[idx],
         cursor=cache.cursor,
     )
 

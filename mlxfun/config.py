@@ -121,6 +121,7 @@ def from_hf(raw: dict) -> ModelConfig:
             head_dim=int(raw.get("head_dim") or hidden // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
             rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_traditional=bool(raw.get("rope_traditional", False)),  # mlx-lm's key; HF has none
             rope_scaling=_rope_scaling(raw.get("rope_scaling")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type != "llama")),
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
@@ -152,6 +153,8 @@ def to_hf(config: ModelConfig) -> dict:
         "attention_bias": config.attention_bias,
         "max_position_embeddings": config.max_position_embeddings,
     }
+    if config.rope_traditional:
+        raw["rope_traditional"] = True
     if config.rope_scaling is not None:
         s = config.rope_scaling
         raw["rope_scaling"] = {"rope_type": s.kind, "factor": s.factor}

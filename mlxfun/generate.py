@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -18,43 +18,13 @@ from mlxfun import cache as kv
 from mlxfun import sampling
 from mlxfun.detok import RowText
 from mlxfun.errors import InputError
+from mlxfun.events import Event, Stats
 from mlxfun.load import Model
+from mlxfun.prefill import prefill
 from mlxfun.step import DecodeState, Mode, StepOut, Steps, compiled_steps
+from mlxfun.strategy import WeightStrategy, params_for_batch
 
 Prompt = str | Sequence[int] | Sequence[dict]
-
-
-class Event(NamedTuple):
-    """One generated token of one row (a streaming event)."""
-
-    row: int
-    token: int  # -1 on the closing event of a row that ended without a new token
-    text: str  # the newly final text (may be empty: a character or stop string still pending)
-    finish_reason: str | None  # "stop" or "length" on the row's last event, else None
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] | None = None
-
-
-@dataclass
-class Stats:
-    prompt_tokens: int = 0
-    prompt_time: float = 0.0
-    generation_tokens: int = 0
-    generation_time: float = 0.0
-    peak_memory_gb: float = 0.0
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_time if self.prompt_time else 0.0
-
-    @property
-    def generation_tps(self) -> float:
-        return self.generation_tokens / self.generation_time if self.generation_time else 0.0
-
-    def summary(self) -> str:
-        return (f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tokens/s\n"
-                f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.1f} tokens/s\n"
-                f"Peak memory: {self.peak_memory_gb:.3f} GB")
 
 
 @dataclass
@@ -132,19 +102,14 @@ def check_context(model: Model, prompts: list[list[int]], max_kv_size: int | Non
                              "(at least one position must be left to generate)")
 
 
-def left_pad(prompts: list[list[int]]) -> tuple[mx.array, mx.array]:
-    """-> tokens (B, L) and positions (B, L): 0 at each row's first real token, negative on padding."""
-    L = max(len(p) for p in prompts)
-    tokens = [[0] * (L - len(p)) + p for p in prompts]
-    positions = [list(range(len(p) - L, len(p))) for p in prompts]
-    return mx.array(tokens, dtype=mx.int32), mx.array(positions, dtype=mx.int32)
-
-
 class Batch:
     """A static batch: prefill all prompts, then decode until every row has finished."""
 
-    def __init__(self, model: Model, prompts: list[list[int]], gen: GenerationConfig, steps: Steps | None = None):
-        self.model = model
+    def __init__(self, model: Model, prompts: list[list[int]], gen: GenerationConfig, steps: Steps | None = None,
+                 strategy: WeightStrategy | None = None):
+        # Many rows run quantized weights faster as a dense copy (mlxfun.strategy; None: the backend's default).
+        params = params_for_batch(model.config, model.params, len(prompts), strategy)
+        self.model = model if params is model.params else Model(model.config, params, model.tokenizer, model.source)
         self.config = model.config.with_max_kv_size(gen.max_kv_size)
         self.prompts = prompts
         self.gen = gen
@@ -162,29 +127,17 @@ class Batch:
         return c if self.window is None else min(c, self.window)
 
     def prefill(self) -> tuple[StepOut, DecodeState]:
-        tokens, positions = left_pad(self.prompts)
-        B, L = tokens.shape
-        dtype = self.model.params.norm.dtype
-        cache = kv.empty(self.config, B, self._capacity(L), dtype)
+        B, L = len(self.prompts), max(len(p) for p in self.prompts)
         params = self.model.params
-        start, h = 0, None
-        while start < L:
-            # A linear cache grows to hold the chunk; a full ring keeps it from crossing its end.
-            size = min(self.gen.prefill_step, L - start)
-            cache = kv.grow(cache, self._capacity(start + size))
-            cap = kv.capacity(cache)
-            if cap == self.window:
-                size = min(size, cap - start % cap)
-            h, cache = self.steps.prefill(params, tokens[:, start:start + size], positions[:, start:start + size],
-                                          cache)
-            mx.eval(h, cache)
-            start += size
+        h, cache = prefill(self.config, self.steps, params, self.prompts, self._capacity(L),
+                           self.gen.prefill_step, params.norm.dtype)
         counts = mx.zeros((B, self.config.vocab_size), mx.int32) if self.gen.mode.penalties else None
         steps0 = mx.zeros((B,), mx.int32)
         out = self.steps.first(params, h, self.gen.settings, steps0, counts)
         if counts is not None:
             counts = sampling.update_counts(counts, out.tokens)
-        state = DecodeState(cache, out.tokens, positions[:, -1] + 1, steps0 + 1, counts)
+        positions = mx.array([len(p) for p in self.prompts], dtype=mx.int32)
+        state = DecodeState(cache, out.tokens, positions, steps0 + 1, counts)
         return out, state
 
     def _grow(self, state: DecodeState, written: int) -> DecodeState:
@@ -284,17 +237,72 @@ def make_config(n: int, *, max_tokens=256, temperature=0.0, top_p=1.0, min_p=0.0
                             tuple(sampling.seeds(settings)), ignore_eos)
 
 
-def stream_generate(model: Model, prompts, *, chat: bool = False, **options) -> Iterator[Event]:
-    """Like `generate`, yielding an `Event` per generated token of each row as it is produced."""
-    batch = _batch(model, prompts, chat, options)
-    yield from batch.events()
+def _row_settings(settings: sampling.Settings, i: int) -> sampling.Settings:
+    return sampling.Settings(*(f[i:i + 1] for f in settings))
 
 
-def _batch(model: Model, prompts, chat: bool, options: dict) -> Batch:
+class EngineJob:
+    """`generate` over more prompts than rows: an Engine of `rows` rows, results in prompt order."""
+
+    def __init__(self, model: Model, prompts: list[list[int]], gen: GenerationConfig, rows: int):
+        from mlxfun.engine import Engine
+
+        self.gen = gen
+        self.engine = Engine(model, rows, prefill_step=gen.prefill_step, ignore_eos=gen.ignore_eos)
+        self.ids = [self.engine.add(p, max_tokens=m, stop=s, settings=_row_settings(gen.settings, i),
+                                    top_logprobs=gen.mode.top_logprobs)
+                    for i, (p, m, s) in enumerate(zip(prompts, gen.max_tokens, gen.stop))]
+
+    def events(self) -> Iterator[Event]:
+        index = {rid: i for i, rid in enumerate(self.ids)}
+        for e in self.engine.events():
+            yield e._replace(index=index[e.index])
+
+    def result(self) -> GenerationResult:
+        reqs = [self.engine.requests[i] for i in self.ids]
+        ids = [r.text.tokens if r.text.tokens_at_stop is None else r.text.tokens[: r.text.tokens_at_stop]
+               for r in reqs]
+        want_lp = self.gen.mode.top_logprobs >= 0
+        return GenerationResult(
+            texts=[r.text.final_text for r in reqs],
+            token_ids=ids,
+            finish_reasons=[r.finish_reason for r in reqs],
+            stats=self.engine.stats,
+            seeds=list(self.gen.seeds),
+            logprobs=[r.logprobs[: len(i)] for r, i in zip(reqs, ids)] if want_lp else None,
+            top_logprobs=[r.top[: len(i)] for r, i in zip(reqs, ids)] if self.gen.mode.top_logprobs > 0 else None,
+        )
+
+
+def start(model: Model, prompts, gen_options: dict, *, chat: bool = False, batch_size: int | None = None):
+    """A job (`.events()`, then `.result()`) for prompts: one static batch, or an Engine of
+    `batch_size` rows when there are more prompts than that."""
     ids = encode_prompts(model, prompts, chat)
-    gen = make_config(len(ids), **options)
+    gen = make_config(len(ids), **gen_options)
     check_context(model, ids, gen.max_kv_size)
+    if batch_size is not None and batch_size < 1:
+        raise InputError(f"batch_size must be positive, got {batch_size}")
+    if batch_size is not None and batch_size < len(ids):
+        if gen.max_kv_size is not None:
+            raise InputError("max_kv_size is not supported together with batch_size (continuous batching)")
+        return EngineJob(model, ids, gen, batch_size)
     return Batch(model, ids, gen)
+
+
+def stream_generate(model: Model, prompts: Prompt | list[Prompt], *, max_tokens: int | list[int] = 256,
+                    temperature: float | list[float] = 0.0, top_p: float | list[float] = 1.0,
+                    min_p: float | list[float] = 0.0, top_k: int | list[int] = 0,
+                    repetition_penalty: float | list[float] = 1.0, presence_penalty: float | list[float] = 0.0,
+                    frequency_penalty: float | list[float] = 0.0, seed: int | list[int] | None = None,
+                    stop: str | list[str] | list[list[str]] | None = None, chat: bool = False,
+                    logprobs: int | None = None, prefill_step: int = 512, max_kv_size: int | None = None,
+                    ignore_eos: bool = False, batch_size: int | None = None) -> Iterator[Event]:
+    """Like `generate`, yielding an `Event` per generated token of each prompt as it is produced."""
+    options = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
+                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                   frequency_penalty=frequency_penalty, seed=seed, stop=stop, logprobs=logprobs,
+                   prefill_step=prefill_step, max_kv_size=max_kv_size, ignore_eos=ignore_eos)
+    yield from start(model, prompts, options, chat=chat, batch_size=batch_size).events()
 
 
 def generate(model: Model, prompts: Prompt | list[Prompt], *, max_tokens: int | list[int] = 256,
@@ -303,18 +311,24 @@ def generate(model: Model, prompts: Prompt | list[Prompt], *, max_tokens: int | 
              repetition_penalty: float | list[float] = 1.0, presence_penalty: float | list[float] = 0.0,
              frequency_penalty: float | list[float] = 0.0, seed: int | list[int] | None = None,
              stop: str | list[str] | list[list[str]] | None = None, chat: bool = False,
-             logprobs: int | None = None, prefill_step: int = 512,
-             max_kv_size: int | None = None, ignore_eos: bool = False) -> GenerationResult:
-    """Generate for one prompt or many, batched; each row's output equals its output alone.
+             logprobs: int | None = None, prefill_step: int = 512, max_kv_size: int | None = None,
+             ignore_eos: bool = False, batch_size: int | None = None,
+             on_event: Callable[[Event], None] | None = None) -> GenerationResult:
+    """Generate for one prompt or many, batched; each prompt's output equals its output alone.
 
-    Per-row options take one value for all prompts or a list with one value per prompt.
-    `logprobs`: None for none, 0 for the chosen tokens' log-probabilities, n for the n most likely too.
+    `prompts`: a str, a list of str, token-id lists, or (chat) message lists. Per-row options take
+    one value for all prompts or a list with one value per prompt. `logprobs`: None for none, 0
+    for the chosen tokens' log-probabilities, n for the n most likely too. `batch_size`: decode at
+    most this many rows at once, refilling rows as prompts finish. `max_kv_size`: bound the cache
+    to a ring of that many tokens (each query then sees at most that many). `on_event`: called
+    with each Event (e.g. for a progress bar).
     """
-    batch = _batch(model, prompts, chat, dict(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
-        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, seed=seed, stop=stop, logprobs=logprobs,
-        prefill_step=prefill_step, max_kv_size=max_kv_size, ignore_eos=ignore_eos))
-    for _ in batch.events():
-        pass
-    return batch.result()
+    options = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
+                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                   frequency_penalty=frequency_penalty, seed=seed, stop=stop, logprobs=logprobs,
+                   prefill_step=prefill_step, max_kv_size=max_kv_size, ignore_eos=ignore_eos)
+    job = start(model, prompts, options, chat=chat, batch_size=batch_size)
+    for event in job.events():
+        if on_event is not None:
+            on_event(event)
+    return job.result()

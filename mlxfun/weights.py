@@ -202,6 +202,9 @@ def cast(config: ModelConfig, params: Params, dtype: mx.Dtype | None) -> Params:
     norms and biases with the activation dtype."""
     if dtype is not None:
         def dense(p: Linear, in_features: int) -> Linear:
+            if isinstance(p, Quantized):
+                # Dequantize in float32: in the scales' own float16 every weight would be rounded.
+                p = p._replace(scales=p.scales.astype(mx.float32), biases=p.biases.astype(mx.float32))
             w = dequantize(p, in_features) if isinstance(p, Quantized) else p.weight
             return Dense(w.astype(dtype), None if p.bias is None else p.bias.astype(dtype))
 

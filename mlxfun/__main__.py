@@ -1,0 +1,5 @@
+import sys
+
+from mlxfun.cli import main
+
+sys.exit(main())

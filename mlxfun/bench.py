@@ -1,0 +1,377 @@
+"""`python -m mlxfun.bench`: generation throughput by batch size, beside mlx-lm when it is installed.
+
+Each configuration (weights, batch size) is warmed up once (compiling its steps), then timed with
+fixed prompt and generation lengths and EOS ignored. `--shape` builds random-weight Llama shapes in
+memory, so large models can be measured without downloads. mlx-lm is never a dependency: with
+`--mlx-lm` and mlx-lm importable, the same weights are saved with `mlxfun.save`, loaded with
+`mlx_lm.load` and run through `mlx_lm.batch_generate` in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlxfun import strategy as strat
+from mlxfun import weights
+from mlxfun.config import ModelConfig, RopeScaling
+from mlxfun.generate import Batch, make_config
+from mlxfun.llama import Params
+from mlxfun.load import Model, load, save
+from mlxfun.tokenizer import Tokenizer
+
+LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+SHAPES = {
+    "135M": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                        num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192),
+    "1B": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                      num_kv_heads=8, head_dim=64, rope_theta=500000.0, max_position_embeddings=131072,
+                      rope_scaling=RopeScaling("llama3", 32.0, **LLAMA3_ROPE)),
+    "8B": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=131072,
+                      rope_scaling=RopeScaling("llama3", 8.0, **LLAMA3_ROPE), tie_word_embeddings=False),
+}
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+QUANT = {"q4": 4, "q8": 8}
+
+
+@dataclass
+class Row:
+    weights: str
+    batch: int
+    prompt_tps: float
+    gen_tps: float
+    peak_gb: float
+    setup_s: float = 0.0  # Batch construction: the dense copy of quantized weights, when the strategy makes one
+    dense_copy: bool = False
+    mlx_lm_prompt_tps: float | None = None
+    mlx_lm_gen_tps: float | None = None
+    mlx_lm_peak_gb: float | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        return self.gen_tps / self.mlx_lm_gen_tps if self.mlx_lm_gen_tps else None
+
+
+def on_gpu() -> bool:
+    return mx.default_device() != mx.cpu
+
+
+def word_tokenizer(vocab_size: int) -> Tokenizer:
+    """A word-level tokenizer covering every id ("t0 t1 ..."), for random-weight shapes."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, **{f"t{i}": i for i in range(1, vocab_size)}}
+    backend = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(backend, eos_token_ids={0}, bos_token_id=None, add_bos=False, chat_template=None)
+
+
+def random_params(config: ModelConfig, dtype: mx.Dtype, seed: int = 0) -> Params:
+    """Random weights with Hugging Face names through `weights.build_params`, evaluated layer by layer."""
+    mx.random.seed(seed)
+    E, I, D, H, K = (config.hidden_size, config.intermediate_size, config.head_dim, config.num_heads,
+                     config.num_kv_heads)
+
+    def mat(rows, cols):
+        return (mx.random.normal((rows, cols)) * cols**-0.5).astype(dtype)
+
+    def norm(size):
+        return mx.ones((size,), dtype)
+
+    tensors = {"model.embed_tokens.weight": mat(config.vocab_size, E), "model.norm.weight": norm(E)}
+    if not config.tie_word_embeddings:
+        tensors["lm_head.weight"] = mat(config.vocab_size, E)
+    mx.eval(tensors)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}"
+        layer = {f"{p}.input_layernorm.weight": norm(E), f"{p}.post_attention_layernorm.weight": norm(E),
+                 f"{p}.self_attn.q_proj.weight": mat(H * D, E), f"{p}.self_attn.k_proj.weight": mat(K * D, E),
+                 f"{p}.self_attn.v_proj.weight": mat(K * D, E), f"{p}.self_attn.o_proj.weight": mat(E, H * D),
+                 f"{p}.mlp.gate_proj.weight": mat(I, E), f"{p}.mlp.up_proj.weight": mat(I, E),
+                 f"{p}.mlp.down_proj.weight": mat(E, I)}
+        mx.eval(layer)
+        tensors.update(layer)
+    params = weights.build_params(config, tensors)
+    del tensors
+    for layer in params.layers:  # fuse (qkv, gate_up) one layer at a time, freeing the parts
+        mx.eval(layer)
+    mx.eval(params)
+    return params
+
+
+def variants(args) -> list[tuple[str, callable]]:
+    """(name, builder of the Model) per requested weights variant; built one at a time to bound memory."""
+    out = []
+    for name in args.dtypes:
+        if args.shape is None:
+            def build(name=name):
+                model = load(args.model)
+                if name in QUANT:  # the checkpoint's own quantized weights (Q4_1 for the default model)
+                    return model
+                return Model(model.config, weights.cast(model.config, model.params, DTYPES[name]),
+                             model.tokenizer, model.source)
+        else:
+            def build(name=name):
+                config = SHAPES[args.shape]
+                params = random_params(config, DTYPES[args.base_dtype])
+                if name in QUANT:
+                    params = weights.quantize(config, params, bits=QUANT[name], group_size=64)
+                    mx.eval(params)
+                elif DTYPES[name] != DTYPES[args.base_dtype]:
+                    params = weights.cast(config, params, DTYPES[name])
+                return Model(config, params, word_tokenizer(config.vocab_size), f"random {args.shape}")
+        out.append((name, build))
+    return out
+
+
+def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed + batch)
+    return rng.integers(1, vocab_size, size=(batch, length)).tolist()
+
+
+def run_batch(model: Model, prompts: list[list[int]], max_tokens: int, strategy: strat.WeightStrategy | None):
+    t0 = time.perf_counter()
+    batch = Batch(model, prompts, make_config(len(prompts), max_tokens=max_tokens, ignore_eos=True),
+                  strategy=strategy)
+    setup = time.perf_counter() - t0
+    for _ in batch.events():
+        pass
+    dense = batch.model.params is not model.params
+    return batch.stats, setup, dense
+
+
+def bench_ours(model: Model, name: str, args, strategy) -> list[Row]:
+    rows = []
+    for B in args.batch_sizes:
+        prompts = random_prompts(model.config.vocab_size, B, args.prompt_tokens)
+        run_batch(model, prompts, args.warmup_tokens, strategy)  # compile for this batch size
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        stats, setup, dense = run_batch(model, prompts, args.gen_tokens, strategy)
+        rows.append(Row(name, B, stats.prompt_tps, stats.generation_tps, stats.peak_memory_gb, setup, dense))
+        print(f"  mlxfun {name:9s} batch {B:4d}: gen {stats.generation_tps:9.1f} tok/s", flush=True)
+    return rows
+
+
+def mlx_lm_available() -> bool:
+    try:
+        import mlx_lm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def bench_mlx_lm(folder: Path, name: str, rows: list[Row], args) -> None:
+    """mlx-lm's batch_generate on the same prompts, filling in each row's mlx-lm columns."""
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(folder))
+    tokenizer.eos_token_ids = set()  # ignore EOS, as mlxfun's runs do
+    for row in rows:
+        prompts = random_prompts(tokenizer.vocab_size if args.shape is None else SHAPES[args.shape].vocab_size,
+                                 row.batch, args.prompt_tokens)
+        # Every row in one batch: mlx-lm's defaults would decode at most 32 and prefill 8 at a time.
+        options = dict(completion_batch_size=row.batch, prefill_batch_size=row.batch)
+        mlx_lm.batch_generate(model, tokenizer, prompts, max_tokens=args.warmup_tokens, **options)
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        stats = mlx_lm.batch_generate(model, tokenizer, prompts, max_tokens=args.gen_tokens, **options).stats
+        row.mlx_lm_prompt_tps = stats.prompt_tokens / stats.prompt_time if stats.prompt_time else 0.0
+        row.mlx_lm_gen_tps = stats.generation_tps
+        row.mlx_lm_peak_gb = mx.get_peak_memory() / 1e9
+        print(f"  mlx-lm {name:9s} batch {row.batch:4d}: gen {row.mlx_lm_gen_tps:9.1f} tok/s "
+              f"(ratio {row.ratio:.2f})", flush=True)
+
+
+def matmul_bench(sizes: list[tuple[int, int]], rows: list[int], dtype: mx.Dtype, bits: int = 4,
+                 group_size: int = 64, repeats: int = 10) -> list[dict]:
+    """Per (out, in) weight and M rows: ms of a quantized matmul, dequantize-then-matmul, and dense."""
+
+    def timed(fn) -> float:
+        mx.eval(fn())
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            mx.eval(fn())
+            ts.append(time.perf_counter() - t)
+        return 1e3 * sorted(ts)[len(ts) // 2]
+
+    out = []
+    for n_out, n_in in sizes:
+        w = (mx.random.normal((n_out, n_in)) * n_in**-0.5).astype(dtype)
+        q = mx.quantize(w, group_size=group_size, bits=bits)
+        mx.eval(w, q)
+        for M in rows:
+            x = mx.random.normal((M, n_in)).astype(dtype)
+            mx.eval(x)
+            qmm = timed(lambda: mx.quantized_matmul(x, *q, transpose=True, group_size=group_size, bits=bits))
+            deq = timed(lambda: x @ mx.dequantize(*q, group_size=group_size, bits=bits).T)
+            dense = timed(lambda: x @ w.T)
+            out.append(dict(weight=f"{n_out}x{n_in}", M=M, dtype=str(dtype), quantized_ms=qmm,
+                            dequantize_matmul_ms=deq, dense_ms=dense))
+            print(f"  matmul {n_out}x{n_in} M={M:4d}: q{bits} {qmm:8.3f} ms  dequantize+matmul {deq:8.3f} ms  "
+                  f"dense {dense:8.3f} ms", flush=True)
+    return out
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "mlx": mx.__version__, "device": str(mx.default_device())}
+    try:
+        import os
+
+        info["cpus"] = os.cpu_count()
+    except Exception:
+        pass
+    if on_gpu():
+        info["device_info"] = {k: (v if isinstance(v, (int, float, str)) else str(v))
+                               for k, v in mx.device_info().items()}
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            info["gpu"] = smi.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    if mlx_lm_available():
+        import mlx_lm
+
+        info["mlx_lm"] = getattr(mlx_lm, "__version__", "?")
+    return info
+
+
+def table(rows: list[Row]) -> str:
+    side = any(r.mlx_lm_gen_tps is not None for r in rows)
+    head = f"{'weights':10s} {'batch':>5s} {'prompt tok/s':>12s} {'gen tok/s':>10s} {'ms/step':>8s} {'peak GB':>8s}"
+    if side:
+        head += f" {'mlx-lm gen':>10s} {'ratio':>6s}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ms = 1e3 * r.batch / r.gen_tps if r.gen_tps else float("nan")
+        name = r.weights + ("*" if r.dense_copy else "")
+        line = f"{name:10s} {r.batch:5d} {r.prompt_tps:12.1f} {r.gen_tps:10.1f} {ms:8.2f} {r.peak_gb:8.3f}"
+        if side:
+            line += (f" {r.mlx_lm_gen_tps:10.1f} {r.ratio:6.2f}" if r.mlx_lm_gen_tps else f" {'-':>10s} {'-':>6s}")
+        lines.append(line)
+    if any(r.dense_copy for r in rows):
+        lines.append("* quantized weights run as a dense copy at this batch size (mlxfun.strategy)")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r.weights for r in rows):
+        sel = [r for r in rows if r.weights == name]
+        line, = ax.plot([r.batch for r in sel], [r.gen_tps for r in sel], "o-", label=f"mlxfun {name}")
+        if any(r.mlx_lm_gen_tps for r in sel):
+            ax.plot([r.batch for r in sel if r.mlx_lm_gen_tps], [r.mlx_lm_gen_tps for r in sel if r.mlx_lm_gen_tps],
+                    "s--", color=line.get_color(), label=f"mlx-lm {name}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def parse_args(argv):
+    gpu = on_gpu()
+    p = argparse.ArgumentParser(prog="mlxfun bench", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="GGUF file, Hugging Face folder or repo id (default: SmolLM2-135M)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random-weight Llama shape instead of --model")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128" if gpu else "1,2,4,8",
+                   help="comma-separated (default: 1..128 on a GPU, 1,2,4,8 on the CPU)")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--gen-tokens", type=int, default=128 if gpu else 32, help="default: 128 on a GPU, 32 on the CPU")
+    p.add_argument("--warmup-tokens", type=int, default=4, help="tokens of the untimed run that compiles each config")
+    p.add_argument("--dtypes", default=None,
+                   help="weights variants among float32, bfloat16, float16, q4, q8 "
+                        "(default: bfloat16,q4 on a GPU, float32,q4 on the CPU)")
+    p.add_argument("--base-dtype", default=None, help="dtype of random weights before quantizing "
+                                                      "(default: bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--strategy", choices=("auto", "quantized", "dense"), default="auto",
+                   help="quantized weights at large batch: the backend's default, always the quantized kernel, "
+                        "or always a dense copy")
+    p.add_argument("--mlx-lm", action="store_true", help="run mlx-lm's batch_generate side by side when importable")
+    p.add_argument("--matmul", action="store_true", help="also time 4-bit vs dequantize+matmul vs dense matmuls")
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--plot", default=None, help="write a PNG of generation tokens/s against batch size here")
+    args = p.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.dtypes = (args.dtypes or ("bfloat16,q4" if gpu else "float32,q4")).split(",")
+    args.base_dtype = args.base_dtype or ("bfloat16" if gpu else "float32")
+    for d in args.dtypes:
+        if d not in DTYPES and d not in QUANT:
+            p.error(f"unknown dtype {d!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    strategy = {"auto": None, "quantized": strat.QUANTIZED, "dense": strat.WeightStrategy(dense_from=1)}[args.strategy]
+    side = args.mlx_lm and mlx_lm_available()
+    if args.mlx_lm and not side:
+        print("mlx-lm is not importable: running mlxfun alone")
+    info = machine()
+    print(json.dumps(info))
+    result = {"machine": info, "args": {k: v for k, v in vars(args).items()}, "rows": [], "matmul": []}
+    if args.matmul:
+        sizes = [(1536, 576)] + ([(14336, 4096)] if on_gpu() else [])
+        result["matmul"] = matmul_bench(sizes, [1, 8, 32, 128], DTYPES[args.base_dtype])
+    rows: list[Row] = []
+    for name, build in variants(args):
+        t = time.perf_counter()
+        model = build()
+        print(f"{name}: built in {time.perf_counter() - t:.1f} s", flush=True)
+        these = bench_ours(model, name, args, strategy)
+        rows += these
+        if side:
+            with tempfile.TemporaryDirectory(prefix="mlxfun-bench-") as tmp:
+                save(model, tmp)
+                model = None
+                gc.collect()
+                mx.clear_cache()
+                bench_mlx_lm(Path(tmp), name, these, args)
+        model = None
+        gc.collect()
+        mx.clear_cache()
+    print()
+    print(table(rows))
+    result["rows"] = [asdict(r) | {"ratio": r.ratio} for r in rows]
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"results written to {args.json}")
+    if args.plot:
+        plot(rows, args.plot, f"{args.shape or Path(args.model or 'SmolLM2-135M').name} on {info['device']}, "
+                              f"prompt {args.prompt_tokens}, generate {args.gen_tokens}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Chunked prefill of many prompts into one cache, grouped by length so padding costs little.
+
+Every prompt ends at the same cache cursor `end` (its last token in slot (end - 1) % capacity),
+so after prefill all rows decode in lockstep. Rows of similar length are prefilled together,
+each group left-padded only to its own longest prompt.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxfun import cache as kv
+from mlxfun.cache import KVCache
+from mlxfun.config import ModelConfig
+from mlxfun.llama import Params
+from mlxfun.step import Steps
+
+# A group may hold this much more padded work than real tokens before a new group starts.
+MAX_PADDING_RATIO = 1.3
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[mx.array, mx.array]:
+    """-> tokens (B, L) and positions (B, L): 0 at each row's first real token, negative on padding."""
+    L = max(len(p) for p in prompts)
+    tokens = [[0] * (L - len(p)) + p for p in prompts]
+    positions = [list(range(len(p) - L, len(p))) for p in prompts]
+    return mx.array(tokens, dtype=mx.int32), mx.array(positions, dtype=mx.int32)
+
+
+def plan_groups(lengths: list[int]) -> list[list[int]]:
+    """Row indices grouped longest first, each group's padded size within MAX_PADDING_RATIO of its tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        g = groups[-1] if groups else None
+        if g is not None and (len(g) + 1) * lengths[g[0]] <= MAX_PADDING_RATIO * (sum(lengths[j] for j in g) + lengths[i]):
+            g.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def prefill_group(config: ModelConfig, steps: Steps, params: Params, prompts: list[list[int]], end: int,
+                  capacity: int, chunk: int, dtype: mx.Dtype) -> tuple[mx.array, KVCache]:
+    """Prompts into a fresh cache of `capacity` slots ending at cursor `end`.
+    -> (last hidden state per row (g, E), cache). A chunk never crosses the ring's end."""
+    tokens, positions = left_pad(prompts)
+    G, L = tokens.shape
+    cache = kv.empty(config, G, capacity, dtype)._replace(cursor=mx.array(end - L, mx.int32))
+    start, h = 0, None
+    while start < L:
+        cursor = end - L + start
+        size = min(chunk, L - start, capacity - cursor % capacity)
+        h, cache = steps.prefill(params, tokens[:, start:start + size], positions[:, start:start + size], cache)
+        mx.eval(h, cache)
+        start += size
+    return h, cache
+
+
+def concat_rows(caches: list[KVCache]) -> KVCache:
+    """Caches with the same capacity and cursor, stacked along the batch axis."""
+    if len(caches) == 1:
+        return caches[0]
+    return KVCache(
+        keys=tuple(mx.concatenate(ks) for ks in zip(*(c.keys for c in caches))),
+        values=tuple(mx.concatenate(vs) for vs in zip(*(c.values for c in caches))),
+        positions=mx.concatenate([c.positions for c in caches]),
+        cursor=caches[0].cursor,
+    )
+
+
+def take_rows(cache: KVCache, rows: mx.array) -> KVCache:
+    """The cache's rows in the order `rows` (B,) gives."""
+    return KVCache(tuple(k[rows] for k in cache.keys), tuple(v[rows] for v in cache.values),
+                   cache.positions[rows], cache.cursor)
+
+
+def prefill(config: ModelConfig, steps: Steps, params: Params, prompts: list[list[int]], capacity: int,
+            chunk: int, dtype: mx.Dtype) -> tuple[mx.array, KVCache]:
+    """All prompts into one cache whose cursor ends at the longest prompt's length.
+    -> (last hidden state per row (B, E), cache), rows in the prompts' order."""
+    end = max(len(p) for p in prompts)
+    groups = plan_groups([len(p) for p in prompts])
+    parts = [prefill_group(config, steps, params, [prompts[i] for i in g], end, capacity, chunk, dtype)
+             for g in groups]
+    order = [i for g in groups for i in g]
+    h = mx.concatenate([p[0] for p in parts])
+    cache = concat_rows([p[1] for p in parts])
+    if order != list(range(len(prompts))):
+        inverse = mx.array(sorted(range(len(order)), key=lambda k: order[k]), dtype=mx.int32)
+        h, cache = h[inverse], take_rows(cache, inverse)
+    return h, cache

@@ -1,0 +1,255 @@
+"""Batched sampling over (B, V) logits, every row with its own settings and seed.
+
+All settings are (B,) arrays, so a compiled step that calls `sample` is traced once whatever
+their values. One call applies, in this order:
+
+1. penalties, over the row's *generated* tokens only (`counts`, prompt excluded, as OpenAI's
+   presence / frequency penalties): repetition divides a seen token's positive logit by
+   `repetition_penalty` and multiplies a negative one; presence subtracts `presence_penalty`
+   once if seen; frequency subtracts `frequency_penalty * count`;
+2. temperature: a row with temperature 0 is greedy (argmax of the penalised logits), whatever
+   its other settings; the other rows divide their logits by it;
+3. top-k: keep every token whose logit is >= the k-th largest (ties at the boundary kept);
+4. top-p, on the distribution renormalised after top-k: keep the smallest prefix of the sorted
+   distribution whose mass reaches top_p (cumulative >= top_p), and every token tied with its
+   smallest probability;
+5. min-p: keep p >= min_p * p_max (in log space: logit >= max logit + log(min_p)); the ratio
+   to the max is the same before or after renormalisation;
+6. Gumbel-max: the argmax of the kept logits plus Gumbel noise, an exact categorical sample.
+
+Each filter is a threshold on the temperature-scaled logit, so the kept set is
+`logit >= max(thresholds)`. The noise is a counter-based hash of (seed, step, token id), no
+global random state: a row's tokens depend on its logits, settings, seed and step only, never
+on its neighbours, its place in the batch or the batch size.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import secrets
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from mlxfun.errors import InputError
+
+
+class Settings(NamedTuple):
+    """Per-row sampling settings, each (B,). Build with `make_settings`, which validates."""
+
+    temperature: mx.array  # (B,) float32, 0 = greedy
+    top_p: mx.array  # (B,) float32 in (0, 1], 1 = off
+    top_k: mx.array  # (B,) int32, 0 = off
+    min_p: mx.array  # (B,) float32 in [0, 1], 0 = off
+    repetition_penalty: mx.array  # (B,) float32 > 0, 1 = off
+    presence_penalty: mx.array  # (B,) float32, 0 = off
+    frequency_penalty: mx.array  # (B,) float32, 0 = off
+    seed: mx.array  # (B,) uint32
+
+
+# ---- settings, on the host ----
+
+
+def _per_row(name: str, value, batch: int) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != batch:
+            raise InputError(f"{name} has {len(value)} values for {batch} prompts")
+        return list(value)
+    return [value] * batch
+
+
+def _check(name: str, values: list, ok, expected: str, integer: bool = False) -> list:
+    for v in values:
+        if not _number(v, integer) or not ok(v):
+            raise InputError(f"{name} must be {expected}, got {v!r}")
+    return values
+
+
+def _number(v, integer: bool) -> bool:
+    """A real number (an integer if asked), finite, and not a bool."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral if integer else numbers.Real):
+        return False
+    try:
+        return integer or math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def make_settings(batch: int, *, temperature=0.0, top_p=1.0, min_p=0.0, top_k=0, repetition_penalty=1.0,
+                  presence_penalty=0.0, frequency_penalty=0.0, seed=None) -> Settings:
+    """Settings for `batch` rows. Each argument is one value for every row or a list with one
+    value per row. `seed`: an int gives every row that seed (so a prompt samples the same
+    alone or in any batch); a list gives one per row; None draws a fresh seed per row, readable
+    from `seeds(settings)` so the run can be repeated."""
+    if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+        raise InputError(f"batch must be a positive integer, got {batch!r}")
+
+    def floats(name, value, ok, expected):
+        return mx.array(_check(name, _per_row(name, value, batch), ok, expected), mx.float32)
+
+    if seed is None:
+        seed = [secrets.randbits(32) for _ in range(batch)]
+    seeds_ = _check("seed", _per_row("seed", seed, batch), lambda v: 0 <= v < 2**32,
+                    "an integer in [0, 2**32)", integer=True)
+    top_k_ = _check("top_k", _per_row("top_k", top_k, batch), lambda v: v >= 0,
+                    "a non-negative integer (0 = off)", integer=True)
+    return Settings(
+        temperature=floats("temperature", temperature, lambda v: v >= 0, "a non-negative number"),
+        top_p=floats("top_p", top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+        top_k=mx.array([min(int(k), 2**31 - 1) for k in top_k_], mx.int32),
+        min_p=floats("min_p", min_p, lambda v: 0 <= v <= 1, "in [0, 1]"),
+        repetition_penalty=floats("repetition_penalty", repetition_penalty, lambda v: v > 0,
+                                  "a positive number (1 = off)"),
+        presence_penalty=floats("presence_penalty", presence_penalty, lambda v: True, "a finite number"),
+        frequency_penalty=floats("frequency_penalty", frequency_penalty, lambda v: True, "a finite number"),
+        seed=mx.array([int(s) for s in seeds_], mx.uint32),
+    )
+
+
+def seeds(settings: Settings) -> list[int]:
+    """The per-row seeds, to report with a result."""
+    return [int(s) for s in np.array(settings.seed)]
+
+
+def needs_counts(settings: Settings) -> bool:
+    """Host-side, once per generation: whether any row has a penalty, so needs `counts`."""
+    return bool(np.any(np.array(settings.repetition_penalty) != 1)
+                or np.any(np.array(settings.presence_penalty) != 0)
+                or np.any(np.array(settings.frequency_penalty) != 0))
+
+
+def needs_sort(settings: Settings) -> bool:
+    """Host-side, once per generation: whether any sampled row uses top-k or top-p (the sort)."""
+    sampled = np.array(settings.temperature) > 0
+    return bool(np.any(sampled & ((np.array(settings.top_k) > 0) | (np.array(settings.top_p) < 1))))
+
+
+def all_greedy(settings: Settings) -> bool:
+    """Host-side, once per generation: every row greedy and unpenalised, so `greedy(logits)`
+    gives the same tokens as `sample` and the fast path may be used."""
+    return bool(np.all(np.array(settings.temperature) == 0)) and not needs_counts(settings)
+
+
+# ---- counter-based random numbers ----
+
+
+def _mix(x: mx.array) -> mx.array:
+    """lowbias32 (Chris Wellons): a bijective uint32 mixer with good avalanche; multiplies wrap."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+def uniform(seed: mx.array, step: mx.array, vocab: int) -> mx.array:
+    """seed (B,) uint32, step (B,) -> (B, V) float32 in (0, 1), a function of
+    (seed[b], step[b], token id) alone. 23 random bits, centred: (m + 0.5) / 2**23."""
+    key = _mix(_mix(seed.astype(mx.uint32)) ^ step.astype(mx.uint32))  # (B,)
+    token = _mix(mx.arange(vocab, dtype=mx.uint32) * 0x9E3779B9)  # (V,)
+    bits = _mix(_mix(key[:, None] ^ token[None, :]))  # (B, V)
+    return ((bits >> 9).astype(mx.float32) + 0.5) * (1.0 / 2**23)  # (B, V)
+
+
+def gumbel(seed: mx.array, step: mx.array, vocab: int) -> mx.array:
+    """(B, V) standard Gumbel noise, -log(-log(u))."""
+    return -mx.log(-mx.log(uniform(seed, step, vocab)))
+
+
+# ---- the sampling step: pure array ops over (B, V) ----
+
+
+def penalize(logits: mx.array, settings: Settings, counts: mx.array) -> mx.array:
+    """logits (B, V), counts (B, V) int32 of each token in the row's generated history -> (B, V)."""
+    seen = counts > 0  # (B, V)
+    rep = settings.repetition_penalty[:, None]  # (B, 1)
+    x = mx.where(seen, mx.where(logits > 0, logits / rep, logits * rep), logits)  # (B, V)
+    x = x - settings.presence_penalty[:, None] * seen.astype(mx.float32)  # (B, V)
+    return x - settings.frequency_penalty[:, None] * counts.astype(mx.float32)  # (B, V)
+
+
+def _scale(logits: mx.array, temperature: mx.array) -> mx.array:
+    """(B, V) logits / temperature; rows with temperature 0 are left as they are. Temperatures
+    below 1e-6 act as 1e-6 (already greedy in effect), so no logit overflows to inf."""
+    t = mx.where(temperature > 0, mx.maximum(temperature, 1e-6), 1.0)  # (B,)
+    return logits / t[:, None]  # (B, V)
+
+
+def _threshold(x: mx.array, settings: Settings, sort: bool) -> mx.array:
+    """x (B, V) scaled logits -> (B, 1): the smallest logit kept by top-k, top-p and min-p."""
+    top = mx.max(x, axis=-1, keepdims=True)  # (B, 1)
+    by_min_p = top + mx.log(settings.min_p[:, None])  # (B, 1), -inf when min_p = 0
+    if not sort:
+        return by_min_p
+    vocab = x.shape[-1]
+    desc = -mx.sort(-x, axis=-1)  # (B, V) descending, the one sort
+    k = mx.clip(settings.top_k, 1, vocab) - 1  # (B,)
+    kth = mx.take_along_axis(desc, k[:, None], axis=-1)  # (B, 1)
+    by_k = mx.where(settings.top_k[:, None] > 0, kth, -mx.inf)  # (B, 1)
+
+    probs = mx.softmax(mx.where(desc >= by_k, desc, -mx.inf), axis=-1)  # (B, V) renormalised after top-k
+    before = mx.cumsum(probs, axis=-1, inclusive=False)  # (B, V) mass strictly before each
+    n = mx.sum(before < settings.top_p[:, None], axis=-1)  # (B,) >= 1: prefix reaching top_p
+    last = mx.take_along_axis(desc, (n - 1)[:, None].astype(mx.int32), axis=-1)  # (B, 1)
+    # A prefix running into the top-k cut gives -inf; the max below keeps top-k's threshold.
+    by_p = mx.where(settings.top_p[:, None] < 1, last, -mx.inf)  # (B, 1)
+    return mx.maximum(mx.maximum(by_k, by_p), by_min_p)  # (B, 1)
+
+
+def filter_logits(logits: mx.array, settings: Settings, *, sort: bool = True) -> mx.array:
+    """(B, V) temperature-scaled logits, -inf outside the kept support (steps 2-5; no penalties).
+    Rows with temperature 0 are filtered unscaled; `sample` takes their argmax instead.
+    `sort=False` skips top-k and top-p (the sort): only for settings where `needs_sort` is False."""
+    x = _scale(logits, settings.temperature)  # (B, V)
+    return mx.where(x >= _threshold(x, settings, sort), x, -mx.inf)  # (B, V)
+
+
+def greedy(logits: mx.array) -> mx.array:
+    """(B, V) -> (B,) int32: the most likely token (the first, in a tie)."""
+    return mx.argmax(logits, axis=-1).astype(mx.int32)
+
+
+def sample(logits: mx.array, settings: Settings, step: mx.array, counts: mx.array | None = None, *,
+           sort: bool = True) -> mx.array:
+    """logits (B, V), step (B,) int32 (the row's own token counter, so its noise is fresh each
+    step), counts (B, V) int32 or None for no penalties -> tokens (B,) int32.
+
+    `counts` and `sort` are static choices, made once per generation with `needs_counts` and
+    `needs_sort`: leaving out what no row uses saves a (B, V) pass, or the sort (most of the cost)."""
+    x = logits.astype(mx.float32)  # (B, V)
+    if counts is not None:
+        x = penalize(x, settings, counts)  # (B, V)
+    noisy = filter_logits(x, settings, sort=sort) + gumbel(settings.seed, step, x.shape[-1])  # (B, V)
+    return mx.where(settings.temperature > 0, greedy(noisy), greedy(x))  # (B,)
+
+
+def update_counts(counts: mx.array, tokens: mx.array) -> mx.array:
+    """counts (B, V) int32 plus one for each row's new token, tokens (B,)."""
+    hit = mx.arange(counts.shape[-1], dtype=mx.int32)[None, :] == tokens[:, None]  # (B, V)
+    return counts + hit.astype(counts.dtype)  # (B, V)
+
+
+# ---- log-probabilities, of the raw model distribution (before penalties and temperature) ----
+
+
+def logprobs(logits: mx.array) -> mx.array:
+    """(B, V) -> (B, V) float32 log-softmax of the model's logits, before penalties, temperature
+    and filters: the model's own distribution, as research and RL use needs."""
+    x = logits.astype(mx.float32)  # (B, V)
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)  # (B, V)
+
+
+def top_logprobs(logp: mx.array, n: int) -> tuple[mx.array, mx.array]:
+    """logp (B, V) -> ids (B, n) int32 and values (B, n), most likely first."""
+    part = mx.argpartition(-logp, kth=n - 1, axis=-1)[:, :n]  # (B, n) unordered
+    vals = mx.take_along_axis(logp, part, axis=-1)  # (B, n)
+    order = mx.argsort(-vals, axis=-1)  # (B, n)
+    ids = mx.take_along_axis(part, order, axis=-1).astype(mx.int32)  # (B, n)
+    return ids, mx.take_along_axis(vals, order, axis=-1)
+
+
+def chosen_logprob(logp: mx.array, tokens: mx.array) -> mx.array:
+    """logp (B, V), tokens (B,) -> (B,): the log-probability of each row's chosen token."""
+    return mx.take_along_axis(logp, tokens[:, None].astype(mx.int32), axis=-1)[:, 0]  # (B,)

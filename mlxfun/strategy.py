@@ -1,0 +1,80 @@
+"""Which weights a batch multiplies by: quantized matmul for few rows, a dense copy for many.
+
+MLX's quantized matmul costs about the same per row whatever the number of rows, while a dense
+matmul reads the weights once for all rows (measurements in benchmarks/README.md). So a batch of
+at least `dense_from` rows runs on a dense copy of quantized weights, made once per batch in the
+activation dtype, when it fits in memory. The choice changes speed only: the dense copy holds
+exactly the dequantized values, so results differ from the quantized kernel by rounding alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlxfun import weights
+from mlxfun.config import ModelConfig
+from mlxfun.llama import Params, Quantized
+
+
+@dataclass(frozen=True)
+class WeightStrategy:
+    dense_from: int | None  # batch size from which quantized weights run as a dense copy; None: never
+    memory_fraction: float = 0.75  # the copy plus memory in use must fit in this share of the device's
+
+
+# Measured crossovers (benchmarks/README.md): on an H200 the dense copy wins from a few rows on
+# (at 4096x14336 already at M=1); on the CPU here only from M=32, and then barely, since MLX's
+# bundled reference BLAS costs the same per row dense or quantized.
+GPU = WeightStrategy(dense_from=2)
+CPU = WeightStrategy(dense_from=32)
+QUANTIZED = WeightStrategy(dense_from=None)  # always the quantized kernels
+
+
+def default_strategy() -> WeightStrategy:
+    return CPU if mx.default_device() == mx.cpu else GPU
+
+
+def quantized(params: Params) -> bool:
+    return isinstance(params.layers[0].qkv, Quantized)
+
+
+def dense_bytes(config: ModelConfig, params: Params) -> int:
+    """Bytes of a dense copy of the quantized maps, in the activation dtype."""
+    size = weights.compute_dtype(params).size
+    total = 0
+
+    def count(p, in_features: int):
+        nonlocal total
+        if isinstance(p, Quantized):
+            total += p.weight.shape[0] * in_features * size
+        return p
+
+    weights.map_linears(config, params, count)
+    return total
+
+
+def memory_limit() -> int:
+    """Bytes of memory the device has (the machine's RAM on the CPU)."""
+    size = mx.device_info().get("memory_size") if mx.default_device() != mx.cpu else None
+    return int(size) if size else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def use_dense(config: ModelConfig, params: Params, batch: int, strategy: WeightStrategy) -> bool:
+    if strategy.dense_from is None or batch < strategy.dense_from or not quantized(params):
+        return False
+    need = mx.get_active_memory() + dense_bytes(config, params)
+    return need <= strategy.memory_fraction * memory_limit()
+
+
+def params_for_batch(config: ModelConfig, params: Params, batch: int, strategy: WeightStrategy | None = None
+                     ) -> Params:
+    """`params`, or a dense copy of them (evaluated now) when the strategy picks it for `batch` rows."""
+    strategy = strategy or default_strategy()
+    if not use_dense(config, params, batch, strategy):
+        return params
+    dense = weights.cast(config, params, weights.compute_dtype(params))
+    mx.eval(dense)
+    return dense

@@ -1,0 +1,144 @@
+"""Tiny random models for tests: configs, Hugging Face-named tensors, a word-level tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers
+
+from mlxfun import weights
+from mlxfun.config import ModelConfig, RopeScaling
+from mlxfun.load import Model
+from mlxfun.tokenizer import Tokenizer
+
+# Every input width is 64 or 128, so all variants quantize with group sizes 32 and 64.
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+            head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512)
+
+# Wavelengths 2*pi/freq of a 16-wide head span 6 to 2000, so original_max_position_embeddings=64
+# puts pairs in all three llama3 bands (kept, smoothed, divided by the factor).
+LLAMA3 = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=64)
+
+VARIANTS = {
+    "tied": {},
+    "untied": dict(tie_word_embeddings=False),
+    "bias": dict(attention_bias=True, model_type="qwen2"),
+    "qk_norm": dict(qk_norm=True, model_type="qwen3"),
+    "llama3_rope": dict(rope_scaling=LLAMA3, rope_theta=500000.0, tie_word_embeddings=False),
+    "linear_rope": dict(rope_scaling=RopeScaling("linear", 4.0)),
+    "traditional_rope": dict(rope_traditional=True),
+    "mha": dict(num_heads=4, num_kv_heads=4),
+    "gqa4": dict(num_heads=8, num_kv_heads=2, head_dim=8),
+    "mqa": dict(num_heads=4, num_kv_heads=1),
+    "head_dim_32": dict(num_heads=4, num_kv_heads=2, head_dim=32),  # 4 * 32 != hidden 64
+}
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    return ModelConfig(**{**TINY, **overrides})
+
+
+def random_hf_tensors(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """float32 tensors with Hugging Face names, scaled so attention is far from uniform."""
+    rng = np.random.default_rng(seed)
+    E, I, D, H, K = (config.hidden_size, config.intermediate_size, config.head_dim, config.num_heads,
+                     config.num_kv_heads)
+
+    def mat(rows, cols, gain=1.0):
+        return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
+
+    def norm(size):
+        return (1.0 + 0.2 * rng.standard_normal(size)).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": (0.3 * rng.standard_normal((config.vocab_size, E))).astype(np.float32),
+         "model.norm.weight": norm(E)}
+    if not config.tie_word_embeddings:
+        t["lm_head.weight"] = mat(config.vocab_size, E, 2.0)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}"
+        t[f"{p}.input_layernorm.weight"] = norm(E)
+        t[f"{p}.post_attention_layernorm.weight"] = norm(E)
+        t[f"{p}.self_attn.q_proj.weight"] = mat(H * D, E, 2.0)
+        t[f"{p}.self_attn.k_proj.weight"] = mat(K * D, E, 2.0)
+        t[f"{p}.self_attn.v_proj.weight"] = mat(K * D, E)
+        t[f"{p}.self_attn.o_proj.weight"] = mat(E, H * D)
+        t[f"{p}.mlp.gate_proj.weight"] = mat(I, E)
+        t[f"{p}.mlp.up_proj.weight"] = mat(I, E)
+        t[f"{p}.mlp.down_proj.weight"] = mat(E, I)
+        if config.attention_bias:
+            for n, rows in (("q", H * D), ("k", K * D), ("v", K * D)):
+                t[f"{p}.self_attn.{n}_proj.bias"] = (0.5 * rng.standard_normal(rows)).astype(np.float32)
+        if config.qk_norm:
+            t[f"{p}.self_attn.q_norm.weight"] = norm(D)
+            t[f"{p}.self_attn.k_norm.weight"] = norm(D)
+    return t
+
+
+def quantize_tensors(tensors: dict[str, mx.array], bits: int, group_size: int) -> dict[str, mx.array]:
+    """The MLX (mlx-community) layout: every matrix becomes `weight` (uint32) + `scales` + `biases`."""
+    out = {}
+    for name, value in tensors.items():
+        if value.ndim == 2:
+            stem = name.removesuffix(".weight")
+            out[name], out[f"{stem}.scales"], out[f"{stem}.biases"] = mx.quantize(
+                value, group_size=group_size, bits=bits)
+        else:
+            out[name] = value
+    return out
+
+
+def dequantize_tensors(tensors: dict[str, mx.array], bits: int, group_size: int) -> dict[str, np.ndarray]:
+    """float64 NumPy copies, quantized matrices dequantized by MLX (what the decoder multiplies by)."""
+    out = {}
+    for name, value in tensors.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        stem = name.removesuffix(".weight")
+        if f"{stem}.scales" in tensors:
+            value = mx.dequantize(value, tensors[f"{stem}.scales"], tensors[f"{stem}.biases"],
+                                  group_size=group_size, bits=bits)
+        out[name] = np.array(value, dtype=np.float64)
+    return out
+
+
+def tiny_checkpoint(config: ModelConfig, seed: int = 0, quant: tuple[int, int] | None = None):
+    """(mx tensors as a checkpoint holds them, float64 NumPy weights the decoder should compute with)."""
+    tensors = {k: mx.array(v) for k, v in random_hf_tensors(config, seed).items()}
+    if quant is not None:
+        tensors = quantize_tensors(tensors, *quant)
+        return tensors, dequantize_tensors(tensors, *quant)
+    return tensors, {k: np.array(v, dtype=np.float64) for k, v in tensors.items()}
+
+
+def tiny_params(config: ModelConfig, seed: int = 0, quant: tuple[int, int] | None = None):
+    """(Params built through `weights.build_params`, float64 reference weights)."""
+    tensors, ref = tiny_checkpoint(config, seed, quant)
+    return weights.build_params(config, dict(tensors)), ref
+
+
+def tiny_tokenizer(vocab_size: int) -> Tokenizer:
+    """Word-level: "w0 w1 ..." <-> ids; id 0 is the end-of-text token."""
+    vocab = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    backend = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(backend, eos_token_ids={0}, bos_token_id=None, add_bos=False, chat_template=None)
+
+
+def tiny_model(config: ModelConfig | None = None, seed: int = 0, quant: tuple[int, int] | None = None) -> Model:
+    config = config or tiny_config()
+    params, _ = tiny_params(config, seed, quant)
+    return Model(config, params, tiny_tokenizer(config.vocab_size), "tiny")
+
+
+def replace(config: ModelConfig, **changes) -> ModelConfig:
+    return dataclasses.replace(config, **changes)
+
+
+def rel_error(actual, expected) -> float:
+    """max |actual - expected| / max |expected|, in float64."""
+    a, e = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    return float(np.max(np.abs(a - e)) / np.max(np.abs(e)))
