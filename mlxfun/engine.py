@@ -156,7 +156,8 @@ class Engine:
         for group in plan_groups([len(r.prompt) for r in reqs]):
             rows = [free.pop(0) for _ in group]
             greqs = [reqs[i] for i in group]
-            mode = Mode(sample=True, top_logprobs=max(r.top_logprobs for r in greqs))
+            mode = Mode(sample=True, sort=any(sampling.needs_sort(r.settings) for r in greqs),
+                        top_logprobs=max(r.top_logprobs for r in greqs))
             steps = compiled_steps(self.config, mode)
             h, cache = prefill_group(self.config, steps, params, [r.prompt for r in greqs], self.cursor, cap,
                                      self.prefill_step, dtype)
@@ -207,7 +208,8 @@ class Engine:
         live = [self.requests[o] for o in self.owner if o is not None]
         penalties = any(sampling.needs_counts(r.settings) for r in live)
         sample = penalties or not all(sampling.all_greedy(r.settings) for r in live)
-        return Mode(sample=sample, penalties=penalties, top_logprobs=max(r.top_logprobs for r in live))
+        sort = any(sampling.needs_sort(r.settings) for r in live)
+        return Mode(sample=sample, penalties=penalties, sort=sort, top_logprobs=max(r.top_logprobs for r in live))
 
     def _state_for(self, mode: Mode) -> DecodeState:
         return self.state if mode.penalties else self.state._replace(counts=None)

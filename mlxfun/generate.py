@@ -168,6 +168,7 @@ class Batch:
                 break
             out, state = next_out, next_state
         self.stats.generation_time = time.perf_counter() - t1
+        self.state = state  # the last state, for inspection
         self.stats.generation_tokens = sum(len(r.tokens) for r in self.rows)
         self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
@@ -232,7 +233,7 @@ def make_config(n: int, *, max_tokens=256, temperature=0.0, top_p=1.0, min_p=0.0
         n, temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k, repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
     mode = Mode(sample=not sampling.all_greedy(settings), penalties=sampling.needs_counts(settings),
-                top_logprobs=-1 if logprobs is None else logprobs)
+                sort=sampling.needs_sort(settings), top_logprobs=-1 if logprobs is None else logprobs)
     return GenerationConfig(tuple(max_tokens), _stops(stop, n), settings, mode, prefill_step, max_kv_size,
                             tuple(sampling.seeds(settings)), ignore_eos)
 

@@ -44,7 +44,8 @@ def _walk(path: Path, buf, size: int) -> None:
     if version not in (2, 3):
         raise ModelError(f"{path}: unsupported GGUF version {version} (mlxfun reads versions 2 and 3)")
     if n_tensors > size // 24 or n_kv > size // 12:
-        raise ModelError(f"{path} is corrupt: it claims {n_tensors} tensors and {n_kv} metadata entries")
+        raise ModelError(f"{path} is truncated or corrupt: {size} bytes cannot hold the {n_tensors} tensors and "
+                         f"{n_kv} metadata entries it announces")
     pos, alignment = 24, 32
 
     def string(pos: int) -> tuple[bytes, int]:
@@ -64,8 +65,10 @@ def _walk(path: Path, buf, size: int) -> None:
         pos += 12
         if item in _SCALARS:
             return pos + count * struct.calcsize(_SCALARS[item])
-        if item != 8 or count > size:
+        if item != 8:
             raise ModelError(f"{path} is corrupt: metadata {key.decode(errors='replace')!r} is an array of type {item}")
+        if count > size:
+            raise struct.error
         for _ in range(count):  # strings: skip each by its length
             pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
             if pos > size:

@@ -11,9 +11,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlxfun import config as cfg
-from mlxfun import gguf
+from mlxfun import gguf, weights
 from mlxfun import tokenizer as tok
-from mlxfun import weights
 from mlxfun.config import ModelConfig
 from mlxfun.errors import ModelError
 from mlxfun.llama import Params, Quantized

@@ -23,6 +23,7 @@ class Mode(NamedTuple):
 
     sample: bool = False  # False: greedy argmax for every row
     penalties: bool = False  # track per-row token counts for repetition/presence/frequency penalties
+    sort: bool = True  # some sampled row uses top-k or top-p (a sort over the vocabulary)
     top_logprobs: int = -1  # -1: no logprobs; 0: the chosen token's; n: and the n most likely
 
 
@@ -47,7 +48,8 @@ def choose(mode: Mode, logits: mx.array, settings: sampling.Settings, steps: mx.
            counts: mx.array | None) -> StepOut:
     """logits (B, V) -> the next token per row, with logprobs when the mode asks for them."""
     logits = logits.astype(mx.float32)
-    tokens = sampling.sample(logits, settings, steps, counts) if mode.sample else sampling.greedy(logits)
+    tokens = sampling.sample(logits, settings, steps, counts, sort=mode.sort) if mode.sample \
+        else sampling.greedy(logits)
     if mode.top_logprobs < 0:
         return StepOut(tokens, None, None, None)
     logp = sampling.logprobs(logits)  # (B, V)

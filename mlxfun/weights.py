@@ -64,11 +64,13 @@ def _linear(t: dict, name: str, out_features: int, in_features: int, bias: bool)
     if f"{name}.scales" in t:
         q = Quantized(weight, _take(t, f"{name}.scales"), _take(t, f"{name}.biases"), b)
         group_size, bits = quant_shape(q, in_features)
-        ok = (weight.shape[0] == q.scales.shape[0] == out_features and bits in (2, 3, 4, 5, 6, 8)
-              and group_size * q.scales.shape[-1] == in_features and weight.shape[-1] * 32 == in_features * bits)
+        ok = (weight.ndim == q.scales.ndim == 2 and q.biases.shape == q.scales.shape
+              and weight.shape[0] == q.scales.shape[0] == out_features and bits in (2, 3, 4, 5, 6, 8)
+              and group_size in (32, 64, 128) and group_size * q.scales.shape[-1] == in_features
+              and weight.shape[-1] * 32 == in_features * bits)
         if not ok:
-            raise ModelError(f"{name}: quantized shapes {weight.shape}/{q.scales.shape} do not fit "
-                             f"a ({out_features}, {in_features}) matrix")
+            raise ModelError(f"{name}: quantized shapes {weight.shape}/{q.scales.shape}/{q.biases.shape} "
+                             f"(weight/scales/biases) do not fit a ({out_features}, {in_features}) matrix")
         return q
     if weight.shape != (out_features, in_features):
         raise ModelError(f"{name}.weight has shape {weight.shape}, expected {(out_features, in_features)}")

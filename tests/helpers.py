@@ -15,8 +15,8 @@ from mlxfun.load import Model
 from mlxfun.tokenizer import Tokenizer
 
 # Every input width is 64 or 128, so all variants quantize with group sizes 32 and 64.
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-            head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512)
+TINY = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
+        "num_kv_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512}
 
 # Wavelengths 2*pi/freq of a 16-wide head span 6 to 2000, so original_max_position_embeddings=64
 # puts pairs in all three llama3 bands (kept, smoothed, divided by the factor).
@@ -25,16 +25,16 @@ LLAMA3 = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor
 
 VARIANTS = {
     "tied": {},
-    "untied": dict(tie_word_embeddings=False),
-    "bias": dict(attention_bias=True, model_type="qwen2"),
-    "qk_norm": dict(qk_norm=True, model_type="qwen3"),
-    "llama3_rope": dict(rope_scaling=LLAMA3, rope_theta=500000.0, tie_word_embeddings=False),
-    "linear_rope": dict(rope_scaling=RopeScaling("linear", 4.0)),
-    "traditional_rope": dict(rope_traditional=True),
-    "mha": dict(num_heads=4, num_kv_heads=4),
-    "gqa4": dict(num_heads=8, num_kv_heads=2, head_dim=8),
-    "mqa": dict(num_heads=4, num_kv_heads=1),
-    "head_dim_32": dict(num_heads=4, num_kv_heads=2, head_dim=32),  # 4 * 32 != hidden 64
+    "untied": {"tie_word_embeddings": False},
+    "bias": {"attention_bias": True, "model_type": "qwen2"},
+    "qk_norm": {"qk_norm": True, "model_type": "qwen3"},
+    "llama3_rope": {"rope_scaling": LLAMA3, "rope_theta": 500000.0, "tie_word_embeddings": False},
+    "linear_rope": {"rope_scaling": RopeScaling("linear", 4.0)},
+    "traditional_rope": {"rope_traditional": True},
+    "mha": {"num_heads": 4, "num_kv_heads": 4},
+    "gqa4": {"num_heads": 8, "num_kv_heads": 2, "head_dim": 8},
+    "mqa": {"num_heads": 4, "num_kv_heads": 1},
+    "head_dim_32": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32},  # 4 * 32 != hidden 64
 }
 
 
@@ -78,20 +78,23 @@ def random_hf_tensors(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarra
     return t
 
 
-def quantize_tensors(tensors: dict[str, mx.array], bits: int, group_size: int) -> dict[str, mx.array]:
-    """The MLX (mlx-community) layout: every matrix becomes `weight` (uint32) + `scales` + `biases`."""
+def quantize_tensors(tensors: dict[str, mx.array], bits: int, group_size: int,
+                     overrides: dict[str, tuple[int, int]] | None = None) -> dict[str, mx.array]:
+    """The MLX (mlx-community) layout: every matrix becomes `weight` (uint32) + `scales` + `biases`;
+    `overrides` maps a matrix's name stem to its own (bits, group_size), as mixed-precision models do."""
     out = {}
     for name, value in tensors.items():
+        stem = name.removesuffix(".weight")
         if value.ndim == 2:
-            stem = name.removesuffix(".weight")
-            out[name], out[f"{stem}.scales"], out[f"{stem}.biases"] = mx.quantize(
-                value, group_size=group_size, bits=bits)
+            b, g = (overrides or {}).get(stem, (bits, group_size))
+            out[name], out[f"{stem}.scales"], out[f"{stem}.biases"] = mx.quantize(value, group_size=g, bits=b)
         else:
             out[name] = value
     return out
 
 
-def dequantize_tensors(tensors: dict[str, mx.array], bits: int, group_size: int) -> dict[str, np.ndarray]:
+def dequantize_tensors(tensors: dict[str, mx.array], bits: int, group_size: int,
+                       overrides: dict[str, tuple[int, int]] | None = None) -> dict[str, np.ndarray]:
     """float64 NumPy copies, quantized matrices dequantized by MLX (what the decoder multiplies by)."""
     out = {}
     for name, value in tensors.items():
@@ -99,24 +102,24 @@ def dequantize_tensors(tensors: dict[str, mx.array], bits: int, group_size: int)
             continue
         stem = name.removesuffix(".weight")
         if f"{stem}.scales" in tensors:
-            value = mx.dequantize(value, tensors[f"{stem}.scales"], tensors[f"{stem}.biases"],
-                                  group_size=group_size, bits=bits)
+            b, g = (overrides or {}).get(stem, (bits, group_size))
+            value = mx.dequantize(value, tensors[f"{stem}.scales"], tensors[f"{stem}.biases"], group_size=g, bits=b)
         out[name] = np.array(value, dtype=np.float64)
     return out
 
 
-def tiny_checkpoint(config: ModelConfig, seed: int = 0, quant: tuple[int, int] | None = None):
+def tiny_checkpoint(config: ModelConfig, seed: int = 0, quant: tuple[int, int] | None = None, overrides=None):
     """(mx tensors as a checkpoint holds them, float64 NumPy weights the decoder should compute with)."""
     tensors = {k: mx.array(v) for k, v in random_hf_tensors(config, seed).items()}
     if quant is not None:
-        tensors = quantize_tensors(tensors, *quant)
-        return tensors, dequantize_tensors(tensors, *quant)
+        tensors = quantize_tensors(tensors, *quant, overrides)
+        return tensors, dequantize_tensors(tensors, *quant, overrides)
     return tensors, {k: np.array(v, dtype=np.float64) for k, v in tensors.items()}
 
 
-def tiny_params(config: ModelConfig, seed: int = 0, quant: tuple[int, int] | None = None):
+def tiny_params(config: ModelConfig, seed: int = 0, quant: tuple[int, int] | None = None, overrides=None):
     """(Params built through `weights.build_params`, float64 reference weights)."""
-    tensors, ref = tiny_checkpoint(config, seed, quant)
+    tensors, ref = tiny_checkpoint(config, seed, quant, overrides)
     return weights.build_params(config, dict(tensors)), ref
 
 

@@ -55,10 +55,10 @@ def test_left_padded_prompts_then_decode():
     params, w = tiny_params(config, seed=4)
     lengths, prompt_len, steps = [7, 3], 7, 4
     rows = [random_tokens(config, (n + steps,), seed=20 + n) for n in lengths]
-    tokens = np.stack([np.concatenate([np.full(prompt_len - n, 5), r]) for r, n in zip(rows, lengths)])
+    tokens = np.stack([np.concatenate([np.full(prompt_len - n, 5), r]) for r, n in zip(rows, lengths, strict=True)])
     start = np.array([n - prompt_len for n in lengths])  # first position: -4 for the padded row
     logits, _ = decode_in_chunks(config, params, tokens, [prompt_len] + [1] * steps, capacity=16, start=start)
-    for b, (row, n) in enumerate(zip(rows, lengths)):
+    for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):
         expected = reference_forward(config, w, row[None], np.arange(len(row))[None])[0]
         assert rel_error(logits[b, prompt_len - n:], expected) < 1e-4
 

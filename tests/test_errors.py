@@ -6,6 +6,7 @@ import importlib.util
 import json
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from helpers import tiny_config, tiny_model, tiny_params
 from test_gguf import write_gguf
@@ -124,13 +125,19 @@ def test_shape_mismatch(folder, name, shape):
     assert name in message and str(shape) in message
 
 
-def test_quantized_shape_mismatch(tmp_path):
+@pytest.mark.parametrize("name,shape", [
+    ("model.layers.0.mlp.up_proj.scales", (128, 2)),  # a group size of 32, but the biases still say 64
+    ("model.layers.1.mlp.down_proj.scales", (64, 3)),
+    ("model.layers.0.self_attn.q_proj.biases", (32, 1)),
+    ("model.layers.1.self_attn.o_proj.weight", (64, 7)),  # 3.5 bits
+])
+def test_quantized_shape_mismatch(tmp_path, name, shape):
     config = tiny_config()
     model = tiny_model(config, seed=53)
     model = Model(config, weights.quantize(config, model.params, bits=4, group_size=64), model.tokenizer)
     folder = mlxfun.save(model, tmp_path / "q4")
-    edit_tensors(folder, lambda t: t.update({"model.layers.0.mlp.up_proj.scales": mx.zeros((128, 2))}))
-    assert "model.layers.0.mlp.up_proj" in load_error(folder)
+    edit_tensors(folder, lambda t: t.update({name: mx.zeros(shape, t[name].dtype)}))
+    assert name.rpartition(".")[0] in load_error(folder)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "int8", "fp8", "half"])
@@ -144,10 +151,38 @@ def test_file_that_is_not_gguf(tmp_path):
     assert ".gguf" in load_error(path)
 
 
-def test_corrupt_gguf(tmp_path):
+@pytest.mark.parametrize("corruption", ["header", "version", "counts", "tensor_table", "truncated_table",
+                                        "truncated_data"])
+def test_corrupt_gguf(tmp_path, corruption):
+    """Damaged files (which can crash MLX's own parser) give a ModelError that names the file."""
+    config = tiny_config()
+    _, w = tiny_params(config)
+    data = write_gguf(tmp_path / "tiny.gguf", config, w).read_bytes()
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, 64, dtype=np.uint8).tobytes()
+    table = data.index(b"blk.0.")  # the first tensor name, inside the tensor table
+    data = {
+        "header": b"GGUF" + noise,
+        "version": data[:4] + b"\x07\x07\x07\x07" + data[8:],
+        "counts": data[:8] + b"\xff" * 16 + data[24:],
+        "tensor_table": data[:table] + noise + data[table + 64:],
+        "truncated_table": data[:table + 10],
+        "truncated_data": data[:-100],
+    }[corruption]
     path = tmp_path / "broken.gguf"
-    path.write_bytes(b"GGUF" + b"\x07" * 60)
+    path.write_bytes(data)
     assert "broken.gguf" in load_error(path)
+
+
+def test_gguf_unsupported_tensor_type(tmp_path):
+    config = tiny_config()
+    _, w = tiny_params(config)
+
+    def as_int(tensors):
+        tensors["blk.1.ffn_up.weight"] = tensors["blk.1.ffn_up.weight"].astype(mx.int32)
+
+    message = load_error(write_gguf(tmp_path / "int.gguf", config, w, edit=as_int))
+    assert "'blk.1.ffn_up.weight'" in message and "I32" in message and "Q4_1" in message
 
 
 def test_gguf_unsupported_architecture(tmp_path):
@@ -155,13 +190,6 @@ def test_gguf_unsupported_architecture(tmp_path):
     _, w = tiny_params(config)
     path = write_gguf(tmp_path / "arch.gguf", config, w, **{"general.architecture": "falcon"})
     assert "'falcon'" in load_error(path)
-
-
-def test_gguf_unsupported_file_type(tmp_path):
-    config = tiny_config()
-    _, w = tiny_params(config)
-    path = write_gguf(tmp_path / "q4k.gguf", config, w, **{"general.file_type": mx.array(15, dtype=mx.uint32)})
-    assert "file type 15" in load_error(path)
 
 
 def test_gguf_unsupported_tokenizer(tmp_path):

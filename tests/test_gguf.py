@@ -45,7 +45,8 @@ def to_gguf_tensors(config, hf: dict[str, np.ndarray]) -> dict[str, mx.array]:
     return out
 
 
-def write_gguf(path: Path, config, hf: dict[str, np.ndarray], **meta_overrides) -> Path:
+def write_gguf(path: Path, config, hf: dict[str, np.ndarray], edit=None, **meta_overrides) -> Path:
+    """A GGUF file as llama.cpp writes it; `edit(tensors)` may change the tensors first."""
     def u32(v):
         return mx.array(v, dtype=mx.uint32)
 
@@ -72,7 +73,10 @@ def write_gguf(path: Path, config, hf: dict[str, np.ndarray], **meta_overrides) 
         "tokenizer.chat_template": "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}",
         **meta_overrides,
     }
-    mx.save_gguf(str(path), to_gguf_tensors(config, hf), {k: v for k, v in meta.items() if v is not None})
+    tensors = to_gguf_tensors(config, hf)
+    if edit is not None:
+        edit(tensors)
+    mx.save_gguf(str(path), tensors, {k: v for k, v in meta.items() if v is not None})
     return path
 
 

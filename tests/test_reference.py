@@ -64,14 +64,10 @@ def reference_forward(config, w: dict[str, np.ndarray], tokens, positions, windo
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         x = rms_norm(h, w[p + "input_layernorm.weight"], eps)
-
-        def proj(name, heads):
-            y = x @ w[p + f"self_attn.{name}_proj.weight"].T
-            if config.attention_bias:
-                y = y + w[p + f"self_attn.{name}_proj.bias"]
-            return y.reshape(B, T, heads, D)
-
-        q, k, v = proj("q", H), proj("k", K), proj("v", K)
+        q, k, v = (x @ w[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
+        if config.attention_bias:
+            q, k, v = (y + w[p + f"self_attn.{n}_proj.bias"] for y, n in zip((q, k, v), "qkv", strict=True))
+        q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
         if config.qk_norm:
             q = rms_norm(q, w[p + "self_attn.q_norm.weight"], eps)
             k = rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
@@ -135,12 +131,22 @@ def test_rope_variants_disagree():
         assert rel_error(reference_forward(other, w, tokens, positions), logits) > 1e-2, change
 
 
-@pytest.mark.parametrize("variant", ["tied", "qk_norm", "bias", "llama3_rope", "gqa4"])
+def test_mixed_precision_quantization():
+    """Per-matrix bits and group sizes (mlx-community's mixed recipes); q/k/v of unequal precision."""
+    config = tiny_config(**VARIANTS["bias"])
+    overrides = {"model.layers.0.self_attn.v_proj": (8, 32), "model.layers.1.mlp.down_proj": (8, 64),
+                 "model.layers.1.mlp.up_proj": (6, 64), "model.embed_tokens": (8, 64)}
+    params, w = tiny_params(config, seed=4, quant=(4, 64), overrides=overrides)
+    tokens, positions = random_tokens(config, (2, 8)), np.broadcast_to(np.arange(8), (2, 8))
+    assert rel_error(run(config, params, tokens, positions), reference_forward(config, w, tokens, positions)) < 1e-4
+
+
+@pytest.mark.parametrize("variant", ["tied", "qk_norm", "bias", "llama3_rope", "gqa4", "window"])
 @pytest.mark.parametrize("quant", ["dense", "q4g32"])
 def test_left_padded_batch_equals_rows_alone(variant, quant):
     """Rows of lengths 9, 5 and 1, left-padded with negative positions: each row's real tokens get
     the logits of that row alone."""
-    config = tiny_config(**VARIANTS[variant])
+    config = tiny_config(**{**VARIANTS, "window": {"layer_windows": (3, None)}}[variant])
     params, w = tiny_params(config, seed=3, quant=QUANT[quant])
     lengths, T = [9, 5, 1], 9
     rows = [random_tokens(config, (1, n), seed=10 + n) for n in lengths]
@@ -148,7 +154,7 @@ def test_left_padded_batch_equals_rows_alone(variant, quant):
     positions = np.stack([np.arange(T) - (T - n) for n in lengths])  # e.g. [-4 .. -1, 0 .. 4]
     batch = run(config, params, tokens, positions)
     assert np.isfinite(batch).all()
-    for b, (row, n) in enumerate(zip(rows, lengths)):
+    for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):
         alone = run(config, params, row, np.arange(n)[None])
         assert rel_error(batch[b, T - n:], alone[0]) < 1e-4
         assert rel_error(alone[0], reference_forward(config, w, row, np.arange(n)[None])[0]) < 1e-4

@@ -110,6 +110,6 @@ def test_half_precision_folder(tmp_path, dtype):
 
 @pytest.mark.parametrize("variant", [*VARIANTS, "windows"])
 def test_config_round_trip(variant):
-    overrides = dict(layer_windows=(None, 8), model_type="qwen2") if variant == "windows" else VARIANTS[variant]
+    overrides = {"layer_windows": (None, 8), "model_type": "qwen2"} if variant == "windows" else VARIANTS[variant]
     config = tiny_config(**overrides)
     assert cfg.from_hf(json.loads(json.dumps(cfg.to_hf(config)))) == config

@@ -273,6 +273,10 @@ def test_uniform_bits():
     assert u.dtype == np.float32 and 0 < u.min() and u.max() < 1
     assert abs(u.mean() - 0.5) < 0.002 and abs(u.var() - 1 / 12) < 0.001
     assert abs(np.corrcoef(u[0], u[1])[0, 1]) < 0.01
+    # Seed and step do not trade off: (s, t + 1), (s + 1, t) and (t, s) are unrelated streams.
+    pairs = mx.array([1, 2, 0, 5, 7], mx.uint32), mx.array([1, 0, 5, 0, 7], mx.int32)
+    streams = np.array(S.uniform(*pairs, 64))  # (5, 64)
+    assert len({row.tobytes() for row in streams}) == 5 and (streams[0] != streams[1]).all()
     # uint32 products wrap in MLX as in numpy: the mixer matches a numpy lowbias32.
     x = np.array([0, 1, 2**31, 2**32 - 1, 123456789], np.uint32)
     y = x ^ (x >> 16)

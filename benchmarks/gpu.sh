@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The H200 runs recorded in benchmarks/ (see README.md). On the lent machine, from the repo root,
+# after `. .gpu-b/install.sh` (from `bash ../shared/gpu/prepare.sh mlx-lm==0.32.2`):
+#   bash benchmarks/gpu.sh 1B    # smoke test, matmul crossover, 1B bench beside mlx-lm, 1B profile
+#   bash benchmarks/gpu.sh 8B    # 8B bench beside mlx-lm, 8B profile
+set -u
+OUT=${OUT:-/tmp/mlxfun-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+common=(--batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16,q4 --mlx-lm)
+case "${1:-1B}" in
+  1B)
+    timeout 90 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"
+    timeout 300 python3 -m mlxfun.bench --shape 1B "${common[@]}" --matmul \
+      --json "$OUT/h200-1B.json" --plot "$OUT/h200-1B.png"
+    timeout 120 python3 -m mlxfun.profile --shape 1B --batch-sizes 1,8,32,128 --max-tokens 64 \
+      --json "$OUT/h200-profile-1B.json"
+    ;;
+  8B)
+    timeout 420 python3 -m mlxfun.bench --shape 8B "${common[@]}" \
+      --json "$OUT/h200-8B.json" --plot "$OUT/h200-8B.png"
+    timeout 150 python3 -m mlxfun.profile --shape 8B --batch-sizes 1,8,32,128 --max-tokens 64 \
+      --json "$OUT/h200-profile-8B.json"
+    ;;
+esac

@@ -1,0 +1,219 @@
+"""`python -m mlxfun.profile`: where a generation's time goes, by batch size.
+
+For each batch size one generation runs step by step, synchronously, on freshly compiled steps:
+- traces: how many times the decode step was traced (once per cache-capacity bucket);
+- first step: wall time of the first decode step (trace, graph compile, kernel builds, run);
+- compile: first step minus the steady step (the one-off cost of compiling);
+- steady step: median wall time of the later steps, split into host time (the Python call of the
+  compiled step plus `mx.async_eval`: building and queuing the graph) and device time (the wait
+  for the result after queuing);
+- held-state step: the same step while the caller still holds the previous state, as a loop that
+  keeps it alive does: the cache buffers cannot then be updated in place, so every step copies them;
+- matmuls: the time of the step's linear maps alone at this batch size (MLX's kernels);
+- pipelined step: per-step time of the real generation loop (`Batch.events`, with `mx.async_eval`
+  pipelining), over the same prompts.
+
+`profile_generation` returns one `BatchProfile`; `profile` runs several batch sizes into a `Report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlxfun import llama
+from mlxfun.generate import Batch, make_config
+from mlxfun.load import Model
+from mlxfun.step import make_steps
+from mlxfun.strategy import WeightStrategy
+
+
+@dataclass
+class BatchProfile:
+    batch: int
+    steps: int  # decode steps timed
+    traces: int
+    first_step_s: float
+    first_step_host_s: float
+    compile_s: float
+    steady_step_s: float
+    steady_host_s: float
+    steady_device_s: float
+    held_state_step_s: float | None = None
+    matmul_s: float | None = None
+    pipelined_step_s: float | None = None
+    prefill_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        step = self.pipelined_step_s or self.steady_step_s
+        return self.batch / step if step else 0.0
+
+
+@dataclass
+class Report:
+    model: str
+    device: str
+    prompt_tokens: int
+    max_tokens: int
+    batches: list[BatchProfile] = field(default_factory=list)
+
+    def table(self) -> str:
+        head = (f"{'batch':>5s} {'traces':>6s} {'first ms':>9s} {'compile ms':>10s} {'step ms':>8s} {'host ms':>8s} "
+                f"{'device ms':>9s} {'held ms':>8s} {'matmul ms':>9s} {'piped ms':>9s} {'tok/s':>8s}")
+        lines = [f"{self.model} on {self.device}: prompt {self.prompt_tokens}, {self.max_tokens} tokens", head,
+                 "-" * len(head)]
+
+        def ms(v):
+            return f"{1e3 * v:.2f}" if v is not None else "-"
+
+        for b in self.batches:
+            lines.append(f"{b.batch:5d} {b.traces:6d} {ms(b.first_step_s):>9s} {ms(b.compile_s):>10s} "
+                         f"{ms(b.steady_step_s):>8s} {ms(b.steady_host_s):>8s} {ms(b.steady_device_s):>9s} "
+                         f"{ms(b.held_state_step_s):>8s} {ms(b.matmul_s):>9s} {ms(b.pipelined_step_s):>9s} "
+                         f"{b.tokens_per_s:8.1f}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"batches": [asdict(b) | {"tokens_per_s": b.tokens_per_s} for b in self.batches]}
+
+
+def _median_time(fn, repeats: int = 5) -> float:
+    mx.eval(fn())
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(fn())
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def matmul_time(model: Model, params: llama.Params, batch: int) -> float:
+    """Seconds per decode step spent in the linear maps alone, at `batch` rows."""
+    c = model.config
+    layer = params.layers[0]
+    dtype = params.norm.dtype
+    total = 0.0
+    for p, n_in in ((layer.qkv, c.hidden_size), (layer.o, c.num_heads * c.head_dim), (layer.gate_up, c.hidden_size),
+                    (layer.down, c.intermediate_size)):
+        x = mx.random.normal((batch, 1, n_in)).astype(dtype)
+        total += _median_time(lambda: llama.linear(p, x)) * c.num_layers
+    x = mx.random.normal((batch, 1, c.hidden_size)).astype(dtype)
+    return total + _median_time(lambda: llama.logits(params, x))
+
+
+def profile_generation(model: Model, prompts: list[list[int]], max_tokens: int, *, held_state: bool = True,
+                       matmuls: bool = True, pipelined: bool = True,
+                       strategy: WeightStrategy | None = None) -> BatchProfile:
+    """Profile one greedy generation of `max_tokens` tokens per prompt (EOS ignored)."""
+    B = len(prompts)
+    gen = make_config(B, max_tokens=max_tokens, ignore_eos=True)
+    traces = [0]
+
+    def count():
+        traces[0] += 1
+
+    steps = make_steps(model.config, gen.mode, on_trace=count)
+    batch = Batch(model, prompts, gen, steps=steps, strategy=strategy)
+    params, settings = batch.model.params, gen.settings
+    t = time.perf_counter()
+    out, state = batch.prefill()
+    mx.eval(out, state)
+    prefill_s = time.perf_counter() - t
+    written = max(len(p) for p in prompts)
+    records = []  # (held, host, device)
+    for i in range(max_tokens - 1):
+        state = batch._grow(state, written)
+        hold = held_state and i % 2 == 1 and i > 1  # every other step, after the first two
+        t0 = time.perf_counter()
+        out, new_state = steps.decode(params, state, settings)
+        kept = state if hold else None
+        state = None  # the step's graph is now the cache's only owner: it can be written in place
+        mx.async_eval(out, new_state)
+        t1 = time.perf_counter()
+        mx.eval(out, new_state)
+        t2 = time.perf_counter()
+        del kept
+        state = new_state
+        written += 1
+        records.append((hold, t1 - t0, t2 - t1))
+    first = records[0]
+    steady = [r for r in records[1:] if not r[0]] or records[:1]
+    held = [r[1] + r[2] for r in records if r[0]]
+    step_s = statistics.median(r[1] + r[2] for r in steady)
+    profile = BatchProfile(
+        batch=B, steps=len(records), traces=traces[0], first_step_s=first[1] + first[2], first_step_host_s=first[1],
+        compile_s=max(0.0, first[1] + first[2] - step_s), steady_step_s=step_s,
+        steady_host_s=statistics.median(r[1] for r in steady), steady_device_s=statistics.median(r[2] for r in steady),
+        held_state_step_s=statistics.median(held) if held else None, prefill_s=prefill_s)
+    if matmuls:
+        profile.matmul_s = matmul_time(model, params, B)
+    if pipelined:
+        run = Batch(model, prompts, gen, steps=steps, strategy=strategy)
+        for _ in run.events():
+            pass
+        profile.pipelined_step_s = run.stats.generation_time / max(1, max_tokens)
+    return profile
+
+
+def profile(model: Model, batch_sizes: list[int], prompt_tokens: int, max_tokens: int, **options) -> Report:
+    """One `profile_generation` per batch size, over random prompts of `prompt_tokens` tokens."""
+    from mlxfun.bench import random_prompts
+
+    report = Report(model.source, str(mx.default_device()), prompt_tokens, max_tokens)
+    for B in batch_sizes:
+        prompts = random_prompts(model.config.vocab_size, B, prompt_tokens)
+        report.batches.append(profile_generation(model, prompts, max_tokens, **options))
+        print(report.table().splitlines()[-1], flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mlxfun import bench
+
+    p = argparse.ArgumentParser(prog="mlxfun profile", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="GGUF file, Hugging Face folder or repo id (default: SmolLM2-135M)")
+    p.add_argument("--shape", choices=sorted(bench.SHAPES), default=None, help="random-weight Llama shape")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16, q4 or q8 (default: as loaded for "
+                                                 "--model; bfloat16 on a GPU, float32 on the CPU for --shape)")
+    p.add_argument("--batch-sizes", default="1,8,32,128" if bench.on_gpu() else "1,4")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64 if bench.on_gpu() else 16)
+    p.add_argument("--strategy", choices=("auto", "quantized", "dense"), default="auto")
+    p.add_argument("--no-matmuls", action="store_true", help="skip timing the linear maps alone")
+    p.add_argument("--no-pipelined", action="store_true", help="skip the pipelined generation run")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    gpu = bench.on_gpu()
+    base = "bfloat16" if gpu else "float32"
+    dtype = args.dtype or (None if args.shape is None else base)
+    bench_args = argparse.Namespace(model=args.model, shape=args.shape, base_dtype=base,
+                                    dtypes=[dtype or "q4"])
+    if args.shape is None and dtype is None:
+        from mlxfun.load import load
+
+        model = load(args.model)
+    else:
+        model = bench.variants(bench_args)[0][1]()
+    strategy = {"auto": None, "quantized": bench.strat.QUANTIZED,
+                "dense": WeightStrategy(dense_from=1)}[args.strategy]
+    report = profile(model, [int(b) for b in args.batch_sizes.split(",")], args.prompt_tokens, args.max_tokens,
+                     matmuls=not args.no_matmuls, pipelined=not args.no_pipelined, strategy=strategy)
+    report.model = f"{report.model} ({dtype or 'as loaded'})"
+    print()
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
+        print(f"report written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

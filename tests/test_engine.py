@@ -1,0 +1,109 @@
+"""Continuous batching: more prompts than rows, rows refilled as they finish."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+import mlxfun
+from mlxfun import sampling
+from mlxfun.engine import Engine
+from mlxfun.generate import generate
+from mlxfun.load import Model
+from mlxfun.tokenizer import Tokenizer
+from tests.helpers import tiny_config, tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(tiny_config(max_position_embeddings=1024))
+
+
+def workload(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 97) for _ in range(rng.choice([1, 2, 5, 17, 60, 140, 300]))] for _ in range(n)]
+    max_tokens = [rng.randrange(1, 40) for _ in range(n)]
+    return prompts, max_tokens
+
+
+def with_eos(model, token: int):
+    """The model with `token` as its end-of-text token, so rows also finish early."""
+    tk = Tokenizer(model.tokenizer.backend, eos_token_ids={token}, bos_token_id=None, add_bos=False,
+                   chat_template=None)
+    return Model(model.config, model.params, tk, "tiny-eos")
+
+
+def test_hundred_prompts_through_eight_rows_equal_alone(tiny):
+    prompts, max_tokens = workload(100)
+    probe = generate(tiny, prompts[:10], max_tokens=20).token_ids
+    model = with_eos(tiny, Counter(t for ids in probe for t in ids).most_common(3)[-1][0])
+    out = generate(model, prompts, max_tokens=max_tokens, batch_size=8)
+    alone = [generate(model, [p], max_tokens=m).token_ids[0] for p, m in zip(prompts, max_tokens)]
+    assert out.token_ids == alone
+    assert any(r == "stop" for r in out.finish_reasons) and any(r == "length" for r in out.finish_reasons)
+    stats = out.stats
+    assert stats.rows == 8 and 0.5 < stats.occupancy <= 1.0
+    assert len(stats.ttft) == 100 and all(t >= 0 for t in stats.ttft.values())
+    assert stats.generation_tokens == sum(len(t) for t in out.token_ids)  # closing EOS tokens not counted
+
+
+def test_sampled_outputs_equal_alone_with_seeds(tiny):
+    prompts, max_tokens = workload(20, seed=1)
+    seeds = list(range(100, 120))
+    kw = dict(temperature=0.9, top_p=0.9, seed=seeds, ignore_eos=True)
+    out = generate(tiny, prompts, max_tokens=max_tokens, batch_size=3, **kw)
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        alone = generate(tiny, [p], max_tokens=m, temperature=0.9, top_p=0.9, seed=seeds[i], ignore_eos=True)
+        assert out.token_ids[i] == alone.token_ids[0]
+    assert out.seeds == seeds
+
+
+def test_add_while_running_and_cancel(tiny):
+    engine = Engine(tiny, rows=2, ignore_eos=True)
+    a = engine.add([5, 6, 7], max_tokens=30)
+    b = engine.add([8, 9], max_tokens=30)
+    c = engine.add([10], max_tokens=30)
+    late = None
+    seen = {a: 0, b: 0, c: 0}
+    after_cancel = []
+    for event in engine.events():
+        seen[event.index] = seen.get(event.index, 0) + 1
+        if late is not None and event.index in (b, c):
+            after_cancel.append(event)
+        if event.index == a and seen[a] == 5:
+            engine.cancel(b)  # running
+            engine.cancel(c)  # still queued
+            late = engine.add([11, 12, 13, 14], max_tokens=6)
+    assert engine.requests[a].finish_reason == "length" and seen[a] == 30
+    assert engine.requests[b].finish_reason == "cancelled" and 4 <= seen[b] <= 5 and not after_cancel
+    assert engine.requests[c].finish_reason == "cancelled" and seen[c] == 0
+    assert engine.requests[late].finish_reason == "length"
+    assert engine.requests[late].text.tokens == generate(tiny, [[11, 12, 13, 14]], max_tokens=6,
+                                                          ignore_eos=True).token_ids[0]
+
+
+def test_engine_grows_its_ring_without_losing_rows(tiny):
+    """A long request admitted next to short ones forces the cache to grow (and unroll)."""
+    prompts = [[3] * 10, [4] * 200, [5] * 30, [6] * 250]
+    max_tokens = [70, 60, 40, 30]
+    out = generate(tiny, prompts, max_tokens=max_tokens, batch_size=2, ignore_eos=True)
+    for p, m, ids in zip(prompts, max_tokens, out.token_ids):
+        assert ids == generate(tiny, [p], max_tokens=m, ignore_eos=True).token_ids[0]
+
+
+def test_real_model_engine_equals_alone(model_q4):
+    prompts = ["The capital of France is", "Hi", "def add(a, b):", "日本の首都は", "List three fruits:"]
+    max_tokens = [8, 4, 10, 6, 12]
+    out = generate(model_q4, prompts, max_tokens=max_tokens, batch_size=2)
+    for p, m, ids in zip(prompts, max_tokens, out.token_ids):
+        assert ids == generate(model_q4, p, max_tokens=m).token_ids[0]
+
+
+def test_bad_rows():
+    with pytest.raises(mlxfun.InputError, match="rows"):
+        Engine(tiny_model(), rows=0)
+    with pytest.raises(mlxfun.InputError, match="batch_size"):
+        generate(tiny_model(), [[1], [2]], batch_size=0)
+    assert sampling.make_settings(1).temperature.shape == (1,)

@@ -1,0 +1,181 @@
+"""Batched generation: every prompt's output equals its output alone, whatever the padding."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+import mlxfun
+from mlxfun.generate import generate, stream_generate
+from mlxfun.prefill import plan_groups
+from tests.helpers import tiny_config, tiny_model
+
+# Real-model tests generate this many tokens (the CPU here costs ~0.1 s per row and token);
+# MLXFUN_REAL_TOKENS=64 runs the full-length check.
+REAL_TOKENS = int(os.environ.get("MLXFUN_REAL_TOKENS", "24"))
+
+LONG = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
+        "Constantinople. Its legions built roads, aqueducts and fortifications across Europe, North Africa and "
+        "the Middle East, and its law, language and institutions shaped the societies that followed. ") * 4
+
+REAL_PROMPTS = [
+    {"text": "Hi"},  # one token
+    {"text": "The capital of France is"},
+    {"text": "What is the boiling point of water?", "chat": True},
+    {"text": "def fibonacci(n):\n    "},
+    {"text": "東京は日本の首都です。人口は"},
+    {"text": "Écris une phrase sur la mer."},
+    {"text": "List three colors.", "chat": True},
+    {"text": "1, 2, 3, 4, 5,"},
+    {"text": "Привет! Как дела?"},
+    {"text": "import numpy as np\nx = np.arange(10)\nprint("},
+    {"text": "Summarize: " + LONG[:400], "chat": True},
+    {"text": LONG},  # about 200 tokens
+]
+
+
+def _ids(model, p):
+    if p.get("chat"):
+        return model.tokenizer.encode_chat([{"role": "user", "content": p["text"]}])
+    return model.tokenizer.encode(p["text"])
+
+
+def _alone(model):
+    """(prompt ids, each prompt's output alone)."""
+    prompts = [_ids(model, p) for p in REAL_PROMPTS]
+    return prompts, [generate(model, [p], max_tokens=REAL_TOKENS).token_ids[0] for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def alone_f32(model_f32):
+    return _alone(model_f32)
+
+
+@pytest.fixture(scope="module")
+def alone_q4(model_q4):
+    return _alone(model_q4)
+
+
+def test_real_prompts_span_lengths(alone_q4):
+    lengths = sorted(len(p) for p in alone_q4[0])
+    assert lengths[0] == 1 and lengths[-1] >= 200, lengths
+
+
+@pytest.mark.parametrize("name", ["f32", "q4"])
+def test_real_batch_equals_alone(name, request):
+    model = request.getfixturevalue(f"model_{name}")
+    prompts, alone = request.getfixturevalue(f"alone_{name}")
+    batched = generate(model, prompts, max_tokens=REAL_TOKENS)
+    for i, (b, a) in enumerate(zip(batched.token_ids, alone)):
+        assert b == a, f"{name}: prompt {i} differs in a batch"
+    assert all(len(a) > 0 for a in alone)
+
+
+def test_real_shuffled_and_sub_batches(model_q4, alone_q4):
+    """One dtype suffices for reordering; both run the full batch above."""
+    model, (prompts, alone) = model_q4, alone_q4
+    rng = random.Random(0)
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    sub = order[:5]
+    for idx in (order, sub):
+        out = generate(model, [prompts[i] for i in idx], max_tokens=REAL_TOKENS).token_ids
+        for i, ids in zip(idx, out):
+            assert ids == alone[i], f"prompt {i} depends on its neighbours"
+
+
+def test_tiny_batch_equals_alone_across_chunks_and_buckets():
+    """Heavy left padding, a prompt longer than the prefill chunk, and decoding across a cache bucket."""
+    model = tiny_model(tiny_config(vocab_size=97, max_position_embeddings=1024))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, 97) for _ in range(n)] for n in (1, 2, 7, 40, 130, 250)]
+    kw = dict(max_tokens=20, prefill_step=32, ignore_eos=True)
+    batched = generate(model, prompts, **kw).token_ids
+    for p, b in zip(prompts, batched):
+        assert b == generate(model, [p], **kw).token_ids[0]
+    assert len(batched[-1]) == 20  # 250 + 20 crosses the 256-slot bucket
+
+
+def test_prefill_groups_bound_padding():
+    lengths = [300, 110, 75, 55, 3, 1, 120, 290]
+    groups = plan_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        padded = len(g) * max(lengths[i] for i in g)
+        assert padded <= 1.3 * sum(lengths[i] for i in g)
+    assert any(0 in g and 7 in g for g in groups)  # similar lengths share a group
+    assert not any(0 in g and 5 in g for g in groups)  # 300 and 1 tokens never share padding
+
+
+
+def test_rows_finish_on_their_own(model_q4):
+    """A chat row ends early on the end-of-turn token; a raw row runs to max_tokens."""
+    prompts = [[{"role": "user", "content": "Hi"}], "The history of the Roman Empire"]
+    out = generate(model_q4, prompts, max_tokens=[40, 12])
+    assert out.finish_reasons == ["stop", "length"]
+    assert len(out.token_ids[1]) == 12
+    assert 0 < len(out.token_ids[0]) < 40
+    assert not any(t in model_q4.tokenizer.eos_token_ids for t in out.token_ids[0])
+    for p, ids, m in zip(prompts, out.token_ids, [40, 12]):
+        assert generate(model_q4, [p], max_tokens=m).token_ids[0] == ids
+    assert "<|im_end|>" not in out.texts[0] and out.texts[0].strip()
+
+
+def test_stop_string_across_token_boundaries(model_q4):
+    full = generate(model_q4, "The capital of France is", max_tokens=10)
+    text = full.texts[0]
+    assert text.startswith(" Paris.\n\n")
+    # "s.\n\nTh" spans " Paris", ".", "\n\n" and "The": the text ends just before it.
+    out = generate(model_q4, "The capital of France is", max_tokens=10, stop=["zzz", "s.\n\nTh"])
+    assert out.texts[0] == " Pari"
+    assert out.finish_reasons == ["stop"]
+    # Tokens up to the one that completed the stop string are kept.
+    assert out.token_ids[0] == full.token_ids[0][: len(out.token_ids[0])]
+    assert model_q4.tokenizer.decode(out.token_ids[0]).startswith(" Paris.\n\nThe")
+
+
+def test_stream_equals_generate(model_q4):
+    prompts = ["The capital of France is", "日本の首都は", "def add(a, b):"]
+    kw = dict(max_tokens=10, stop=["\n\n"])
+    result = generate(model_q4, prompts, **kw)
+    texts, reasons = ["", "", ""], [None] * 3
+    for e in stream_generate(model_q4, prompts, **kw):
+        assert reasons[e.index] is None, "a finished row emitted more"
+        texts[e.index] += e.text
+        reasons[e.index] = e.finish_reason
+    assert texts == result.texts
+    assert reasons == result.finish_reasons
+
+
+def test_single_string_gives_lists(model_q4):
+    out = generate(model_q4, "Hello", max_tokens=3)
+    assert len(out.texts) == len(out.token_ids) == len(out.finish_reasons) == 1
+    assert out.stats.prompt_tokens == len(model_q4.tokenizer.encode("Hello"))
+    assert out.stats.generation_tokens == 3 and out.stats.generation_tps > 0
+
+
+def test_per_prompt_lists_are_checked():
+    model = tiny_model()
+    with pytest.raises(mlxfun.InputError, match="max_tokens has 3 values for 2 prompts"):
+        generate(model, [[1, 2], [3]], max_tokens=[1, 2, 3])
+    with pytest.raises(mlxfun.InputError, match="stop has 1 values for 2 prompts"):
+        generate(model, [[1, 2], [3]], stop=[["a"]])
+    with pytest.raises(mlxfun.InputError, match="max_tokens"):
+        generate(model, [[1, 2]], max_tokens=0)
+
+
+def test_prompt_longer_than_context_is_refused_before_work():
+    model = tiny_model(tiny_config(max_position_embeddings=64))
+    with pytest.raises(mlxfun.InputError, match="prompt 1 has 64 tokens; the model's context is 64"):
+        generate(model, [[1, 2], [5] * 64])
+    with pytest.raises(mlxfun.InputError, match="outside"):
+        generate(model, [[1, 2, 500]])
+
+
+def test_generation_stops_at_the_context_limit():
+    model = tiny_model(tiny_config(max_position_embeddings=40))
+    out = generate(model, [[3] * 30, [4] * 5], max_tokens=100, ignore_eos=True)
+    assert [len(t) for t in out.token_ids] == [10, 35]
+    assert out.finish_reasons == ["length", "length"]
