@@ -51,6 +51,14 @@ def write_positions(positions: mx.array, new: mx.array, slot: mx.array) -> mx.ar
     return mx.slice_update(positions, new, slot[None], axes=(1,))
 
 
+def key_positions(cache: KVCache, new: mx.array, slot: mx.array) -> mx.array:
+    """Positions of the keys a step attends over, for new tokens at positions new (B, T): the
+    slots after writing one token (B, C), or the slots before the write then the chunk (B, C + T)."""
+    if new.shape[1] == 1:
+        return write_positions(cache.positions, new, slot)
+    return mx.concatenate([cache.positions, new], axis=1)
+
+
 def advance(cache: KVCache, keys: tuple, values: tuple, new_positions: mx.array, slot: mx.array) -> KVCache:
     """The cache after a step wrote `keys`/`values` for tokens at `new_positions` (B, T)."""
     return KVCache(keys, values, write_positions(cache.positions, new_positions, slot),

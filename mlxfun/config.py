@@ -35,6 +35,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_traditional: bool = False
     rope_scaling: RopeScaling | None = None
+    # Per-pair divisors of the RoPE frequencies, as llama.cpp stores llama3 scaling (`rope_freqs`).
+    rope_freq_factors: tuple[float, ...] | None = None
     tie_word_embeddings: bool = True
     attention_bias: bool = False
     qk_norm: bool = False
@@ -123,6 +125,8 @@ def from_hf(raw: dict) -> ModelConfig:
             rope_theta=float(raw.get("rope_theta", 10000.0)),
             rope_traditional=bool(raw.get("rope_traditional", False)),  # mlx-lm's key; HF has none
             rope_scaling=_rope_scaling(raw.get("rope_scaling")),
+            rope_freq_factors=tuple(float(f) for f in raw["rope_freq_factors"]) if raw.get("rope_freq_factors")
+            else None,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type != "llama")),
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
@@ -155,6 +159,8 @@ def to_hf(config: ModelConfig) -> dict:
     }
     if config.rope_traditional:
         raw["rope_traditional"] = True
+    if config.rope_freq_factors is not None:
+        raw["rope_freq_factors"] = list(config.rope_freq_factors)  # mlxfun's own key: GGUF llama3 scaling
     if config.rope_scaling is not None:
         s = config.rope_scaling
         raw["rope_scaling"] = {"rope_type": s.kind, "factor": s.factor}

@@ -83,12 +83,15 @@ def embed(p: Linear, tokens: mx.array, hidden_size: int) -> mx.array:
 
 
 def rope_freqs(config: ModelConfig) -> mx.array | None:
-    """Per-pair inverse frequencies for llama3 scaling; None where mx.fast.rope's base suffices."""
+    """Per-pair RoPE periods for llama3 scaling or explicit frequency factors; None where
+    mx.fast.rope's base suffices."""
+    d = config.head_dim
+    inv = [config.rope_theta ** (-2 * i / d) for i in range(d // 2)]
+    if config.rope_freq_factors is not None:
+        return mx.array([f / i for f, i in zip(config.rope_freq_factors, inv)], dtype=mx.float32)
     s = config.rope_scaling
     if s is None or s.kind != "llama3":
         return None
-    d = config.head_dim
-    inv = [config.rope_theta ** (-2 * i / d) for i in range(d // 2)]
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     out = []
@@ -116,10 +119,13 @@ def rope(config: ModelConfig, x: mx.array, offset: mx.array) -> mx.array:
                         scale=scale, offset=offset, freqs=freqs)
 
 
-def attention(config: ModelConfig, layer: Layer, x: mx.array, positions: mx.array, mask: mx.array | None,
-              window: int | None, cache_kv: tuple[mx.array, mx.array] | None,
-              cache_positions: mx.array | None, slot: mx.array | None):
-    """x (B, T, E) -> ((B, T, E), new (keys, values) of this layer or None)."""
+def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, mask: mx.array,
+              cache_kv: tuple[mx.array, mx.array] | None, slot: mx.array | None):
+    """x (B, T, E), mask (B, T, S) -> ((B, T, E), this layer's new (keys, values) or None).
+
+    Keys are the T new tokens without a cache; with one, the cache after writing them (T == 1),
+    or the cache before the write followed by them (T > 1: a chunk may overwrite ring slots its
+    own earlier queries still see)."""
     B, T, _ = x.shape
     H, K, D = config.num_heads, config.num_kv_heads, config.head_dim
     qkv = linear(layer.qkv, x)  # (B, T, (H + 2K) D)
@@ -130,31 +136,29 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, positions: mx.arra
     if layer.q_norm is not None:
         q = mx.fast.rms_norm(q, layer.q_norm, config.rms_norm_eps)
         k = mx.fast.rms_norm(k, layer.k_norm, config.rms_norm_eps)
-    offset = positions[:, 0]
     q, k = rope(config, q, offset), rope(config, k, offset)
 
     new_kv = None
     if cache_kv is None:
-        keys, values, key_pos = k, v, positions
+        keys, values = k, v
     else:
         new_kv = (kv.write(cache_kv[0], k, slot), kv.write(cache_kv[1], v, slot))
         if T == 1:
-            # The written slot replaced the oldest one, which a window of the ring's size never sees.
             keys, values = new_kv
-            key_pos = kv.write_positions(cache_positions, positions, slot)
         else:
-            # A chunk may overwrite slots its own earlier queries still see: attend old + new.
             keys = mx.concatenate([cache_kv[0], k], axis=2)  # (B, K, C + T, D)
             values = mx.concatenate([cache_kv[1], v], axis=2)
-            key_pos = mx.concatenate([cache_positions, positions], axis=1)  # (B, C + T)
-    if mask is None:
-        mask = masks.causal(positions, key_pos)
-    if window is not None:
-        mask = mask & masks.window(positions, key_pos, window)
-    mask = masks.never_empty(mask)  # (B, T, S)
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask[:, None])
     out = out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
     return linear(layer.o, out), new_kv
+
+
+def layer_masks(config: ModelConfig, positions: mx.array, key_pos: mx.array,
+                mask: mx.array | None) -> dict[int | None, mx.array]:
+    """One (B, T, S) mask per distinct layer window, built once per forward pass."""
+    base = masks.causal(positions, key_pos) if mask is None else mask
+    return {w: masks.never_empty(base if w is None else base & masks.window(positions, key_pos, w))
+            for w in set(config.layer_windows)}
 
 
 def mlp(layer: Layer, x: mx.array) -> mx.array:
@@ -170,18 +174,20 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
            mask: mx.array | None = None, cache: kv.KVCache | None = None):
     """tokens (B, T), positions (B, T) -> (final hidden states (B, T, E), new cache or None).
 
-    `mask` (B, T, S) is the padding/causal visibility over the keys: the cache's slots after this
-    step's write when T == 1, the cache's slots then the T new tokens when T > 1, the T tokens when
-    there is no cache. None derives it from positions (`masks.causal`). Windows are applied on top.
+    `mask` (B, T, S) is the padding/causal visibility over the keys (see `attention` and
+    `cache.key_positions` for their order); None derives it from positions (`masks.causal`).
+    Layer windows are applied on top.
     """
     h = embed(params.embed, tokens, config.hidden_size)
     slot = None if cache is None else kv.next_slot(cache)
+    key_pos = positions if cache is None else kv.key_positions(cache, positions, slot)  # (B, S)
+    layer_mask = layer_masks(config, positions, key_pos, mask)
+    offset = positions[:, 0]  # (B,) RoPE starts here in each row
     new_keys, new_values = [], []
     for i, layer in enumerate(params.layers):
         layer_kv = None if cache is None else (cache.keys[i], cache.values[i])
-        cache_pos = None if cache is None else cache.positions
         a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
-                               positions, mask, config.layer_windows[i], layer_kv, cache_pos, slot)
+                               offset, layer_mask[config.layer_windows[i]], layer_kv, slot)
         h = h + a
         h = h + mlp(layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps))
         if written is not None:

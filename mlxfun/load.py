@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,7 @@ def _hub_snapshot(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:
         raise ModelError(f"cannot get {repo_id!r} from the Hugging Face Hub (not in the local cache, "
-                         f"and the download failed: {type(e).__name__}: {str(e)[:200]})") from None
+                         f"and the download failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
 
 
 def _meta(metadata: dict, key: str, default=None):
@@ -150,6 +151,11 @@ def _load_gguf(path: Path):
         raise ModelError(f"{path}: GGUF lacks tensor 'token_embd.weight'")
     vocab = tensors["token_embd.weight"].shape[0]
     config = _gguf_config(metadata, vocab, tied="output.weight" not in tensors)
+    factors = tensors.pop("rope_freqs.weight", None)  # llama3 RoPE scaling, as llama.cpp stores it
+    if factors is not None:
+        if factors.shape != (config.head_dim // 2,):
+            raise ModelError(f"{path}: rope_freqs.weight has shape {factors.shape}, expected ({config.head_dim // 2},)")
+        config = dataclasses.replace(config, rope_freq_factors=tuple(factors.astype(mx.float32).tolist()))
     return config, weights.build_params(config, weights.gguf_to_hf(config, tensors)), tok.from_gguf(metadata)
 
 

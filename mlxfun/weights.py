@@ -29,7 +29,7 @@ _GGUF_LAYER = {
 }
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors some checkpoints carry that the decoder recomputes.
-_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|rope_freqs\.weight)$")
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 def _unpermute_rows(w: mx.array, heads: int) -> mx.array:

@@ -13,7 +13,7 @@ from mlxfun.engine import Engine
 from mlxfun.generate import generate
 from mlxfun.load import Model
 from mlxfun.tokenizer import Tokenizer
-from tests.helpers import tiny_config, tiny_model
+from helpers import tiny_config, tiny_model
 
 
 @pytest.fixture(scope="module")

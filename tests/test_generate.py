@@ -10,7 +10,7 @@ import pytest
 import mlxfun
 from mlxfun.generate import generate, stream_generate
 from mlxfun.prefill import plan_groups
-from tests.helpers import tiny_config, tiny_model
+from helpers import tiny_config, tiny_model
 
 # Real-model tests generate this many tokens (the CPU here costs ~0.1 s per row and token);
 # MLXFUN_REAL_TOKENS=64 runs the full-length check.

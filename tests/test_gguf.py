@@ -101,3 +101,23 @@ def test_tiny_gguf_tokenizer(tmp_path):
     assert tok.encode("42") == [TOKENS.index("4"), TOKENS.index("2")]
     assert tok.eos_token_ids == {0, 2} and tok.bos_token_id == 1 and not tok.add_bos
     assert tok.encode_chat([{"role": "user", "content": "hi"}]) == [1, TOKENS.index("h"), TOKENS.index("i"), 2]
+
+
+def test_llama3_gguf_rope_freq_factors(tmp_path):
+    """llama.cpp stores llama3 RoPE scaling as per-pair frequency divisors (`rope_freqs.weight`)."""
+    config = tiny_config(**VARIANTS["llama3_rope"], max_position_embeddings=256)
+    _, w = tiny_params(config, seed=5)
+    scaled = 1.0 / np.array(llama.rope_freqs(config))  # llama3-scaled inverse frequencies
+    plain = config.rope_theta ** (-2 * np.arange(config.head_dim // 2) / config.head_dim)
+    plain_config = tiny_config(**{**VARIANTS["llama3_rope"], "rope_scaling": None}, max_position_embeddings=256)
+
+    def add_factors(tensors):
+        tensors["rope_freqs.weight"] = mx.array((plain / scaled).astype(np.float32))
+
+    model = mlxfun.load(write_gguf(tmp_path / "l3.gguf", plain_config, w, edit=add_factors))
+    assert model.config.rope_freq_factors is not None and max(model.config.rope_freq_factors) > 7.9
+    tokens = random_tokens(config, (1, 40))
+    positions = np.arange(40)[None]
+    logits, _ = llama.forward(model.config, model.params, mx.array(tokens), mx.array(positions))
+    assert rel_error(np.array(logits), reference_forward(config, w, tokens, positions)) < 1e-4
+    assert rel_error(np.array(logits), reference_forward(plain_config, w, tokens, positions)) > 1e-2

@@ -11,7 +11,7 @@ from mlxfun import cache as kv
 from mlxfun import config as cfg
 from mlxfun import llama
 from mlxfun.generate import Batch, generate, make_config
-from tests.helpers import tiny_config, tiny_model
+from helpers import tiny_config, tiny_model
 
 
 def greedy_by_full_forward(model, config, prompt: list[int], n: int) -> list[int]:
