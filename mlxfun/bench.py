@@ -199,17 +199,18 @@ def bench_mlx_lm(folder: Path, name: str, rows: list[Row], args) -> None:
 
 
 def matmul_bench(sizes: list[tuple[int, int]], rows: list[int], dtype: mx.Dtype, bits: int = 4,
-                 group_size: int = 64, repeats: int = 10) -> list[dict]:
-    """Per (out, in) weight and M rows: ms of a quantized matmul, dequantize-then-matmul, and dense."""
+                 group_size: int = 64, repeats: int = 5, per_eval: int = 20) -> list[dict]:
+    """Per (out, in) weight and M rows: ms of a quantized matmul, dequantize-then-matmul, and dense.
+    `per_eval` products share one evaluation, so a GPU's launch and sync latency is amortized."""
 
-    def timed(fn) -> float:
-        mx.eval(fn())
+    def timed(fn, xs) -> float:
+        mx.eval([fn(x) for x in xs])
         ts = []
         for _ in range(repeats):
             t = time.perf_counter()
-            mx.eval(fn())
+            mx.eval([fn(x) for x in xs])
             ts.append(time.perf_counter() - t)
-        return 1e3 * sorted(ts)[len(ts) // 2]
+        return 1e3 * sorted(ts)[len(ts) // 2] / len(xs)
 
     out = []
     for n_out, n_in in sizes:
@@ -217,11 +218,11 @@ def matmul_bench(sizes: list[tuple[int, int]], rows: list[int], dtype: mx.Dtype,
         q = mx.quantize(w, group_size=group_size, bits=bits)
         mx.eval(w, q)
         for M in rows:
-            x = mx.random.normal((M, n_in)).astype(dtype)
-            mx.eval(x)
-            qmm = timed(lambda: mx.quantized_matmul(x, *q, transpose=True, group_size=group_size, bits=bits))
-            deq = timed(lambda: x @ mx.dequantize(*q, group_size=group_size, bits=bits).T)
-            dense = timed(lambda: x @ w.T)
+            xs = [mx.random.normal((M, n_in)).astype(dtype) for _ in range(per_eval if on_gpu() else 1)]
+            mx.eval(xs)
+            qmm = timed(lambda x: mx.quantized_matmul(x, *q, transpose=True, group_size=group_size, bits=bits), xs)
+            deq = timed(lambda x: x @ mx.dequantize(*q, group_size=group_size, bits=bits).T, xs)
+            dense = timed(lambda x: x @ w.T, xs)
             out.append(dict(weight=f"{n_out}x{n_in}", M=M, dtype=str(dtype), quantized_ms=qmm,
                             dequantize_matmul_ms=deq, dense_ms=dense))
             print(f"  matmul {n_out}x{n_in} M={M:4d}: q{bits} {qmm:8.3f} ms  dequantize+matmul {deq:8.3f} ms  "

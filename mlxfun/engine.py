@@ -23,25 +23,29 @@ from mlxfun.errors import InputError
 from mlxfun.events import Event, Stats
 from mlxfun.load import Model
 from mlxfun.prefill import plan_groups, prefill_group
+from mlxfun.rows import Row, host_values
 from mlxfun.step import DecodeState, Mode, StepOut, compiled_steps
 
 
 @dataclass
 class Request:
-    """One prompt's options and, as it runs, its output."""
+    """One prompt, its sampling settings and, as it runs, its output (`row`)."""
 
     id: int
     prompt: list[int]
-    max_tokens: int
-    stop: tuple[str, ...]
     settings: sampling.Settings  # one row
-    top_logprobs: int = -1
-    text: RowText | None = None
-    finish_reason: str | None = None
-    logprobs: list[float] = field(default_factory=list)
-    top: list = field(default_factory=list)
+    mode: Mode  # what a decode step must compute for this request
+    row: Row
     submitted: float = 0.0
     first_token_time: float | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.row.finish_reason
+
+    @property
+    def text(self) -> RowText:
+        return self.row.text
 
 
 @dataclass
@@ -88,10 +92,12 @@ class Engine:
             raise InputError(f"max_tokens must be positive, got {max_tokens}")
         rid = self._next_id
         self._next_id += 1
-        self.requests[rid] = Request(rid, list(prompt), max_tokens, tuple(stop),
-                                     settings if settings is not None else sampling.make_settings(1),
-                                     top_logprobs, RowText(self.model.tokenizer, tuple(stop)),
-                                     submitted=time.perf_counter())
+        settings = settings if settings is not None else sampling.make_settings(1)
+        penalties = sampling.needs_counts(settings)
+        mode = Mode(sample=not sampling.all_greedy(settings), penalties=penalties,
+                    sort=sampling.needs_sort(settings), top_logprobs=top_logprobs)
+        row = Row(len(prompt), max_tokens, RowText(self.model.tokenizer, tuple(stop)), top_logprobs)
+        self.requests[rid] = Request(rid, list(prompt), settings, mode, row, submitted=time.perf_counter())
         self.pending.append(rid)
         self.stats.prompt_tokens += len(prompt)
         return rid
@@ -99,8 +105,8 @@ class Engine:
     def cancel(self, rid: int) -> None:
         """Stop a request: queued ones never start, running ones end with reason "cancelled"."""
         req = self.requests[rid]
-        if req.finish_reason is None:
-            req.finish_reason = "cancelled"
+        if req.row.finish_reason is None:
+            req.row.finish_reason = "cancelled"
         if rid in self.pending:
             self.pending.remove(rid)
         if rid in self.owner:
@@ -130,7 +136,7 @@ class Engine:
             if queued is not None:
                 yield from self._take(*queued)
             queued = next_queued
-        self.stats.generation_time = time.perf_counter() - t0
+        self.stats.generation_time = time.perf_counter() - t0 - self.stats.prompt_time
         self.stats.generation_tokens = sum(len(r.text.tokens) for r in self.requests.values())
         self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
@@ -156,8 +162,8 @@ class Engine:
         for group in plan_groups([len(r.prompt) for r in reqs]):
             rows = [free.pop(0) for _ in group]
             greqs = [reqs[i] for i in group]
-            mode = Mode(sample=True, sort=any(sampling.needs_sort(r.settings) for r in greqs),
-                        top_logprobs=max(r.top_logprobs for r in greqs))
+            mode = Mode(sample=True, sort=any(r.mode.sort for r in greqs),
+                        top_logprobs=max(r.mode.top_logprobs for r in greqs))
             steps = compiled_steps(self.config, mode)
             h, cache = prefill_group(self.config, steps, params, [r.prompt for r in greqs], self.cursor, cap,
                                      self.prefill_step, dtype)
@@ -205,11 +211,10 @@ class Engine:
             self.state = self.state._replace(cache=cache)
 
     def _mode(self) -> Mode:
-        live = [self.requests[o] for o in self.owner if o is not None]
-        penalties = any(sampling.needs_counts(r.settings) for r in live)
-        sample = penalties or not all(sampling.all_greedy(r.settings) for r in live)
-        sort = any(sampling.needs_sort(r.settings) for r in live)
-        return Mode(sample=sample, penalties=penalties, sort=sort, top_logprobs=max(r.top_logprobs for r in live))
+        """The least a step must compute for the live requests (each Mode compiles once)."""
+        live = [self.requests[o].mode for o in self.owner if o is not None]
+        return Mode(sample=any(m.sample for m in live), penalties=any(m.penalties for m in live),
+                    sort=any(m.sort for m in live), top_logprobs=max(m.top_logprobs for m in live))
 
     def _state_for(self, mode: Mode) -> DecodeState:
         return self.state if mode.penalties else self.state._replace(counts=None)
@@ -217,48 +222,21 @@ class Engine:
 
     def _take(self, out: StepOut, owners: list) -> Iterator[Event]:
         """Hand out one step's tokens: `owners[i]` is the request that row i held when it ran."""
-        tokens = out.tokens.tolist()
-        logprob = None if out.logprob is None else out.logprob.tolist()
-        top = None if out.top_ids is None else list(zip(out.top_ids.tolist(), out.top_logprobs.tolist()))
+        tokens, logprob, top = host_values(out)
         eos = () if self.ignore_eos else self.model.tokenizer.eos_token_ids
         now = time.perf_counter()
         for i, rid in enumerate(owners):
-            if rid is None:
+            if rid is None or self.requests[rid].finish_reason is not None:
                 continue
             req = self.requests[rid]
-            if req.finish_reason is not None:
-                continue
             if req.first_token_time is None:
                 req.first_token_time = now
                 self.stats.ttft[rid] = now - req.submitted
-            token = tokens[i]
-            if token in eos:
-                yield self._finish(req, "stop", token, req.text.flush())
-                continue
-            piece = req.text.add(token)
-            lp = None if logprob is None or req.top_logprobs < 0 else logprob[i]
-            tp = None if top is None or req.top_logprobs <= 0 else tuple(zip(top[i][0][:req.top_logprobs],
-                                                                            top[i][1][:req.top_logprobs]))
-            if lp is not None:
-                req.logprobs.append(lp)
-            if tp is not None:
-                req.top.append(tp)
-            reason = None
-            if req.text.stopped_at is not None:
-                reason = "stop"
-            elif (len(req.text.tokens) >= req.max_tokens
-                  or len(req.prompt) + len(req.text.tokens) >= self.config.max_position_embeddings):
-                reason = "length"
-            if reason is not None:
-                yield self._finish(req, reason, token, piece + req.text.flush(), lp, tp)
-            else:
-                yield Event(rid, token, piece, None, lp, tp)
-
-    def _finish(self, req: Request, reason: str, token: int, text: str, lp=None, tp=None) -> Event:
-        req.finish_reason = reason
-        if req.id in self.owner:
-            self.owner[self.owner.index(req.id)] = None
-        return Event(req.id, token, text, reason, lp, tp)
+            event = req.row.accept(rid, tokens[i], eos, self.config.max_position_embeddings,
+                                   None if logprob is None else logprob[i], None if top is None else top[i])
+            if event.finish_reason is not None and rid in self.owner:
+                self.owner[self.owner.index(rid)] = None
+            yield event
 
 
 def _put(a: mx.array, rows: list[int], values: mx.array) -> mx.array:

@@ -21,21 +21,11 @@ from mlxfun.errors import InputError
 from mlxfun.events import Event, Stats
 from mlxfun.load import Model
 from mlxfun.prefill import prefill
+from mlxfun.rows import GenerationResult, Row, host_values, result
 from mlxfun.step import DecodeState, Mode, StepOut, Steps, compiled_steps
 from mlxfun.strategy import WeightStrategy, params_for_batch
 
 Prompt = str | Sequence[int] | Sequence[dict]
-
-
-@dataclass
-class GenerationResult:
-    texts: list[str]
-    token_ids: list[list[int]]  # generated ids, without the closing EOS
-    finish_reasons: list[str]
-    stats: Stats
-    seeds: list[int]  # each row's sampling seed, to repeat the run
-    logprobs: list[list[float]] | None = None  # per row, the chosen tokens' log-probabilities
-    top_logprobs: list[list[tuple[tuple[int, float], ...]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -52,21 +42,12 @@ class GenerationConfig:
     ignore_eos: bool = False
 
 
-def per_row(name: str, value, n: int) -> list:
-    """`value` for each of n rows: a list must have exactly n entries."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise InputError(f"{name} has {len(value)} values for {n} prompts")
-        return list(value)
-    return [value] * n
-
-
 def _stops(stop, n: int) -> tuple[tuple[str, ...], ...]:
     if stop is None or isinstance(stop, str):
         return ((stop,) if stop else (),) * n
     if all(isinstance(s, str) for s in stop):
         return (tuple(stop),) * n  # one list of stop strings for every row
-    rows = per_row("stop", list(stop), n)
+    rows = sampling.per_row("stop", list(stop), n)
     return tuple(((s,) if isinstance(s, str) else tuple(s or ())) for s in rows)
 
 
@@ -115,10 +96,8 @@ class Batch:
         self.gen = gen
         self.steps = steps or compiled_steps(self.config, gen.mode)
         self.stats = Stats(prompt_tokens=sum(len(p) for p in prompts))
-        self.rows = [RowText(model.tokenizer, s) for s in gen.stop]
-        self.finish: list[str | None] = [None] * len(prompts)
-        self.logprobs: list[list[float]] = [[] for _ in prompts]
-        self.top: list[list] = [[] for _ in prompts]
+        self.rows = [Row(len(p), m, RowText(model.tokenizer, s), gen.mode.top_logprobs)
+                     for p, m, s in zip(prompts, gen.max_tokens, gen.stop)]
         self.limit = self.config.max_position_embeddings
         self.window = self.config.max_window  # a ring of this many slots bounds the cache
 
@@ -158,61 +137,37 @@ class Batch:
         params, settings = self.model.params, self.gen.settings
         while True:
             # Queue the next step before reading this one, so the device never waits on the host.
-            if not all(self.finish):
+            if not self._done():
                 state = self._grow(state, written)
                 next_out, next_state = self.steps.decode(params, state, settings)
                 mx.async_eval(next_out, next_state)
                 written += 1
             yield from self._take(out)
-            if all(self.finish):
+            if self._done():
                 break
             out, state = next_out, next_state
         self.stats.generation_time = time.perf_counter() - t1
         self.state = state  # the last state, for inspection
-        self.stats.generation_tokens = sum(len(r.tokens) for r in self.rows)
+        self.stats.generation_tokens = sum(len(r.text.tokens) for r in self.rows)
         self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
+    def __iter__(self) -> Iterator[Event]:
+        return self.events()
+
+    def _done(self) -> bool:
+        return all(r.finish_reason is not None for r in self.rows)
+
     def _take(self, out: StepOut) -> Iterator[Event]:
-        """Hand out one step's tokens on the host; finish rows on EOS, stop strings and limits."""
-        tokens = out.tokens.tolist()
-        logprob = None if out.logprob is None else out.logprob.tolist()
-        top = None if out.top_ids is None else list(zip(out.top_ids.tolist(), out.top_logprobs.tolist()))
+        """Hand out one step's tokens on the host; rows finish on EOS, stop strings and limits."""
+        tokens, logprob, top = host_values(out)
         eos = () if self.gen.ignore_eos else self.model.tokenizer.eos_token_ids
-        for b, token in enumerate(tokens):
-            if self.finish[b] is not None:
-                continue
-            row = self.rows[b]
-            if token in eos:
-                self.finish[b] = "stop"
-                yield Event(b, token, row.flush(), "stop")
-                continue
-            piece = row.add(token)
-            lp = None if logprob is None else logprob[b]
-            tp = None if top is None else tuple(zip(top[b][0], top[b][1]))
-            if lp is not None:
-                self.logprobs[b].append(lp)
-            if tp is not None:
-                self.top[b].append(tp)
-            if row.stopped_at is not None:
-                self.finish[b] = "stop"
-            elif len(row.tokens) >= self.gen.max_tokens[b] or len(self.prompts[b]) + len(row.tokens) >= self.limit:
-                self.finish[b] = "length"
-            if self.finish[b] is not None:
-                piece += row.flush()
-            yield Event(b, token, piece, self.finish[b], lp, tp)
+        for b, row in enumerate(self.rows):
+            if row.finish_reason is None:
+                yield row.accept(b, tokens[b], eos, self.limit, None if logprob is None else logprob[b],
+                                 None if top is None else top[b])
 
     def result(self) -> GenerationResult:
-        ids = [r.tokens if r.tokens_at_stop is None else r.tokens[: r.tokens_at_stop] for r in self.rows]
-        want_lp = self.gen.mode.top_logprobs >= 0
-        return GenerationResult(
-            texts=[r.final_text for r in self.rows],
-            token_ids=ids,
-            finish_reasons=list(self.finish),
-            stats=self.stats,
-            seeds=list(self.gen.seeds),
-            logprobs=[lp[: len(i)] for lp, i in zip(self.logprobs, ids)] if want_lp else None,
-            top_logprobs=[tp[: len(i)] for tp, i in zip(self.top, ids)] if self.gen.mode.top_logprobs > 0 else None,
-        )
+        return result(self.rows, self.stats, self.gen.seeds, self.gen.mode.top_logprobs)
 
 
 def make_config(n: int, *, max_tokens=256, temperature=0.0, top_p=1.0, min_p=0.0, top_k=0,
@@ -220,7 +175,7 @@ def make_config(n: int, *, max_tokens=256, temperature=0.0, top_p=1.0, min_p=0.0
                 stop=None, logprobs: int | None = None, prefill_step: int = 512,
                 max_kv_size: int | None = None, ignore_eos: bool = False) -> GenerationConfig:
     """Validate every option and expand it to n rows."""
-    max_tokens = per_row("max_tokens", max_tokens, n)
+    max_tokens = sampling.per_row("max_tokens", max_tokens, n)
     if any(not isinstance(m, int) or m < 1 for m in max_tokens):
         raise InputError(f"max_tokens must be positive integers, got {max_tokens}")
     if logprobs is not None and (not isinstance(logprobs, int) or logprobs < 0):
@@ -254,25 +209,17 @@ class EngineJob:
                                     top_logprobs=gen.mode.top_logprobs)
                     for i, (p, m, s) in enumerate(zip(prompts, gen.max_tokens, gen.stop))]
 
+    def __iter__(self) -> Iterator[Event]:
+        return self.events()
+
     def events(self) -> Iterator[Event]:
         index = {rid: i for i, rid in enumerate(self.ids)}
         for e in self.engine.events():
             yield e._replace(index=index[e.index])
 
     def result(self) -> GenerationResult:
-        reqs = [self.engine.requests[i] for i in self.ids]
-        ids = [r.text.tokens if r.text.tokens_at_stop is None else r.text.tokens[: r.text.tokens_at_stop]
-               for r in reqs]
-        want_lp = self.gen.mode.top_logprobs >= 0
-        return GenerationResult(
-            texts=[r.text.final_text for r in reqs],
-            token_ids=ids,
-            finish_reasons=[r.finish_reason for r in reqs],
-            stats=self.engine.stats,
-            seeds=list(self.gen.seeds),
-            logprobs=[r.logprobs[: len(i)] for r, i in zip(reqs, ids)] if want_lp else None,
-            top_logprobs=[r.top[: len(i)] for r, i in zip(reqs, ids)] if self.gen.mode.top_logprobs > 0 else None,
-        )
+        rows = [self.engine.requests[i].row for i in self.ids]
+        return result(rows, self.engine.stats, self.gen.seeds, self.gen.mode.top_logprobs)
 
 
 def start(model: Model, prompts, gen_options: dict, *, chat: bool = False, batch_size: int | None = None):
@@ -297,13 +244,14 @@ def stream_generate(model: Model, prompts: Prompt | list[Prompt], *, max_tokens:
                     frequency_penalty: float | list[float] = 0.0, seed: int | list[int] | None = None,
                     stop: str | list[str] | list[list[str]] | None = None, chat: bool = False,
                     logprobs: int | None = None, prefill_step: int = 512, max_kv_size: int | None = None,
-                    ignore_eos: bool = False, batch_size: int | None = None) -> Iterator[Event]:
-    """Like `generate`, yielding an `Event` per generated token of each prompt as it is produced."""
+                    ignore_eos: bool = False, batch_size: int | None = None) -> Batch | EngineJob:
+    """Like `generate`, but returns the job: iterate it for an `Event` per generated token of each
+    prompt as it is produced, then call `.result()` for the whole `GenerationResult`."""
     options = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
                    repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                    frequency_penalty=frequency_penalty, seed=seed, stop=stop, logprobs=logprobs,
                    prefill_step=prefill_step, max_kv_size=max_kv_size, ignore_eos=ignore_eos)
-    yield from start(model, prompts, options, chat=chat, batch_size=batch_size).events()
+    return start(model, prompts, options, chat=chat, batch_size=batch_size)
 
 
 def generate(model: Model, prompts: Prompt | list[Prompt], *, max_tokens: int | list[int] = 256,
@@ -324,12 +272,12 @@ def generate(model: Model, prompts: Prompt | list[Prompt], *, max_tokens: int | 
     to a ring of that many tokens (each query then sees at most that many). `on_event`: called
     with each Event (e.g. for a progress bar).
     """
-    options = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
-                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                   frequency_penalty=frequency_penalty, seed=seed, stop=stop, logprobs=logprobs,
-                   prefill_step=prefill_step, max_kv_size=max_kv_size, ignore_eos=ignore_eos)
-    job = start(model, prompts, options, chat=chat, batch_size=batch_size)
-    for event in job.events():
+    job = stream_generate(model, prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                          min_p=min_p, top_k=top_k, repetition_penalty=repetition_penalty,
+                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed,
+                          stop=stop, chat=chat, logprobs=logprobs, prefill_step=prefill_step,
+                          max_kv_size=max_kv_size, ignore_eos=ignore_eos, batch_size=batch_size)
+    for event in job:
         if on_event is not None:
             on_event(event)
     return job.result()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import dataclasses
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path

@@ -32,8 +32,9 @@ def plan_groups(lengths: list[int]) -> list[list[int]]:
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     for i in order:
-        g = groups[-1] if groups else None
-        if g is not None and (len(g) + 1) * lengths[g[0]] <= MAX_PADDING_RATIO * (sum(lengths[j] for j in g) + lengths[i]):
+        g = groups[-1] if groups else []
+        padded = (len(g) + 1) * lengths[g[0]] if g else 0  # the group's first row is its longest
+        if g and padded <= MAX_PADDING_RATIO * (sum(lengths[j] for j in g) + lengths[i]):
             g.append(i)
         else:
             groups.append([i])

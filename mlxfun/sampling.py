@@ -52,7 +52,8 @@ class Settings(NamedTuple):
 # ---- settings, on the host ----
 
 
-def _per_row(name: str, value, batch: int) -> list:
+def per_row(name: str, value, batch: int) -> list:
+    """`value` for each of `batch` rows: a list must have exactly one entry per row."""
     if isinstance(value, (list, tuple)):
         if len(value) != batch:
             raise InputError(f"{name} has {len(value)} values for {batch} prompts")
@@ -87,13 +88,13 @@ def make_settings(batch: int, *, temperature=0.0, top_p=1.0, min_p=0.0, top_k=0,
         raise InputError(f"batch must be a positive integer, got {batch!r}")
 
     def floats(name, value, ok, expected):
-        return mx.array(_check(name, _per_row(name, value, batch), ok, expected), mx.float32)
+        return mx.array(_check(name, per_row(name, value, batch), ok, expected), mx.float32)
 
     if seed is None:
         seed = [secrets.randbits(32) for _ in range(batch)]
-    seeds_ = _check("seed", _per_row("seed", seed, batch), lambda v: 0 <= v < 2**32,
+    seeds_ = _check("seed", per_row("seed", seed, batch), lambda v: 0 <= v < 2**32,
                     "an integer in [0, 2**32)", integer=True)
-    top_k_ = _check("top_k", _per_row("top_k", top_k, batch), lambda v: v >= 0,
+    top_k_ = _check("top_k", per_row("top_k", top_k, batch), lambda v: v >= 0,
                     "a non-negative integer (0 = off)", integer=True)
     return Settings(
         temperature=floats("temperature", temperature, lambda v: v >= 0, "a non-negative number"),

@@ -6,6 +6,7 @@ import random
 from collections import Counter
 
 import pytest
+from helpers import tiny_config, tiny_model
 
 import mlxfun
 from mlxfun import sampling
@@ -13,7 +14,6 @@ from mlxfun.engine import Engine
 from mlxfun.generate import generate
 from mlxfun.load import Model
 from mlxfun.tokenizer import Tokenizer
-from helpers import tiny_config, tiny_model
 
 
 @pytest.fixture(scope="module")

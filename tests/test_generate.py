@@ -6,11 +6,11 @@ import os
 import random
 
 import pytest
+from helpers import tiny_config, tiny_model
 
 import mlxfun
 from mlxfun.generate import generate, stream_generate
 from mlxfun.prefill import plan_groups
-from helpers import tiny_config, tiny_model
 
 # Real-model tests generate this many tokens (the CPU here costs ~0.1 s per row and token);
 # MLXFUN_REAL_TOKENS=64 runs the full-length check.

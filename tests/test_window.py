@@ -6,12 +6,12 @@ import random
 
 import mlx.core as mx
 import pytest
+from helpers import tiny_config, tiny_model
 
 from mlxfun import cache as kv
 from mlxfun import config as cfg
 from mlxfun import llama
 from mlxfun.generate import Batch, generate, make_config
-from helpers import tiny_config, tiny_model
 
 
 def greedy_by_full_forward(model, config, prompt: list[int], n: int) -> list[int]:
