@@ -43,11 +43,17 @@ def next_slot(cache: KVCache) -> mx.array:
 
 def write(buf: mx.array, new: mx.array, slot: mx.array) -> mx.array:
     """buf (B, H, C, D) with new (B, H, T, D) written at slots [slot, slot + T)."""
+    if new.shape[2] == 1:
+        # A one-token scatter: on CUDA a slice_update at an array-valued start copies the whole
+        # buffer every step (measured 12 of 30 ms per step, 8B at batch 128); a scatter does not.
+        return mx.put_along_axis(buf, mx.broadcast_to(slot.reshape(1, 1, 1, 1), new.shape), new, axis=2)
     return mx.slice_update(buf, new, slot[None], axes=(2,))
 
 
 def write_positions(positions: mx.array, new: mx.array, slot: mx.array) -> mx.array:
     """positions (B, C) with new (B, T) written at slots [slot, slot + T)."""
+    if new.shape[1] == 1:
+        return mx.put_along_axis(positions, mx.broadcast_to(slot.reshape(1, 1), new.shape), new, axis=1)
     return mx.slice_update(positions, new, slot[None], axes=(1,))
 
 

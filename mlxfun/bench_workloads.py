@@ -1,0 +1,97 @@
+"""Workload benchmarks behind `python -m mlxfun.bench --ring` and `--continuous`.
+
+- ring: peak memory of long generations with an unbounded cache and with `max_kv_size`, to show
+  that a ring keeps memory flat however long the generation.
+- continuous: a workload of many prompts with mixed `max_tokens`, run as consecutive static
+  batches (each waits for its slowest row) and through the continuous-batching engine with the
+  same number of rows; the ratio of their throughputs.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+
+from mlxfun.generate import generate
+from mlxfun.load import Model
+
+
+@dataclass
+class RingRow:
+    tokens: int  # generated tokens
+    max_kv_size: int | None
+    peak_gb: float
+    gen_tps: float
+
+
+def ring_memory(model: Model, lengths: tuple[int, ...] = (512, 4096), max_kv_size: int = 256) -> list[RingRow]:
+    """Peak memory of one generation of each length, unbounded and with a ring of `max_kv_size`."""
+    rows = []
+    prompt = [[1 + i % (model.config.vocab_size - 1) for i in range(16)]]
+    generate(model, prompt, max_tokens=8, ignore_eos=True)  # compile
+    generate(model, prompt, max_tokens=8, ignore_eos=True, max_kv_size=max_kv_size)
+    for n in lengths:
+        for bound in (None, max_kv_size):
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            out = generate(model, prompt, max_tokens=n, ignore_eos=True, max_kv_size=bound)
+            rows.append(RingRow(n, bound, mx.get_peak_memory() / 1e9, out.stats.generation_tps))
+    return rows
+
+
+def ring_table(rows: list[RingRow]) -> str:
+    lines = [f"{'generated':>9} {'max_kv_size':>11} {'peak GB':>8} {'gen tok/s':>9}"]
+    for r in rows:
+        lines.append(f"{r.tokens:>9} {str(r.max_kv_size):>11} {r.peak_gb:>8.3f} {r.gen_tps:>9.1f}")
+    return "\n".join(lines)
+
+
+@dataclass
+class ContinuousResult:
+    prompts: int
+    rows: int
+    tokens: int
+    static_s: float
+    continuous_s: float
+    occupancy: float
+
+    @property
+    def ratio(self) -> float:
+        return self.static_s / self.continuous_s
+
+
+def mixed_workload(vocab_size: int, n: int, min_tokens: int, max_tokens: int, seed: int = 0):
+    """n random prompts of 8 to 128 tokens, each with max_tokens drawn from [min_tokens, max_tokens]."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, vocab_size) for _ in range(rng.randrange(8, 129))] for _ in range(n)]
+    return prompts, [rng.randint(min_tokens, max_tokens) for _ in range(n)]
+
+
+def continuous_vs_static(model: Model, n: int = 256, rows: int = 16, min_tokens: int = 16,
+                         max_tokens: int = 256, seed: int = 0) -> ContinuousResult:
+    """Wall time of the same workload as static batches of `rows` and through an engine of `rows`."""
+    prompts, limits = mixed_workload(model.config.vocab_size, n, min_tokens, max_tokens, seed)
+    warm = prompts[:rows]
+    generate(model, warm, max_tokens=4, ignore_eos=True)  # compile both paths
+    generate(model, warm + warm[:1], max_tokens=4, ignore_eos=True, batch_size=rows)
+    t0 = time.perf_counter()
+    for i in range(0, n, rows):
+        generate(model, prompts[i:i + rows], max_tokens=limits[i:i + rows], ignore_eos=True)
+    static_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = generate(model, prompts, max_tokens=limits, ignore_eos=True, batch_size=rows)
+    continuous_s = time.perf_counter() - t0
+    return ContinuousResult(n, rows, sum(limits), static_s, continuous_s, out.stats.occupancy)
+
+
+def continuous_table(r: ContinuousResult) -> str:
+    return (f"{r.prompts} prompts, {r.tokens} tokens through {r.rows} rows: static batches {r.static_s:.1f} s "
+            f"({r.tokens / r.static_s:.1f} tok/s), continuous {r.continuous_s:.1f} s "
+            f"({r.tokens / r.continuous_s:.1f} tok/s, occupancy {r.occupancy:.0%}): {r.ratio:.2f}x")
+
+
+def as_json(rows) -> list[dict] | dict:
+    return [asdict(r) for r in rows] if isinstance(rows, list) else {**asdict(rows), "ratio": rows.ratio}
