@@ -66,10 +66,12 @@ class Engine:
     Request ids are the integers `add` returns; results are in `requests[id]`.
     """
 
-    def __init__(self, model: Model, rows: int = 8, *, prefill_step: int = 512, ignore_eos: bool = False):
+    def __init__(self, model: Model, rows: int = 8, *, prefill_step: int = 512, ignore_eos: bool = False,
+                 max_kv_size: int | None = None):
         if rows < 1:
             raise InputError(f"rows must be positive, got {rows}")
-        self.model, self.config, self.rows = model, model.config, rows
+        # With max_kv_size every query sees at most that many positions, so the ring stops there.
+        self.model, self.config, self.rows = model, model.config.with_max_kv_size(max_kv_size), rows
         self.prefill_step, self.ignore_eos = prefill_step, ignore_eos
         self.requests: dict[int, Request] = {}
         self.pending: deque[int] = deque()
@@ -154,7 +156,7 @@ class Engine:
         longest = max(len(r.prompt) for r in reqs)
         if self.state is None:
             self.cursor = longest
-            self.state = self._empty_state(kv.bucket(longest + 1))
+            self.state = self._empty_state(self._capacity(longest + 1))
         else:
             self._make_room(extra=longest + 1)
         cap = kv.capacity(self.state.cache)
@@ -205,10 +207,15 @@ class Engine:
                 req = self.requests[rid]
                 need = max(need, len(req.prompt) + len(req.text.tokens) + 1)
         cap = kv.capacity(self.state.cache)
-        if need > cap:
-            cache = kv.grow(self.state.cache, kv.bucket(need))
+        if self._capacity(need) > cap:
+            cache = kv.grow(self.state.cache, self._capacity(need))
             self.cursor = int(cache.cursor)
             self.state = self.state._replace(cache=cache)
+
+    def _capacity(self, need: int) -> int:
+        """Slots for `need` tokens per row: a bucket, at most the attention window."""
+        window = self.config.max_window
+        return kv.bucket(need) if window is None else min(kv.bucket(need), window)
 
     def _mode(self) -> Mode:
         """The least a step must compute for the live requests (each Mode compiles once)."""

@@ -204,7 +204,8 @@ class EngineJob:
         from mlxfun.engine import Engine
 
         self.gen = gen
-        self.engine = Engine(model, rows, prefill_step=gen.prefill_step, ignore_eos=gen.ignore_eos)
+        self.engine = Engine(model, rows, prefill_step=gen.prefill_step, ignore_eos=gen.ignore_eos,
+                             max_kv_size=gen.max_kv_size)
         self.ids = [self.engine.add(p, max_tokens=m, stop=s, settings=_row_settings(gen.settings, i),
                                     top_logprobs=gen.mode.top_logprobs)
                     for i, (p, m, s) in enumerate(zip(prompts, gen.max_tokens, gen.stop))]
@@ -231,8 +232,6 @@ def start(model: Model, prompts, gen_options: dict, *, chat: bool = False, batch
     if batch_size is not None and batch_size < 1:
         raise InputError(f"batch_size must be positive, got {batch_size}")
     if batch_size is not None and batch_size < len(ids):
-        if gen.max_kv_size is not None:
-            raise InputError("max_kv_size is not supported together with batch_size (continuous batching)")
         return EngineJob(model, ids, gen, batch_size)
     return Batch(model, ids, gen)
 

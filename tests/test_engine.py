@@ -93,6 +93,14 @@ def test_engine_grows_its_ring_without_losing_rows(tiny):
         assert ids == generate(tiny, [p], max_tokens=m, ignore_eos=True).token_ids[0]
 
 
+def test_engine_with_a_bounded_ring(tiny):
+    """max_kv_size with more prompts than rows: a ring of 8 slots shared by refilled rows."""
+    prompts, max_tokens = workload(10, seed=4)
+    out = generate(tiny, prompts, max_tokens=max_tokens, max_kv_size=8, batch_size=3, ignore_eos=True)
+    for p, m, ids in zip(prompts, max_tokens, out.token_ids):
+        assert ids == generate(tiny, [p], max_tokens=m, max_kv_size=8, ignore_eos=True).token_ids[0]
+
+
 def test_real_model_engine_equals_alone(model_q4):
     prompts = ["The capital of France is", "Hi", "def add(a, b):", "日本の首都は", "List three fruits:"]
     max_tokens = [8, 4, 10, 6, 12]
