@@ -113,7 +113,7 @@ def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
     out, state0 = batch.prefill()
     mx.eval(out, state0)
     real_sdpa = mx.fast.scaled_dot_product_attention
-    real_linear, real_logits = llama.linear, llama.logits
+    real_linear = llama.linear
 
     def linear_2d(p, x):
         y = real_linear(p, x.reshape(-1, x.shape[-1]))
@@ -123,18 +123,18 @@ def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
         p = params.embed if params.lm_head is None else params.lm_head
         return real_linear(Dense(p.weight[:1024]) if isinstance(p, Dense) else p, h)
 
+    def sdpa_no_mask(q, k, v, scale, mask=None):
+        return real_sdpa(q, k, v, scale=scale)
+
     variants = {
         "baseline": [],
         "2d-matmul": [(llama, "linear", linear_2d)],
-        "no-mask": [(mx.fast, "scaled_dot_product_attention",
-                     lambda q, k, v, scale, mask=None: real_sdpa(q, k, v, scale=scale))],
+        "no-mask": [(mx.fast, "scaled_dot_product_attention", sdpa_no_mask)],
         "no-attention": [(mx.fast, "scaled_dot_product_attention", lambda q, k, v, scale, mask=None: q)],
         "small-head": [(llama, "logits", small_logits)],
         "no-cache-write": [(llama.kv, "write", lambda buf, new, slot: buf)],
         "put-along-write": [(llama.kv, "write", put_along)],
-        "put-along+no-mask": [(llama.kv, "write", put_along), (mx.fast, "scaled_dot_product_attention",
-                                                               lambda q, k, v, scale, mask=None: real_sdpa(q, k, v,
-                                                                                                         scale=scale))],
+        "put-along+no-mask": [(llama.kv, "write", put_along), (mx.fast, "scaled_dot_product_attention", sdpa_no_mask)],
     }
     res = {"batch": B}
     for name, patches in variants.items():

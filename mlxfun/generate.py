@@ -137,15 +137,17 @@ class Batch:
         params, settings = self.model.params, self.gen.settings
         while True:
             # Queue the next step before reading this one, so the device never waits on the host.
-            if not self._done():
+            # Rebinding `state` drops the old one, so the step may update the cache in place.
+            queued = not self._last_step()
+            if queued:
                 state = self._grow(state, written)
-                next_out, next_state = self.steps.decode(params, state, settings)
-                mx.async_eval(next_out, next_state)
+                next_out, state = self.steps.decode(params, state, settings)
+                mx.async_eval(next_out, state)
                 written += 1
             yield from self._take(out)
             if self._done():
                 break
-            out, state = next_out, next_state
+            out = next_out
         self.stats.generation_time = time.perf_counter() - t1
         self.state = state  # the last state, for inspection
         self.stats.generation_tokens = sum(len(r.text.tokens) for r in self.rows)
@@ -156,6 +158,11 @@ class Batch:
 
     def _done(self) -> bool:
         return all(r.finish_reason is not None for r in self.rows)
+
+    def _last_step(self) -> bool:
+        """Whether every row ends with the token being handed out (by its length limits)."""
+        return all(r.finish_reason is not None or len(r.text.tokens) + 1 >= min(r.max_tokens, self.limit - r.prompt_len)
+                   for r in self.rows)
 
     def _take(self, out: StepOut) -> Iterator[Event]:
         """Hand out one step's tokens on the host; rows finish on EOS, stop strings and limits."""

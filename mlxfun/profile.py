@@ -28,11 +28,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxfun import llama
+from mlxfun import bench, llama
 from mlxfun.generate import Batch, make_config
-from mlxfun.load import Model
+from mlxfun.load import Model, load
 from mlxfun.step import make_steps
-from mlxfun.strategy import WeightStrategy
+from mlxfun.strategy import QUANTIZED, WeightStrategy
 
 
 @dataclass
@@ -165,19 +165,15 @@ def profile_generation(model: Model, prompts: list[list[int]], max_tokens: int, 
 
 def profile(model: Model, batch_sizes: list[int], prompt_tokens: int, max_tokens: int, **options) -> Report:
     """One `profile_generation` per batch size, over random prompts of `prompt_tokens` tokens."""
-    from mlxfun.bench import random_prompts
-
     report = Report(model.source, str(mx.default_device()), prompt_tokens, max_tokens)
     for B in batch_sizes:
-        prompts = random_prompts(model.config.vocab_size, B, prompt_tokens)
+        prompts = bench.random_prompts(model.config.vocab_size, B, prompt_tokens)
         report.batches.append(profile_generation(model, prompts, max_tokens, **options))
         print(report.table().splitlines()[-1], flush=True)
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mlxfun import bench
-
     p = argparse.ArgumentParser(prog="mlxfun profile", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="GGUF file, Hugging Face folder or repo id (default: SmolLM2-135M)")
     p.add_argument("--shape", choices=sorted(bench.SHAPES), default=None, help="random-weight Llama shape")
@@ -191,22 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pipelined", action="store_true", help="skip the pipelined generation run")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    gpu = bench.on_gpu()
-    base = "bfloat16" if gpu else "float32"
-    dtype = args.dtype or (None if args.shape is None else base)
-    bench_args = argparse.Namespace(model=args.model, shape=args.shape, base_dtype=base,
-                                    dtypes=[dtype or "q4"])
-    if args.shape is None and dtype is None:
-        from mlxfun.load import load
-
-        model = load(args.model)
+    base = "bfloat16" if bench.on_gpu() else "float32"
+    if args.shape is None and args.dtype is None:
+        model, label = load(args.model), "as loaded"
     else:
-        model = bench.variants(bench_args)[0][1]()
-    strategy = {"auto": None, "quantized": bench.strat.QUANTIZED,
+        label = args.dtype or base
+        options = argparse.Namespace(model=args.model, shape=args.shape, base_dtype=base, dtypes=[label])
+        model = bench.variants(options)[0][1]()
+    strategy = {"auto": None, "quantized": QUANTIZED,
                 "dense": WeightStrategy(dense_from=1)}[args.strategy]
     report = profile(model, [int(b) for b in args.batch_sizes.split(",")], args.prompt_tokens, args.max_tokens,
                      matmuls=not args.no_matmuls, pipelined=not args.no_pipelined, strategy=strategy)
-    report.model = f"{report.model} ({dtype or 'as loaded'})"
+    report.model = f"{report.model} ({label})"
     print()
     print(report.table())
     if args.json:

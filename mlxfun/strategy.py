@@ -1,10 +1,11 @@
-"""Which weights a batch multiplies by: quantized matmul for few rows, a dense copy for many.
+"""Which weights a batch multiplies by: the quantized kernels, or a dense copy of the weights.
 
-MLX's quantized matmul costs about the same per row whatever the number of rows, while a dense
-matmul reads the weights once for all rows (measurements in benchmarks/README.md). So a batch of
-at least `dense_from` rows runs on a dense copy of quantized weights, made once per batch in the
-activation dtype, when it fits in memory. The choice changes speed only: the dense copy holds
-exactly the dequantized values, so results differ from the quantized kernel by rounding alone.
+A dense matmul reads the weights once for all rows, while MLX's quantized matmul stops scaling
+with the number of rows (measurements in benchmarks/README.md). So a batch of at least `dense_from`
+rows runs on a dense copy of quantized weights, made once per batch in the activation dtype, when
+it fits in memory. The choice changes speed only: the copy holds exactly the dequantized values,
+so results differ from the quantized kernels by rounding alone. A threshold of 1 also keeps a
+prompt alone and in a batch on the same kernels, so batched still equals alone bit for bit.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ class WeightStrategy:
     memory_fraction: float = 0.75  # the copy plus memory in use must fit in this share of the device's
 
 
-# Measured crossovers (benchmarks/README.md): on an H200 the dense copy wins from a few rows on
-# (at 4096x14336 already at M=1); on the CPU here only from M=32, and then barely, since MLX's
-# bundled reference BLAS costs the same per row dense or quantized.
-GPU = WeightStrategy(dense_from=2)
-CPU = WeightStrategy(dense_from=32)
+# Measured (benchmarks/README.md). On an H200 (MLX 0.32.4, CUDA) the dense copy wins at every batch
+# size, even 1: there MLX's 4-bit kernels run slower than bf16 (8B: 118 vs 152 tok/s at batch 1,
+# 1166 vs 2668 at 32). On the CPU with MLX's bundled reference BLAS a float32 matmul costs about what
+# a 4-bit one does per row (0.62 vs 0.71 ms at M=1, 19.6 vs 21.0 at M=32 for 1536x576), so the copy
+# (0.8 s and 540 MB for SmolLM2) buys little there: the CPU keeps the quantized kernels.
+GPU = WeightStrategy(dense_from=1)
+CPU = WeightStrategy(dense_from=None)
 QUANTIZED = WeightStrategy(dense_from=None)  # always the quantized kernels
 
 

@@ -1,0 +1,95 @@
+"""The decode step is compiled once per (batch size, cache-capacity bucket), never per token, and
+compiling it changes nothing in its output."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import mlx.core as mx
+from helpers import tiny_config, tiny_model
+
+from mlxfun import cache as kv
+from mlxfun.generate import Batch, make_config
+from mlxfun.step import Steps, decode_step, first_token, make_steps, prefill_chunk
+
+
+def counting_steps(model, gen) -> tuple[Steps, list[int]]:
+    traces = [0]
+
+    def count():
+        traces[0] += 1
+
+    return make_steps(model.config, gen.mode, on_trace=count), traces
+
+
+def uncompiled_steps(model, gen) -> Steps:
+    config, mode = model.config, gen.mode
+    return Steps(partial(decode_step, config, mode), partial(prefill_chunk, config), partial(first_token, config, mode))
+
+
+def run(model, prompts, steps: Steps, **options):
+    gen = make_config(len(prompts), ignore_eos=True, **options)
+    batch = Batch(model, prompts, gen, steps=steps)
+    for _ in batch.events():
+        pass
+    return batch.result()
+
+
+def prompts_of(lengths: list[int], vocab: int) -> list[list[int]]:
+    return [[(5 * i + 3 * j) % (vocab - 1) + 1 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def test_decode_traced_once_over_64_tokens():
+    model = tiny_model()
+    prompts = prompts_of([7, 3, 12, 1], model.config.vocab_size)
+    gen = make_config(len(prompts), max_tokens=64, ignore_eos=True)
+    steps, traces = counting_steps(model, gen)
+    result = run(model, prompts, steps, max_tokens=64)
+    assert all(len(ids) == 64 for ids in result.token_ids)
+    assert traces[0] == 1
+
+
+def test_retrace_once_per_capacity_bucket():
+    model = tiny_model(tiny_config(max_position_embeddings=1024))
+    block = kv.bucket(1)
+    # The prompt fills all but 3 slots of the first bucket: the next 20 tokens cross into the second.
+    prompts = prompts_of([block - 3, block - 10], model.config.vocab_size)
+    gen = make_config(len(prompts), max_tokens=20, ignore_eos=True)
+    steps, traces = counting_steps(model, gen)
+    run(model, prompts, steps, max_tokens=20)
+    assert traces[0] == 2
+    # The same steps at the same batch size and buckets: nothing new to trace.
+    run(model, prompts, steps, max_tokens=20)
+    assert traces[0] == 2
+
+
+def test_new_batch_size_traces_once_more():
+    model = tiny_model()
+    gen = make_config(2, max_tokens=8, ignore_eos=True)
+    steps, traces = counting_steps(model, gen)
+    run(model, prompts_of([4, 6], model.config.vocab_size), steps, max_tokens=8)
+    run(model, prompts_of([5, 2], model.config.vocab_size), steps, max_tokens=8)
+    assert traces[0] == 1
+    run(model, prompts_of([4, 6, 3], model.config.vocab_size), steps, max_tokens=8)
+    assert traces[0] == 2
+
+
+def test_compiled_equals_uncompiled():
+    model = tiny_model()
+    prompts = prompts_of([9, 2, 15], model.config.vocab_size)
+    options = dict(max_tokens=16, logprobs=3)
+    gen = make_config(len(prompts), ignore_eos=True, **options)
+    compiled = run(model, prompts, make_steps(model.config, gen.mode), **options)
+    plain = run(model, prompts, uncompiled_steps(model, gen), **options)
+    assert compiled.token_ids == plain.token_ids
+    for a, b in zip(compiled.logprobs, plain.logprobs):
+        assert mx.allclose(mx.array(a), mx.array(b), atol=1e-4).item()
+
+
+def test_compiled_equals_uncompiled_quantized():
+    model = tiny_model(quant=(4, 32))
+    prompts = prompts_of([6, 11], model.config.vocab_size)
+    gen = make_config(len(prompts), ignore_eos=True, max_tokens=12)
+    compiled = run(model, prompts, make_steps(model.config, gen.mode), max_tokens=12)
+    plain = run(model, prompts, uncompiled_steps(model, gen), max_tokens=12)
+    assert compiled.token_ids == plain.token_ids

@@ -1,0 +1,73 @@
+"""The weights strategy (mlxfun.strategy) changes speed only: a dense copy of quantized weights at
+large batch gives the quantized kernel's results up to rounding, and batched still equals alone."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from helpers import tiny_model
+
+from mlxfun.generate import Batch, make_config
+from mlxfun.llama import Dense, Quantized
+from mlxfun.strategy import QUANTIZED, WeightStrategy, dense_bytes, params_for_batch
+
+DENSE = WeightStrategy(dense_from=1)
+
+
+def run(model, prompts, strategy):
+    batch = Batch(model, prompts, make_config(len(prompts), max_tokens=12, ignore_eos=True, logprobs=0),
+                  strategy=strategy)
+    for _ in batch.events():
+        pass
+    return batch.result()
+
+
+PROMPTS = [[3, 14, 15, 92], [65], [35, 89, 79, 32, 38, 46, 26], [43, 38]]
+
+
+def test_dense_copy_from_threshold():
+    model = tiny_model(quant=(4, 32))
+    config, params = model.config, model.params
+    strategy = WeightStrategy(dense_from=4)
+    assert params_for_batch(config, params, 3, strategy) is params
+    dense = params_for_batch(config, params, 4, strategy)
+    assert isinstance(dense.layers[0].qkv, Dense) and isinstance(dense.embed, Dense)
+    assert dense.layers[0].qkv.weight.dtype == params.layers[0].qkv.scales.dtype
+    assert params_for_batch(config, params, 64, QUANTIZED) is params
+
+
+def test_dense_copy_only_when_memory_allows():
+    model = tiny_model(quant=(4, 32))
+    assert dense_bytes(model.config, model.params) > 0
+    tight = WeightStrategy(dense_from=1, memory_fraction=0.0)
+    assert params_for_batch(model.config, model.params, 8, tight) is model.params
+
+
+def test_dense_params_untouched():
+    model = tiny_model()
+    assert params_for_batch(model.config, model.params, 64, DENSE) is model.params
+
+
+def test_dense_copy_holds_the_dequantized_weights():
+    model = tiny_model(quant=(4, 32))
+    q = model.params.layers[0].gate_up
+    assert isinstance(q, Quantized)
+    dense = params_for_batch(model.config, model.params, 1, DENSE).layers[0].gate_up
+    expected = mx.dequantize(q.weight, q.scales, q.biases, group_size=32, bits=4)
+    assert mx.array_equal(dense.weight, expected).item()
+
+
+def test_strategy_keeps_greedy_output():
+    model = tiny_model(quant=(4, 32))
+    quantized = run(model, PROMPTS, QUANTIZED)
+    dense = run(model, PROMPTS, DENSE)
+    assert dense.token_ids == quantized.token_ids
+    for a, b in zip(dense.logprobs, quantized.logprobs):
+        assert mx.allclose(mx.array(a), mx.array(b), atol=1e-3).item()
+
+
+def test_batched_equals_alone_with_each_strategy():
+    model = tiny_model(quant=(4, 32))
+    for strategy in (QUANTIZED, DENSE):
+        batched = run(model, PROMPTS, strategy)
+        for prompt, ids in zip(PROMPTS, batched.token_ids):
+            assert run(model, [prompt], strategy).token_ids[0] == ids
