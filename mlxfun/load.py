@@ -67,14 +67,10 @@ def load(source: str | Path | None = None, *, dtype: str | mx.Dtype | None = Non
         config, params, tokenizer = _load_folder(path)
     if dt is None and mx.default_device() == mx.cpu:
         # MLX's CPU backend computes half precision very slowly (about 50x float32 here): keep
-        # quantized weights as they are but compute in float32.
-        dt_act = mx.float32
-        params = weights.map_linears(config, params, lambda p, _: _scales_as(p, dt_act))
-        params = weights.cast(config, params, None)
-        if weights.compute_dtype(params) != mx.float32:
-            params = weights.cast(config, params, mx.float32)
-    else:
-        params = weights.cast(config, params, dt)
+        # quantized weights as they are, with float32 scales, and compute in float32.
+        params = weights.map_linears(config, params, lambda p, _: _scales_as(p, mx.float32))
+        dt = None if weights.compute_dtype(params) == mx.float32 else mx.float32
+    params = weights.cast(config, params, dt)
     return Model(config, params, tokenizer, str(path))
 
 
