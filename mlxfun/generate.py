@@ -75,7 +75,7 @@ def encode_prompts(model: Model, prompts, chat: bool) -> list[list[int]]:
     return out
 
 
-def check_context(model: Model, prompts: list[list[int]], max_kv_size: int | None) -> None:
+def check_context(model: Model, prompts: list[list[int]]) -> None:
     limit = model.config.max_position_embeddings
     for i, ids in enumerate(prompts):
         if len(ids) >= limit:
@@ -235,7 +235,7 @@ def start(model: Model, prompts, gen_options: dict, *, chat: bool = False, batch
     `batch_size` rows when there are more prompts than that."""
     ids = encode_prompts(model, prompts, chat)
     gen = make_config(len(ids), **gen_options)
-    check_context(model, ids, gen.max_kv_size)
+    check_context(model, ids)
     if batch_size is not None and batch_size < 1:
         raise InputError(f"batch_size must be positive, got {batch_size}")
     if batch_size is not None and batch_size < len(ids):

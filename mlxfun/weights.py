@@ -174,14 +174,6 @@ def params_to_hf(config: ModelConfig, params: Params) -> dict[str, mx.array]:
     return out
 
 
-def _in_features(config: ModelConfig, name: str) -> int:
-    if name.endswith("down_proj"):
-        return config.intermediate_size
-    if name.endswith("o_proj"):
-        return config.num_heads * config.head_dim
-    return config.hidden_size
-
-
 def map_linears(config: ModelConfig, params: Params, fn) -> Params:
     """Params with `fn(linear, in_features) -> Linear` applied to every linear map and the embedding."""
     E = config.hidden_size
