@@ -2,12 +2,13 @@
 
 Diagnostic only (it patches functions at trace time, so its outputs are not meaningful):
   baseline      the decode step as it is
-  2d-matmul     linear maps on x reshaped to (rows, in) instead of (B, 1, in)
-  no-mask       attention without a mask
+  sdpa-masked   attention through mx.fast.scaled_dot_product_attention with the mask (MLX's
+                fallback on CUDA and the CPU) instead of `llama.grouped_attention`
+  sdpa-no-mask  the fused kernel without a mask (wrong output: the bound a fused masked kernel could reach)
   no-attention  attention output replaced by the queries (no SDPA, no mask)
+  2d-matmul     linear maps on x reshaped to (rows, in) instead of (B, 1, in)
   small-head    the LM head on 1024 vocabulary rows only
   no-cache-write  keys and values not written into the cache
-  put-along-write  the cache written with mx.put_along_axis instead of a dynamic slice_update
   matmuls-only  only the linear maps of every layer and the head, chained
 Each is timed as a chain of steps queued with mx.async_eval (device throughput), and the
 baseline also step by step: Python call, async_eval, wait.
@@ -40,12 +41,6 @@ def patched(obj, name, value):
         yield
     finally:
         setattr(obj, name, old)
-
-
-def put_along(buf, new, slot):
-    B, H, T, D = new.shape
-    idx = mx.broadcast_to((slot + mx.arange(T, dtype=mx.int32))[None, None, :, None], (B, H, T, D))
-    return mx.put_along_axis(buf, idx, new, axis=2)
 
 
 def chain_ms(step, params, state, settings, n: int) -> float:
@@ -126,15 +121,16 @@ def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
     def sdpa_no_mask(q, k, v, scale, mask=None):
         return real_sdpa(q, k, v, scale=scale)
 
+    fused = (llama, "fused_decode_attention", lambda: True)
     variants = {
         "baseline": [],
+        "sdpa-masked": [fused],
+        "sdpa-no-mask": [fused, (mx.fast, "scaled_dot_product_attention", sdpa_no_mask)],
+        "no-attention": [(llama, "grouped_attention", lambda q, k, v, mask, scale: q),
+                         (mx.fast, "scaled_dot_product_attention", lambda q, k, v, scale, mask=None: q)],
         "2d-matmul": [(llama, "linear", linear_2d)],
-        "no-mask": [(mx.fast, "scaled_dot_product_attention", sdpa_no_mask)],
-        "no-attention": [(mx.fast, "scaled_dot_product_attention", lambda q, k, v, scale, mask=None: q)],
         "small-head": [(llama, "logits", small_logits)],
         "no-cache-write": [(llama.kv, "write", lambda buf, new, slot: buf)],
-        "put-along-write": [(llama.kv, "write", put_along)],
-        "put-along+no-mask": [(llama.kv, "write", put_along), (mx.fast, "scaled_dot_product_attention", sdpa_no_mask)],
     }
     res = {"batch": B}
     for name, patches in variants.items():

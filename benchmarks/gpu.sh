@@ -3,6 +3,7 @@
 # after `. .gpu-b/install.sh` (from `bash ../shared/gpu/prepare.sh mlx-lm==0.32.2`):
 #   bash benchmarks/gpu.sh 1B    # smoke test, matmul crossover, 1B bench beside mlx-lm, 1B profile
 #   bash benchmarks/gpu.sh 8B    # 8B bench beside mlx-lm, 8B profile
+#   bash benchmarks/gpu.sh ab    # decode-step ablation (attention paths) at 8B, continuous-batching variants at 1B
 set -u
 OUT=${OUT:-/tmp/mlxfun-out}
 mkdir -p "$OUT"
@@ -22,5 +23,13 @@ case "${1:-1B}" in
       --json "$OUT/h200-8B.json" --plot "$OUT/h200-8B.png"
     timeout 150 python3 -m mlxfun.profile --shape 8B --batch-sizes 1,8,32,128 --max-tokens 64 \
       --json "$OUT/h200-profile-8B.json"
+    ;;
+  ab)
+    timeout 240 python3 benchmarks/ablate.py --shape 8B --batch-sizes 1,32,128 --steps 16 \
+      --variants sdpa-masked,sdpa-no-mask,no-attention --json "$OUT/h200-ablate-8B.json"
+    timeout 300 python3 benchmarks/continuous_ab.py --shape 1B --rows 32 --prompts 256 \
+      --json "$OUT/h200-continuous-ab-1B.json"
+    timeout 300 python3 benchmarks/continuous_ab.py --shape 8B --rows 64 --prompts 256 \
+      --json "$OUT/h200-continuous-ab-8B.json"
     ;;
 esac

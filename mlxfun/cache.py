@@ -57,18 +57,22 @@ def write_positions(positions: mx.array, new: mx.array, slot: mx.array) -> mx.ar
     return mx.slice_update(positions, new, slot[None], axes=(1,))
 
 
-def key_positions(cache: KVCache, new: mx.array, slot: mx.array) -> mx.array:
+def key_positions(cache: KVCache, new: mx.array, slot: mx.array, wraps: bool = True) -> mx.array:
     """Positions of the keys a step attends over, for new tokens at positions new (B, T): the
-    slots after writing one token (B, C), or the slots before the write then the chunk (B, C + T)."""
-    if new.shape[1] == 1:
+    slots after writing them (B, C) for one token or a chunk that cannot overwrite a slot it sees
+    (`wraps` False), else the slots before the write then the chunk (B, C + T)."""
+    if new.shape[1] == 1 or not wraps:
         return write_positions(cache.positions, new, slot)
     return mx.concatenate([cache.positions, new], axis=1)
 
 
-def advance(cache: KVCache, keys: tuple, values: tuple, new_positions: mx.array, slot: mx.array) -> KVCache:
-    """The cache after a step wrote `keys`/`values` for tokens at `new_positions` (B, T)."""
-    return KVCache(keys, values, write_positions(cache.positions, new_positions, slot),
-                   cache.cursor + new_positions.shape[1])
+def advance(cache: KVCache, keys: tuple, values: tuple, new_positions: mx.array, slot: mx.array,
+            key_pos: mx.array | None = None) -> KVCache:
+    """The cache after a step wrote `keys`/`values` for tokens at `new_positions` (B, T);
+    `key_pos` is the written slot positions (B, C) when the step already computed them."""
+    written = key_pos if key_pos is not None and key_pos.shape == cache.positions.shape \
+        else write_positions(cache.positions, new_positions, slot)
+    return KVCache(keys, values, written, cache.cursor + new_positions.shape[1])
 
 
 def grow(cache: KVCache, new_capacity: int) -> KVCache:
@@ -92,23 +96,32 @@ def grow(cache: KVCache, new_capacity: int) -> KVCache:
     )
 
 
-def row_index(batch: int, rows: list[int]) -> mx.array:
-    """(batch,) gather index into concat([a, b]) that takes b's j-th row for row rows[j], else a's."""
-    index = list(range(batch))
-    for j, r in enumerate(rows):
-        index[r] = batch + j
-    return mx.array(index, dtype=mx.int32)
+def place_rows(cache: KVCache, cursor: int, rows: list[int], fresh: KVCache, fresh_cursor: int) -> KVCache:
+    """`cache` (at cursor `cursor`) with rows `rows` replaced by the rows of `fresh` (at
+    `fresh_cursor`), aligned at their cursors: fresh's newest token lands where cache's newest
+    token is. The rest of those rows is emptied; other rows are untouched. Only the placed slots
+    are written, with a scatter, so admitting a row never copies the whole cache. Host-side
+    cursors; at most `capacity(cache)` of fresh's newest tokens are kept."""
+    C, F = capacity(cache), capacity(fresh)
+    n = min(F, fresh_cursor, C)
+    ts = range(fresh_cursor - n, fresh_cursor)  # stream indices of the tokens kept
+    src = [t % F for t in ts]
+    dst = mx.array([(cursor - fresh_cursor + t) % C for t in ts], dtype=mx.int32)  # (n,)
+    take = slice(None) if src == list(range(F)) else mx.array(src, dtype=mx.int32)
+    r = mx.array(rows, dtype=mx.int32)
+    index = (r[:, None, None], mx.arange(cache.keys[0].shape[1])[None, :, None], dst[None, None, :])
 
+    def put(buf: mx.array, new: mx.array) -> mx.array:
+        out = mx.array(buf)  # a new handle on the same data: the assignment below leaves `buf` as it was
+        out[index] = new[:, :, take]
+        return out
 
-def replace_rows(cache: KVCache, rows: list[int], new: KVCache) -> KVCache:
-    """The cache with rows `rows` replaced by the rows of `new` (same capacity and cursor)."""
-    idx = row_index(cache.positions.shape[0], rows)
-    return KVCache(
-        keys=tuple(mx.concatenate([a, b])[idx] for a, b in zip(cache.keys, new.keys)),
-        values=tuple(mx.concatenate([a, b])[idx] for a, b in zip(cache.values, new.values)),
-        positions=mx.concatenate([cache.positions, new.positions])[idx],
-        cursor=cache.cursor,
-    )
+    positions = mx.full((len(rows), C), -1, mx.int32)
+    positions[:, dst] = fresh.positions[:, take]
+    all_positions = mx.array(cache.positions)
+    all_positions[r] = positions
+    return KVCache(tuple(put(a, b) for a, b in zip(cache.keys, fresh.keys)),
+                   tuple(put(a, b) for a, b in zip(cache.values, fresh.values)), all_positions, cache.cursor)
 
 
 def bucket(length: int, block: int = 256) -> int:

@@ -17,14 +17,14 @@ from typing import Iterator
 import mlx.core as mx
 
 from mlxfun import cache as kv
-from mlxfun import sampling
+from mlxfun import prefill, sampling
 from mlxfun.detok import RowText
 from mlxfun.errors import InputError
 from mlxfun.events import Event, Stats
 from mlxfun.load import Model
-from mlxfun.prefill import plan_groups, prefill_group
 from mlxfun.rows import Row, host_values
-from mlxfun.step import DecodeState, Mode, StepOut, compiled_steps
+from mlxfun.step import DecodeState, Mode, StepOut, compiled_steps, first_token
+from mlxfun.strategy import WeightStrategy, params_for_batch
 
 
 @dataclass
@@ -53,6 +53,7 @@ class EngineStats(Stats):
     steps: int = 0
     busy_row_steps: int = 0  # sum over decode steps of the rows holding a live request
     rows: int = 0
+    admissions: int = 0  # times new requests were prefilled (each one prefill per length group)
     ttft: dict[int, float] = field(default_factory=dict)  # request id -> seconds to first token
 
     @property
@@ -67,15 +68,27 @@ class Engine:
     """
 
     def __init__(self, model: Model, rows: int = 8, *, prefill_step: int = 512, ignore_eos: bool = False,
-                 max_kv_size: int | None = None):
+                 max_kv_size: int | None = None, admit_min: int | None = None, shapes: prefill.Shapes | None = None,
+                 strategy: WeightStrategy | None = None):
         if rows < 1:
             raise InputError(f"rows must be positive, got {rows}")
+        if admit_min is not None and admit_min < 1:
+            raise InputError(f"admit_min must be positive, got {admit_min}")
         # With max_kv_size every query sees at most that many positions, so the ring stops there.
         self.model, self.config, self.rows = model, model.config.with_max_kv_size(max_kv_size), rows
         self.prefill_step, self.ignore_eos = prefill_step, ignore_eos
+        # Quantized weights may run as a dense copy for this many rows (mlxfun.strategy).
+        self.params = params_for_batch(model.config, model.params, rows, strategy)
+        on_gpu = mx.default_device() == mx.gpu
+        # On a GPU a prefill of a few prompts costs about what one of many does (kernel launches),
+        # so new requests wait until an eighth of the rows are free; on the CPU every token costs.
+        self.admit_min = admit_min or (max(1, rows // 8) if on_gpu else 1)
+        # Prefill shapes rounded up on a GPU, so attention kernels are built for few shapes.
+        self.shapes = shapes or prefill.device_shapes()
         self.requests: dict[int, Request] = {}
         self.pending: deque[int] = deque()
         self.owner: list[int | None] = [None] * rows  # request id per row
+        self.start = [0] * rows  # stream index of each row's first prompt token (see _make_room)
         self.state: DecodeState | None = None
         self.cursor = 0  # host copy of the cache cursor
         self.stats = EngineStats(rows=rows)
@@ -117,40 +130,56 @@ class Engine:
     # ---- the loop ----
 
     def events(self) -> Iterator[Event]:
-        """Run until every request has finished, yielding an Event (index = request id) per token."""
+        """Run until every request has finished, yielding an Event (index = request id) per token.
+
+        Nothing here waits for the device except reading tokens one step behind: new requests are
+        prefilled and merged in the queue between two decode steps, and their first tokens are
+        read after the next decode step is queued."""
         t0 = time.perf_counter()
-        queued: tuple[StepOut, list] | None = None  # a decode step in flight and the owners it ran for
-        while self.pending or any(o is not None for o in self.owner) or queued:
-            yield from self._admit()
-            next_queued = None
-            if any(o is not None for o in self.owner):
+        queued: list[tuple[StepOut, list]] = []  # outputs in flight, with the owners of their rows
+        while self.pending or self._live() or queued:
+            admitted = self._admit()
+            next_queued = []
+            if self._live():
                 self._make_room()
                 mode = self._mode()
                 out, state = compiled_steps(self.config, mode).decode(
-                    self.model.params, self._state_for(mode), self._row_settings)
+                    self.params, self._state_for(mode), self._row_settings)
                 # Steps without penalties neither read nor update the counts: keep them.
                 self.state = state if mode.penalties else state._replace(counts=self.state.counts)
                 mx.async_eval(out, self.state)
                 self.cursor += 1
                 self.stats.steps += 1
-                self.stats.busy_row_steps += sum(o is not None for o in self.owner)
-                next_queued = (out, list(self.owner))
-            if queued is not None:
-                yield from self._take(*queued)
+                self.stats.busy_row_steps += self._live()
+                next_queued = [(out, list(self.owner))]
+            # The previous step's tokens, then the admitted requests' first ones (their next
+            # tokens come from the step just queued).
+            for out, owners in queued + admitted:
+                yield from self._take(out, owners)
             queued = next_queued
         self.stats.generation_time = time.perf_counter() - t0 - self.stats.prompt_time
         self.stats.generation_tokens = sum(len(r.text.tokens) for r in self.requests.values())
         self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
+    def _live(self) -> int:
+        return sum(o is not None for o in self.owner)
+
     def _free_rows(self) -> list[int]:
         return [r for r, o in enumerate(self.owner) if o is None]
 
-    def _admit(self) -> Iterator[Event]:
-        """Prefill queued requests into free rows (grouped by length) and emit their first tokens."""
+    def _admit(self) -> list[tuple[StepOut, list]]:
+        """Prefill queued requests into free rows (grouped by length) and merge them into the
+        state, all queued on the device. -> each group's first-token output with its request ids.
+
+        With requests still decoding, it waits until `admit_min` rows are free (or the queue
+        fits), so that one prefill serves several requests."""
         free = self._free_rows()
         if not free or not self.pending:
-            return
+            return []
+        if self._live() and len(free) < min(self.admit_min, len(self.pending)):
+            return []
         t0 = time.perf_counter()
+        self.stats.admissions += 1
         rids = [self.pending.popleft() for _ in range(min(len(free), len(self.pending)))]
         reqs = [self.requests[i] for i in rids]
         longest = max(len(r.prompt) for r in reqs)
@@ -160,36 +189,46 @@ class Engine:
         else:
             self._make_room(extra=longest + 1)
         cap = kv.capacity(self.state.cache)
-        params, dtype = self.model.params, self.model.params.norm.dtype
-        for group in plan_groups([len(r.prompt) for r in reqs]):
+        params, dtype = self.params, self.params.norm.dtype
+        admitted = []
+        for group in prefill.plan_groups([len(r.prompt) for r in reqs]):
             rows = [free.pop(0) for _ in group]
             greqs = [reqs[i] for i in group]
+            prompts = [r.prompt for r in greqs]
             mode = Mode(sample=True, sort=any(r.mode.sort for r in greqs),
                         top_logprobs=max(r.mode.top_logprobs for r in greqs))
+            # A fresh cache just wide enough for the (padded) prompts, placed into the rows after.
+            padded = prefill.padded_length(prompts, self.shapes.multiple)
+            width = min(padded, cap)
             steps = compiled_steps(self.config, mode)
-            h, cache = prefill_group(self.config, steps, params, [r.prompt for r in greqs], self.cursor, cap,
-                                     self.prefill_step, dtype)
+            h, cache = prefill.prefill_group(self.config, steps, params, prompts, padded, width, self.prefill_step,
+                                             dtype, self.shapes)
             settings = _stack([r.settings for r in greqs])
-            zeros = mx.zeros((len(group),), mx.int32)
-            out = steps.first(params, h, settings, zeros, None)
+            # Not compiled: group sizes vary, and each new shape would trace and build kernels again.
+            out = first_token(self.config, mode, params, h, settings, mx.zeros((len(group),), mx.int32), None)
             for row, req in zip(rows, greqs):
                 self.owner[row] = req.id
-            self._merge(rows, cache, out.tokens, [len(r.prompt) for r in greqs])
-            yield from self._take(out, [r.id for r in greqs])
-        self.stats.prompt_time += time.perf_counter() - t0
-
-    def _merge(self, rows: list[int], cache: kv.KVCache, first: mx.array, lengths: list[int]) -> None:
-        s = self.state
-        fresh = sampling.update_counts(mx.zeros((len(rows), s.counts.shape[1]), mx.int32), first)
-        self.state = DecodeState(
-            kv.replace_rows(s.cache, rows, cache),
-            tokens=_put(s.tokens, rows, first),
-            positions=_put(s.positions, rows, mx.array(lengths, mx.int32)),
-            steps=_put(s.steps, rows, mx.ones((len(rows),), mx.int32)),
-            counts=_put(s.counts, rows, fresh),
-        )
+                self.start[row] = self.cursor - len(req.prompt)
+            self._merge(rows, cache, padded, out.tokens, [len(p) for p in prompts])
+            admitted.append((out, [r.id for r in greqs]))
         self._row_settings = _stack([self.requests[o].settings if o is not None else _IDLE for o in self.owner])
-        mx.eval(self.state, self._row_settings)
+        self.stats.prompt_time += time.perf_counter() - t0
+        return admitted
+
+    def _merge(self, rows: list[int], cache: kv.KVCache, fresh_cursor: int, first: mx.array,
+               lengths: list[int]) -> None:
+        s = self.state
+        r = mx.array(rows, dtype=mx.int32)
+        counts = s.counts
+        if counts is not None:
+            counts = _put(counts, r, sampling.update_counts(mx.zeros((len(rows), counts.shape[1]), mx.int32), first))
+        self.state = DecodeState(
+            kv.place_rows(s.cache, self.cursor, rows, cache, fresh_cursor),
+            tokens=_put(s.tokens, r, first),
+            positions=_put(s.positions, r, mx.array(lengths, mx.int32)),
+            steps=_put(s.steps, r, mx.ones((len(rows),), mx.int32)),
+            counts=counts,
+        )
 
     def _empty_state(self, capacity: int) -> DecodeState:
         B = self.rows
@@ -200,15 +239,14 @@ class Engine:
         return DecodeState(cache, zeros, zeros, zeros, counts)
 
     def _make_room(self, extra: int = 1) -> None:
-        """Grow the ring before any live row would overwrite a slot it still sees."""
-        need = extra
-        for row, rid in enumerate(self.owner):
-            if rid is not None:
-                req = self.requests[rid]
-                need = max(need, len(req.prompt) + len(req.text.tokens) + 1)
+        """Grow the ring before any live row would overwrite a slot it still sees: the next write
+        is at stream index `cursor`, and row r holds indices [start[r], cursor)."""
+        live = [self.start[r] for r, o in enumerate(self.owner) if o is not None]
+        need = max([extra] + [self.cursor + 1 - s for s in live])
         cap = kv.capacity(self.state.cache)
         if self._capacity(need) > cap:
             cache = kv.grow(self.state.cache, self._capacity(need))
+            self.start = [s - self.cursor + int(cache.cursor) for s in self.start]
             self.cursor = int(cache.cursor)
             self.state = self.state._replace(cache=cache)
 
@@ -246,9 +284,11 @@ class Engine:
             yield event
 
 
-def _put(a: mx.array, rows: list[int], values: mx.array) -> mx.array:
-    """a (B, ...) with rows `rows` replaced by `values` (len(rows), ...)."""
-    return mx.concatenate([a, values.astype(a.dtype)])[kv.row_index(a.shape[0], rows)]
+def _put(a: mx.array, rows: mx.array, values: mx.array) -> mx.array:
+    """a (B, ...) with rows `rows` (n,) replaced by `values` (n, ...); `a` itself is unchanged."""
+    out = mx.array(a)
+    out[rows] = values.astype(a.dtype)
+    return out
 
 
 # Settings for a row that holds no request (its tokens are discarded).

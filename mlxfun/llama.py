@@ -121,37 +121,61 @@ def rope(config: ModelConfig, x: mx.array, offset: mx.array) -> mx.array:
 
 
 def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, mask: mx.array,
-              cache_kv: tuple[mx.array, mx.array] | None, slot: mx.array | None):
+              cache_kv: tuple[mx.array, mx.array] | None, slot: mx.array | None, wraps: bool = True):
     """x (B, T, E), mask (B, T, S) -> ((B, T, E), this layer's new (keys, values) or None).
 
-    Keys are the T new tokens without a cache; with one, the cache after writing them (T == 1),
-    or the cache before the write followed by them (T > 1: a chunk may overwrite ring slots its
-    own earlier queries still see)."""
+    Keys are the T new tokens without a cache; with one, the cache after writing them when T == 1
+    or the chunk cannot overwrite a slot its own queries see (`wraps` False), else the cache
+    before the write followed by the chunk (a chunk may overwrite ring slots its earlier queries
+    still see)."""
     B, T, _ = x.shape
     H, K, D = config.num_heads, config.num_kv_heads, config.head_dim
-    qkv = linear(layer.qkv, x)  # (B, T, (H + 2K) D)
-    q, k, v = mx.split(qkv, [H * D, (H + K) * D], axis=-1)
-    q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
-    k = k.reshape(B, T, K, D).transpose(0, 2, 1, 3)  # (B, K, T, D)
-    v = v.reshape(B, T, K, D).transpose(0, 2, 1, 3)
-    if layer.q_norm is not None:
-        q = mx.fast.rms_norm(q, layer.q_norm, config.rms_norm_eps)
-        k = mx.fast.rms_norm(k, layer.k_norm, config.rms_norm_eps)
-    q, k = rope(config, q, offset), rope(config, k, offset)
+    qkv = linear(layer.qkv, x).reshape(B, T, H + 2 * K, D).transpose(0, 2, 1, 3)  # (B, H + 2K, T, D)
+    v = qkv[:, H + K:]  # (B, K, T, D)
+    if layer.q_norm is None:
+        qk = rope(config, qkv[:, :H + K], offset)  # queries and keys rotated by one kernel
+        q, k = qk[:, :H], qk[:, H:]  # (B, H, T, D), (B, K, T, D)
+    else:
+        q = rope(config, mx.fast.rms_norm(qkv[:, :H], layer.q_norm, config.rms_norm_eps), offset)
+        k = rope(config, mx.fast.rms_norm(qkv[:, H:H + K], layer.k_norm, config.rms_norm_eps), offset)
 
     new_kv = None
     if cache_kv is None:
         keys, values = k, v
     else:
         new_kv = (kv.write(cache_kv[0], k, slot), kv.write(cache_kv[1], v, slot))
-        if T == 1:
+        if T == 1 or not wraps:
             keys, values = new_kv
         else:
             keys = mx.concatenate([cache_kv[0], k], axis=2)  # (B, K, C + T, D)
             values = mx.concatenate([cache_kv[1], v], axis=2)
-    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask[:, None])
+    if T == 1 and not fused_decode_attention():
+        out = grouped_attention(q, keys, values, mask, D**-0.5)
+    else:
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask[:, None])
     out = out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
     return linear(layer.o, out), new_kv
+
+
+def fused_decode_attention() -> bool:
+    """Whether MLX has a fused kernel for one-token attention under a mask: Metal does; its CUDA
+    (0.32) and CPU backends fall back to matmuls that copy every key once per query head."""
+    return mx.default_device() == mx.gpu and mx.metal.is_available()
+
+
+def grouped_attention(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float) -> mx.array:
+    """q (B, H, T, D), keys/values (B, K, S, D), mask (B, T, S) bool -> (B, H, T, D).
+
+    The H / K query heads that share a key head form one matrix, so each key is read once per
+    key head, never copied per query head."""
+    B, H, T, D = q.shape
+    K, S = keys.shape[1], keys.shape[2]
+    G = H // K
+    scores = (q.reshape(B, K, G * T, D) @ keys.swapaxes(-1, -2)).reshape(B, K, G, T, S)
+    # Scaling here rather than q lets compilation fuse it with the mask: one kernel fewer.
+    scores = mx.where(mask[:, None, None], scores * scale, mx.array(-mx.inf, scores.dtype))
+    probs = mx.softmax(scores, axis=-1, precise=True).reshape(B, K, G * T, S)
+    return (probs @ values).reshape(B, H, T, D)
 
 
 def layer_masks(config: ModelConfig, positions: mx.array, key_pos: mx.array,
@@ -172,23 +196,25 @@ def silu(x: mx.array) -> mx.array:
 
 
 def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
-           mask: mx.array | None = None, cache: kv.KVCache | None = None):
+           mask: mx.array | None = None, cache: kv.KVCache | None = None, *, wraps: bool = True):
     """tokens (B, T), positions (B, T) -> (final hidden states (B, T, E), new cache or None).
 
     `mask` (B, T, S) is the padding/causal visibility over the keys (see `attention` and
     `cache.key_positions` for their order); None derives it from positions (`masks.causal`).
-    Layer windows are applied on top.
+    Layer windows are applied on top. `wraps=False` promises that the chunk writes only slots none
+    of its queries can see (a cache's first pass: empty slots), so it attends over the cache after
+    writing (S = C) instead of the old cache followed by the chunk (S = C + T).
     """
     h = embed(params.embed, tokens, config.hidden_size)
     slot = None if cache is None else kv.next_slot(cache)
-    key_pos = positions if cache is None else kv.key_positions(cache, positions, slot)  # (B, S)
+    key_pos = positions if cache is None else kv.key_positions(cache, positions, slot, wraps)  # (B, S)
     layer_mask = layer_masks(config, positions, key_pos, mask)
     offset = positions[:, 0]  # (B,) RoPE starts here in each row
     new_keys, new_values = [], []
     for i, layer in enumerate(params.layers):
         layer_kv = None if cache is None else (cache.keys[i], cache.values[i])
         a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
-                               offset, layer_mask[config.layer_windows[i]], layer_kv, slot)
+                               offset, layer_mask[config.layer_windows[i]], layer_kv, slot, wraps)
         h = h + a
         h = h + mlp(layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps))
         if written is not None:
@@ -197,7 +223,7 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     h = mx.fast.rms_norm(h, params.norm, config.rms_norm_eps)
     if cache is None:
         return h, None
-    return h, kv.advance(cache, tuple(new_keys), tuple(new_values), positions, slot)
+    return h, kv.advance(cache, tuple(new_keys), tuple(new_values), positions, slot, key_pos)
 
 
 def logits(params: Params, h: mx.array) -> mx.array:

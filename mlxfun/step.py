@@ -71,9 +71,10 @@ def decode_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeSt
 
 
 def prefill_chunk(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
-                  cache: KVCache) -> tuple[mx.array, KVCache]:
-    """tokens (B, T) into the cache -> (hidden state of the last token (B, E), cache)."""
-    h, cache = llama.hidden(config, params, tokens, positions, None, cache)
+                  cache: KVCache, wraps: bool = True) -> tuple[mx.array, KVCache]:
+    """tokens (B, T) into the cache -> (hidden state of the last token (B, E), cache).
+    `wraps`: whether the chunk may overwrite slots its queries see (see `llama.hidden`)."""
+    h, cache = llama.hidden(config, params, tokens, positions, None, cache, wraps=wraps)
     return h[:, -1], cache
 
 
@@ -102,8 +103,8 @@ def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | N
     def first(params, h, settings, steps, counts):
         return first_token(config, mode, params, h, settings, steps, counts)
 
-    def prefill(params, tokens, positions, cache):
-        return prefill_chunk(config, params, tokens, positions, cache)
+    def prefill(params, tokens, positions, cache, wraps=True):
+        return prefill_chunk(config, params, tokens, positions, cache, wraps)
 
     return Steps(mx.compile(decode), prefill, mx.compile(first))
 

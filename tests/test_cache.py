@@ -108,3 +108,35 @@ def test_grow_keeps_contents():
     assert kv.capacity(cache) == 12
     rest, _ = llama.forward(config, params, mx.array(tokens[:, 6:]), positions[:, :4] + 6, cache=cache)
     assert rel_error(np.concatenate([np.array(first), np.array(rest)], axis=1), np.array(full)) < 1e-4
+
+
+@pytest.mark.parametrize("fresh_capacity,fresh_cursor", [(4, 4), (3, 7), (5, 5)])
+def test_place_rows_aligns_cursors_and_touches_only_its_rows(fresh_capacity, fresh_cursor):
+    """Row r of the result holds fresh's newest tokens ending at the cache's cursor (wrapping the
+    ring), emptied elsewhere; other rows and the input cache are unchanged."""
+    config = tiny_config(num_layers=1)
+    rng = np.random.default_rng(0)
+    B, C, K, D = 4, 6, config.num_kv_heads, config.head_dim
+    cache = kv.KVCache((mx.array(rng.standard_normal((B, K, C, D)), mx.float32),),
+                       (mx.array(rng.standard_normal((B, K, C, D)), mx.float32),),
+                       mx.array(rng.integers(0, 50, (B, C)), mx.int32), mx.array(9, mx.int32))
+    before = [np.array(a) for a in (cache.keys[0], cache.values[0], cache.positions)]
+    F = fresh_capacity
+    fresh = kv.KVCache((mx.array(rng.standard_normal((2, K, F, D)), mx.float32),),
+                       (mx.array(rng.standard_normal((2, K, F, D)), mx.float32),),
+                       mx.array(rng.integers(-3, 50, (2, F)), mx.int32), mx.array(fresh_cursor, mx.int32))
+    out = kv.place_rows(cache, 9, [3, 1], fresh, fresh_cursor)
+    keys, values, positions = (np.array(a) for a in (out.keys[0], out.values[0], out.positions))
+    fk, fv, fp = (np.array(a) for a in (fresh.keys[0], fresh.values[0], fresh.positions))
+    for j, row in enumerate([3, 1]):
+        expected = np.full(C, -1)
+        for t in range(fresh_cursor - min(F, fresh_cursor), fresh_cursor):  # stream index in fresh
+            slot = (9 - fresh_cursor + t) % C
+            assert np.array_equal(keys[row, :, slot], fk[j, :, t % F])
+            assert np.array_equal(values[row, :, slot], fv[j, :, t % F])
+            expected[slot] = fp[j, t % F]
+        assert np.array_equal(positions[row], expected)
+    for row in (0, 2):
+        assert np.array_equal(keys[row], before[0][row]) and np.array_equal(positions[row], before[2][row])
+    assert all(np.array_equal(np.array(a), b) for a, b in zip((cache.keys[0], cache.values[0], cache.positions),
+                                                               before))

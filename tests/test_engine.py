@@ -11,8 +11,9 @@ from helpers import tiny_config, tiny_model
 import mlxfun
 from mlxfun import sampling
 from mlxfun.engine import Engine
-from mlxfun.generate import generate
+from mlxfun.generate import Batch, generate, make_config
 from mlxfun.load import Model
+from mlxfun.prefill import Shapes
 from mlxfun.tokenizer import Tokenizer
 
 
@@ -115,3 +116,26 @@ def test_bad_rows():
     with pytest.raises(mlxfun.InputError, match="batch_size"):
         generate(tiny_model(), [[1], [2]], batch_size=0)
     assert sampling.make_settings(1).temperature.shape == (1,)
+
+
+@pytest.mark.parametrize("admit_min,shapes", [(3, Shapes(32, True)), (8, Shapes(7, False)), (1, Shapes(1, True))])
+def test_gpu_admission_settings_keep_outputs_equal_alone(tiny, admit_min, shapes):
+    """Admitting in groups, rounding prompt lengths up and filling groups to a power of two (the
+    GPU defaults, run here on the CPU) change shapes and timing, never the tokens."""
+    prompts, max_tokens = workload(30, seed=3)
+    engine = Engine(tiny, rows=5, ignore_eos=True, admit_min=admit_min, shapes=shapes)
+    ids = [engine.add(p, max_tokens=m) for p, m in zip(prompts, max_tokens)]
+    list(engine.events())
+    alone = generate(tiny, prompts, max_tokens=max_tokens, ignore_eos=True).token_ids
+    assert [engine.requests[i].row.token_ids for i in ids] == alone
+    # With admit_min > 1 requests wait for free rows while others decode: fewer, larger admissions.
+    assert engine.stats.admissions <= (len(prompts) if admit_min == 1 else len(prompts) // 2)
+
+
+def test_static_batch_with_rounded_shapes_equals_alone(tiny):
+    prompts, max_tokens = workload(9, seed=4)
+    gen = make_config(len(prompts), max_tokens=max_tokens, ignore_eos=True)
+    batch = Batch(tiny, prompts, gen, shapes=Shapes(32, True))
+    list(batch.events())
+    assert batch.end % 32 == 0
+    assert batch.result().token_ids == generate(tiny, prompts, max_tokens=max_tokens, ignore_eos=True).token_ids
