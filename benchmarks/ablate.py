@@ -121,7 +121,7 @@ def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
     def sdpa_no_mask(q, k, v, scale, mask=None):
         return real_sdpa(q, k, v, scale=scale)
 
-    fused = (llama, "fused_decode_attention", lambda: True)
+    fused = (llama, "fused_masked_attention", lambda: True)
     variants = {
         "baseline": [],
         "sdpa-masked": [fused],

@@ -2,10 +2,9 @@
 tokens, `max_tokens` drawn from 16-256, EOS ignored) as static batches and through the Engine
 with different admission settings, in one process.
 
-  admit_min   free rows an admission waits for while others decode (Engine default: rows // 8 on
+  admit_min   free rows an admission waits for while others decode (Engine default: rows // 4 on
               a GPU, 1 on the CPU)
-  shapes      prefill shapes: prompt lengths rounded up to a multiple, group rows to a power of two
-              (default on a GPU: 32 and yes; on the CPU: 1 and no)
+  pad         prompt lengths rounded up to this multiple (default: 32 on a GPU, 1 on the CPU)
 
 Run: python benchmarks/continuous_ab.py [--shape 1B] [--rows 32] [--prompts 256] [--json PATH]
 """
@@ -23,11 +22,10 @@ from mlxfun import bench
 from mlxfun.bench_workloads import mixed_workload
 from mlxfun.engine import Engine
 from mlxfun.generate import generate
-from mlxfun.prefill import Shapes
 
 
-def run_engine(model, prompts, limits, rows, admit_min, shapes):
-    engine = Engine(model, rows, ignore_eos=True, admit_min=admit_min, shapes=shapes)
+def run_engine(model, prompts, limits, rows, admit_min, pad):
+    engine = Engine(model, rows, ignore_eos=True, admit_min=admit_min, pad_multiple=pad)
     for p, m in zip(prompts, limits):
         engine.add(p, max_tokens=m)
     t0 = time.perf_counter()
@@ -35,7 +33,7 @@ def run_engine(model, prompts, limits, rows, admit_min, shapes):
         pass
     s = engine.stats
     return dict(seconds=time.perf_counter() - t0, occupancy=s.occupancy, admissions=s.admissions, steps=s.steps,
-                admit_host_s=s.prompt_time, admit_min=engine.admit_min, shapes=tuple(engine.shapes))
+                admit_host_s=s.prompt_time, admit_min=engine.admit_min, pad=engine.pad_multiple)
 
 
 def main(argv=None) -> int:
@@ -59,15 +57,15 @@ def main(argv=None) -> int:
         generate(model, prompts[i:i + rows], max_tokens=limits[i:i + rows], ignore_eos=True)
     results["static"] = dict(seconds=time.perf_counter() - t0)
     print(f"static: {results['static']['seconds']:.2f} s", flush=True)
-    variants = [(None, None), (1, None), (max(1, rows // 4), None), (None, Shapes(32, False)), (None, Shapes())]
-    for admit_min, shapes in variants:
-        name = f"engine admit_min={admit_min} shapes={None if shapes is None else tuple(shapes)}"
-        results[name] = run_engine(model, prompts, limits, rows, admit_min, shapes)
+    variants = [(None, None), (1, None), (max(1, rows // 8), None), (max(1, rows // 2), None), (None, 1)]
+    for admit_min, pad in variants:
+        name = f"engine admit_min={admit_min} pad={pad}"
+        results[name] = run_engine(model, prompts, limits, rows, admit_min, pad)
         print(name, json.dumps(results[name]), flush=True)
     print(f"\n{args.prompts} prompts, {tokens} tokens, {rows} rows, {mx.default_device()}")
-    print(f"{'variant':44s} {'s':>7} {'tok/s':>8} {'vs static':>9} {'occ':>5} {'admits':>6} {'admit host s':>12}")
+    print(f"{'variant':38s} {'s':>7} {'tok/s':>8} {'vs static':>9} {'occ':>5} {'admits':>6} {'admit host s':>12}")
     for name, r in results.items():
-        print(f"{name:44s} {r['seconds']:7.2f} {tokens / r['seconds']:8.1f} "
+        print(f"{name:38s} {r['seconds']:7.2f} {tokens / r['seconds']:8.1f} "
               f"{results['static']['seconds'] / r['seconds']:9.2f} {r.get('occupancy', 1):5.0%} "
               f"{r.get('admissions', 0):6d} {r.get('admit_host_s', 0):12.2f}")
     if args.json:

@@ -20,7 +20,8 @@ from mlxfun.detok import RowText
 from mlxfun.errors import InputError
 from mlxfun.events import Event, Stats
 from mlxfun.load import Model
-from mlxfun.prefill import Shapes, device_shapes, padded_length, prefill
+from mlxfun.prefill import pad_multiple as prefill_pad_multiple
+from mlxfun.prefill import padded_length, prefill
 from mlxfun.rows import GenerationResult, Row, host_values, result
 from mlxfun.step import DecodeState, Mode, StepOut, Steps, compiled_steps
 from mlxfun.strategy import WeightStrategy, params_for_batch
@@ -87,7 +88,7 @@ class Batch:
     """A static batch: prefill all prompts, then decode until every row has finished."""
 
     def __init__(self, model: Model, prompts: list[list[int]], gen: GenerationConfig, steps: Steps | None = None,
-                 strategy: WeightStrategy | None = None, shapes: Shapes | None = None):
+                 strategy: WeightStrategy | None = None, pad_multiple: int | None = None):
         # Many rows run quantized weights faster as a dense copy (mlxfun.strategy; None: the backend's default).
         params = params_for_batch(model.config, model.params, len(prompts), strategy)
         self.model = model if params is model.params else Model(model.config, params, model.tokenizer, model.source)
@@ -100,8 +101,8 @@ class Batch:
                      for p, m, s in zip(prompts, gen.max_tokens, gen.stop)]
         self.limit = self.config.max_position_embeddings
         self.window = self.config.max_window  # a ring of this many slots bounds the cache
-        self.shapes = shapes or device_shapes()  # prefill shapes rounded up on a GPU
-        self.end = padded_length(prompts, self.shapes.multiple)  # the cache cursor after prefill
+        self.multiple = pad_multiple or prefill_pad_multiple()  # prompt lengths rounded up on a GPU
+        self.end = padded_length(prompts, self.multiple)  # the cache cursor after prefill
 
     def _capacity(self, length: int) -> int:
         c = kv.bucket(length)
@@ -111,7 +112,7 @@ class Batch:
         B = len(self.prompts)
         params = self.model.params
         h, cache = prefill(self.config, self.steps, params, self.prompts, self._capacity(self.end),
-                           self.gen.prefill_step, params.norm.dtype, self.shapes)
+                           self.gen.prefill_step, params.norm.dtype, self.multiple)
         counts = mx.zeros((B, self.config.vocab_size), mx.int32) if self.gen.mode.penalties else None
         steps0 = mx.zeros((B,), mx.int32)
         out = self.steps.first(params, h, self.gen.settings, steps0, counts)

@@ -149,7 +149,7 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
         else:
             keys = mx.concatenate([cache_kv[0], k], axis=2)  # (B, K, C + T, D)
             values = mx.concatenate([cache_kv[1], v], axis=2)
-    if T == 1 and not fused_decode_attention():
+    if not fused_masked_attention() and (T == 1 or B * H * T * keys.shape[2] <= GROUPED_MAX_SCORES):
         out = grouped_attention(q, keys, values, mask, D**-0.5)
     else:
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask[:, None])
@@ -157,9 +157,15 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
     return linear(layer.o, out), new_kv
 
 
-def fused_decode_attention() -> bool:
-    """Whether MLX has a fused kernel for one-token attention under a mask: Metal does; its CUDA
-    (0.32) and CPU backends fall back to matmuls that copy every key once per query head."""
+# Off Metal, attention up to this many scores runs as `grouped_attention`: on CUDA a one-token step
+# has no fused masked kernel (MLX 0.32 falls back to matmuls that copy every key once per query
+# head), and cuDNN builds a graph per new prefill shape (~100 ms each on an H200), which small
+# prefills of varied sizes, as continuous batching admits them, would pay again and again.
+GROUPED_MAX_SCORES = 1 << 26
+
+
+def fused_masked_attention() -> bool:
+    """Whether MLX has fused kernels for attention under a mask at every query length (Metal)."""
     return mx.default_device() == mx.gpu and mx.metal.is_available()
 
 

@@ -7,8 +7,6 @@ each group left-padded only to its own longest prompt.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import mlx.core as mx
 
 from mlxfun import cache as kv
@@ -21,18 +19,11 @@ from mlxfun.step import Steps
 MAX_PADDING_RATIO = 1.3
 
 
-class Shapes(NamedTuple):
-    """How prefill shapes are rounded up: fewer distinct shapes, more padding."""
-
-    multiple: int = 1  # prompt lengths rounded up to a multiple of this
-    pow2_rows: bool = False  # a group's rows rounded up to a power of two (with one-token filler prompts)
-
-
-def device_shapes() -> Shapes:
-    """On a GPU every new attention shape costs a cuDNN graph build (admitting 256 prompts took
-    145 ms per admission unrounded, 21 ms with lengths rounded to 32, on an H200); on the CPU
-    every padded token costs compute instead."""
-    return Shapes(32, True) if mx.default_device() == mx.gpu else Shapes()
+def pad_multiple() -> int:
+    """What prompt lengths are rounded up to on this device. On a GPU every new attention shape
+    costs a cuDNN graph build (admitting 256 prompts took 145 ms per admission unrounded, 21 ms
+    rounded to 32, on an H200); on the CPU every padded token costs compute instead."""
+    return 32 if mx.default_device() == mx.gpu else 1
 
 
 def padded_length(prompts: list[list[int]], multiple: int) -> int:
@@ -63,14 +54,11 @@ def plan_groups(lengths: list[int]) -> list[list[int]]:
 
 
 def prefill_group(config: ModelConfig, steps: Steps, params: Params, prompts: list[list[int]], end: int,
-                  capacity: int, chunk: int, dtype: mx.Dtype, shapes: Shapes = Shapes()) -> tuple[mx.array, KVCache]:
-    """Prompts (padded as `shapes` says) into a fresh cache of `capacity` slots ending at cursor
-    `end`. -> (last hidden state per row (g, E), cache), queued, not evaluated. A chunk never
-    crosses the ring's end."""
-    g = len(prompts)
-    if shapes.pow2_rows:
-        prompts = prompts + [[0]] * ((1 << (g - 1).bit_length()) - g)
-    tokens, positions = left_pad(prompts, shapes.multiple)
+                  capacity: int, chunk: int, dtype: mx.Dtype, multiple: int = 1) -> tuple[mx.array, KVCache]:
+    """Prompts (left-padded to a multiple of `multiple`) into a fresh cache of `capacity` slots
+    ending at cursor `end`. -> (last hidden state per row (g, E), cache), queued, not evaluated.
+    A chunk never crosses the ring's end."""
+    tokens, positions = left_pad(prompts, multiple)
     G, L = tokens.shape
     cache = kv.empty(config, G, capacity, dtype)._replace(cursor=mx.array(end - L, mx.int32))
     start, h = 0, None
@@ -83,8 +71,6 @@ def prefill_group(config: ModelConfig, steps: Steps, params: Params, prompts: li
                                  wraps)
         mx.async_eval(h, cache)  # bounds the graph per chunk without waiting for the device
         start += size
-    if len(prompts) > g:
-        h, cache = h[:g], take_rows(cache, slice(0, g))
     return h, cache
 
 
@@ -100,19 +86,19 @@ def concat_rows(caches: list[KVCache]) -> KVCache:
     )
 
 
-def take_rows(cache: KVCache, rows: mx.array | slice) -> KVCache:
-    """The cache's rows in the order `rows` (B,) gives, or a slice of them."""
+def take_rows(cache: KVCache, rows: mx.array) -> KVCache:
+    """The cache's rows in the order `rows` (B,) gives."""
     return KVCache(tuple(k[rows] for k in cache.keys), tuple(v[rows] for v in cache.values),
                    cache.positions[rows], cache.cursor)
 
 
 def prefill(config: ModelConfig, steps: Steps, params: Params, prompts: list[list[int]], capacity: int,
-            chunk: int, dtype: mx.Dtype, shapes: Shapes = Shapes()) -> tuple[mx.array, KVCache]:
-    """All prompts into one cache whose cursor ends at `padded_length(prompts, shapes.multiple)`.
+            chunk: int, dtype: mx.Dtype, multiple: int = 1) -> tuple[mx.array, KVCache]:
+    """All prompts into one cache whose cursor ends at `padded_length(prompts, multiple)`.
     -> (last hidden state per row (B, E), cache), rows in the prompts' order."""
-    end = padded_length(prompts, shapes.multiple)
+    end = padded_length(prompts, multiple)
     groups = plan_groups([len(p) for p in prompts])
-    parts = [prefill_group(config, steps, params, [prompts[i] for i in g], end, capacity, chunk, dtype, shapes)
+    parts = [prefill_group(config, steps, params, [prompts[i] for i in g], end, capacity, chunk, dtype, multiple)
              for g in groups]
     order = [i for g in groups for i in g]
     h = mx.concatenate([p[0] for p in parts])

@@ -13,7 +13,6 @@ from mlxfun import sampling
 from mlxfun.engine import Engine
 from mlxfun.generate import Batch, generate, make_config
 from mlxfun.load import Model
-from mlxfun.prefill import Shapes
 from mlxfun.tokenizer import Tokenizer
 
 
@@ -118,12 +117,12 @@ def test_bad_rows():
     assert sampling.make_settings(1).temperature.shape == (1,)
 
 
-@pytest.mark.parametrize("admit_min,shapes", [(3, Shapes(32, True)), (8, Shapes(7, False)), (1, Shapes(1, True))])
-def test_gpu_admission_settings_keep_outputs_equal_alone(tiny, admit_min, shapes):
-    """Admitting in groups, rounding prompt lengths up and filling groups to a power of two (the
-    GPU defaults, run here on the CPU) change shapes and timing, never the tokens."""
+@pytest.mark.parametrize("admit_min,pad_multiple", [(3, 32), (8, 7), (1, 1)])
+def test_gpu_admission_settings_keep_outputs_equal_alone(tiny, admit_min, pad_multiple):
+    """Admitting in groups and rounding prompt lengths up (the GPU defaults, run here on the CPU)
+    change shapes and timing, never the tokens."""
     prompts, max_tokens = workload(30, seed=3)
-    engine = Engine(tiny, rows=5, ignore_eos=True, admit_min=admit_min, shapes=shapes)
+    engine = Engine(tiny, rows=5, ignore_eos=True, admit_min=admit_min, pad_multiple=pad_multiple)
     ids = [engine.add(p, max_tokens=m) for p, m in zip(prompts, max_tokens)]
     list(engine.events())
     alone = generate(tiny, prompts, max_tokens=max_tokens, ignore_eos=True).token_ids
@@ -135,7 +134,7 @@ def test_gpu_admission_settings_keep_outputs_equal_alone(tiny, admit_min, shapes
 def test_static_batch_with_rounded_shapes_equals_alone(tiny):
     prompts, max_tokens = workload(9, seed=4)
     gen = make_config(len(prompts), max_tokens=max_tokens, ignore_eos=True)
-    batch = Batch(tiny, prompts, gen, shapes=Shapes(32, True))
+    batch = Batch(tiny, prompts, gen, pad_multiple=32)
     list(batch.events())
     assert batch.end % 32 == 0
     assert batch.result().token_ids == generate(tiny, prompts, max_tokens=max_tokens, ignore_eos=True).token_ids
