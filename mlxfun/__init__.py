@@ -1,5 +1,6 @@
 """mlxfun: batched text generation for Llama-family models, in pure functional MLX."""
 
+from mlxfun import blas  # noqa: F401  (first: loads $MLXFUN_BLAS, if set, before anything imports MLX)
 from mlxfun.errors import InputError, MlxfunError, ModelError
 from mlxfun.generate import Event, GenerationResult, generate, stream_generate
 from mlxfun.load import Model, load, save

@@ -25,8 +25,8 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
+from mlxfun import blas, weights
 from mlxfun import strategy as strat
-from mlxfun import weights
 from mlxfun.config import ModelConfig, RopeScaling
 from mlxfun.generate import Batch, make_config
 from mlxfun.llama import Params
@@ -243,7 +243,7 @@ def matmul_bench(sizes: list[tuple[int, int]], rows: list[int], dtype: mx.Dtype,
 def machine() -> dict:
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "mlx": mx.__version__,
-            "device": str(mx.default_device())}
+            "device": str(mx.default_device()), "blas": blas.LOADED or "bundled"}
     if on_gpu():
         info["device_info"] = {k: (v if isinstance(v, (int, float, str)) else str(v))
                                for k, v in mx.device_info().items()}

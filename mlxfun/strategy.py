@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxfun import weights
+from mlxfun import blas, weights
 from mlxfun.config import ModelConfig
 from mlxfun.llama import Params, Quantized
 
@@ -33,11 +33,16 @@ class WeightStrategy:
 # (0.8 s and 540 MB for SmolLM2) buys little there: the CPU keeps the quantized kernels.
 GPU = WeightStrategy(dense_from=1)
 CPU = WeightStrategy(dense_from=None)
+# With a system BLAS (mlxfun.blas) float32 products run 2.6x faster at one row and 10-20x from 8,
+# while the 4-bit kernels stay as they were: the copy wins at every batch size.
+CPU_BLAS = WeightStrategy(dense_from=1)
 QUANTIZED = WeightStrategy(dense_from=None)  # always the quantized kernels
 
 
 def default_strategy() -> WeightStrategy:
-    return CPU if mx.default_device() == mx.cpu else GPU
+    if mx.default_device() != mx.cpu:
+        return GPU
+    return CPU_BLAS if blas.LOADED else CPU
 
 
 def quantized(params: Params) -> bool:

@@ -1,0 +1,66 @@
+"""The opt-in system BLAS: chosen by $MLXFUN_BLAS before MLX is imported, with clear errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlxfun import blas
+from mlxfun.errors import MlxfunError
+
+SNIPPET = """
+import os
+import mlxfun
+from mlxfun import blas, strategy
+import mlx.core as mx
+mx.set_default_device(mx.cpu)
+print(blas.LOADED)
+print(strategy.default_strategy().dense_from)
+print(blas.LOADED is not None and os.path.realpath(blas.LOADED) in blas.loaded_libraries())
+"""
+
+
+def run_with(spec: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, blas.ENV: spec}
+    return subprocess.run([sys.executable, "-c", SNIPPET], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_missing_library_is_a_clear_error():
+    out = run_with("/nonexistent/libblas.so")
+    assert out.returncode != 0
+    assert "MLXFUN_BLAS='/nonexistent/libblas.so': no such file" in out.stderr
+
+
+def test_openblas_by_name(monkeypatch):
+    found = [p for p in blas.OPENBLAS if os.path.exists(p)]
+    out = run_with("openblas")
+    if found:  # loaded before MLX: its products go through it, and 4-bit weights run as a dense copy
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == [found[0], "1", "True"]
+    else:
+        assert out.returncode != 0 and "no OpenBLAS was found" in out.stderr
+    monkeypatch.setattr(blas, "OPENBLAS", ("/nonexistent/libopenblas.so.0",))
+    with pytest.raises(MlxfunError, match="no OpenBLAS was found"):
+        blas.resolve("openblas")
+
+
+def test_too_late_once_mlx_is_imported(monkeypatch, tmp_path):
+    import mlx.core  # noqa: F401  (this process imported MLX long ago; made explicit here)
+
+    lib = tmp_path / "libfake.so"
+    lib.write_bytes(b"")
+    monkeypatch.setenv(blas.ENV, str(lib))
+    with pytest.raises(MlxfunError, match="imported before mlxfun"):
+        blas.load_from_environment()
+
+
+def test_unset_means_mlx_own_blas(monkeypatch):
+    monkeypatch.delenv(blas.ENV, raising=False)
+    assert blas.load_from_environment() is None
+    out = subprocess.run([sys.executable, "-c", SNIPPET], env={k: v for k, v in os.environ.items() if k != blas.ENV},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "None", "False"]
