@@ -47,6 +47,8 @@ def test_hundred_prompts_through_eight_rows_equal_alone(tiny):
     assert stats.rows == 8 and 0.5 < stats.occupancy <= 1.0
     assert len(stats.ttft) == 100 and all(t >= 0 for t in stats.ttft.values())
     assert stats.generation_tokens == sum(len(t) for t in out.token_ids)  # closing EOS tokens not counted
+    assert f"Requests: 100, prompts {sum(map(len, prompts))} tokens, generated {stats.generation_tokens}" \
+        in stats.summary() and stats.generation_tps > 0 and stats.admissions >= 100 // 8
 
 
 def test_sampled_outputs_equal_alone_with_seeds(tiny):
@@ -138,3 +140,15 @@ def test_static_batch_with_rounded_shapes_equals_alone(tiny):
     list(batch.events())
     assert batch.end % 32 == 0
     assert batch.result().token_ids == generate(tiny, prompts, max_tokens=max_tokens, ignore_eos=True).token_ids
+
+
+def test_rounded_prompts_wider_than_the_ring(tiny):
+    """Prompts padded past a ring of 8 slots (GPU rounding on the CPU): the fresh cache is itself a
+    ring, and only its newest slots are placed; outputs still equal each prompt alone."""
+    prompts, max_tokens = workload(12, seed=5)
+    engine = Engine(tiny, rows=3, ignore_eos=True, max_kv_size=8, admit_min=2, pad_multiple=32)
+    ids = [engine.add(p, max_tokens=m) for p, m in zip(prompts, max_tokens)]
+    list(engine.events())
+    for p, m, i in zip(prompts, max_tokens, ids):
+        assert engine.requests[i].row.token_ids == \
+            generate(tiny, [p], max_tokens=m, max_kv_size=8, ignore_eos=True).token_ids[0]

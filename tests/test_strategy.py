@@ -71,3 +71,16 @@ def test_batched_equals_alone_with_each_strategy():
         batched = run(model, PROMPTS, strategy)
         for prompt, ids in zip(PROMPTS, batched.token_ids):
             assert run(model, [prompt], strategy).token_ids[0] == ids
+
+
+def test_engine_runs_quantized_weights_as_a_dense_copy():
+    """The Engine picks its weights once for its row count, like a static batch, with the same tokens."""
+    from mlxfun.engine import Engine
+
+    model = tiny_model(quant=(4, 32))
+    engine = Engine(model, rows=2, ignore_eos=True, strategy=DENSE)
+    assert isinstance(engine.params.layers[0].qkv, Dense)
+    assert Engine(model, rows=2, strategy=QUANTIZED).params is model.params
+    ids = [engine.add(p, max_tokens=12) for p in PROMPTS]
+    list(engine.events())
+    assert [engine.requests[i].row.token_ids for i in ids] == run(model, PROMPTS, DENSE).token_ids
