@@ -111,7 +111,10 @@ class Batch:
     def prefill(self) -> tuple[StepOut, DecodeState]:
         B = len(self.prompts)
         params = self.model.params
-        h, cache = prefill(self.config, self.steps, params, self.prompts, self._capacity(self.end),
+        # The prompts fill the cache exactly; the first decode step grows it to a bucket. Attending
+        # over empty slots made prefill 15% slower (SmolLM2, 128-token prompts in a 256-slot cache).
+        width = self.end if self.window is None else min(self.end, self.window)
+        h, cache = prefill(self.config, self.steps, params, self.prompts, width,
                            self.gen.prefill_step, params.norm.dtype, self.multiple)
         counts = mx.zeros((B, self.config.vocab_size), mx.int32) if self.gen.mode.penalties else None
         steps0 = mx.zeros((B,), mx.int32)
