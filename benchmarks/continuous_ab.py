@@ -19,7 +19,7 @@ import time
 import mlx.core as mx
 
 from mlxfun import bench
-from mlxfun.bench_workloads import mixed_workload
+from mlxfun.bench_workloads import mixed_workload, static_batches
 from mlxfun.engine import Engine
 from mlxfun.generate import generate
 
@@ -52,10 +52,7 @@ def main(argv=None) -> int:
     generate(model, prompts[:rows], max_tokens=limits[:rows], ignore_eos=True)
     run_engine(model, prompts[:2 * rows], limits[:2 * rows], rows, None, None)
     results = {}
-    t0 = time.perf_counter()
-    for i in range(0, len(prompts), rows):
-        generate(model, prompts[i:i + rows], max_tokens=limits[i:i + rows], ignore_eos=True)
-    results["static"] = dict(seconds=time.perf_counter() - t0)
+    results["static"] = dict(seconds=static_batches(model, prompts, limits, rows))
     print(f"static: {results['static']['seconds']:.2f} s", flush=True)
     variants = [(None, None), (1, None), (max(1, rows // 8), None), (max(1, rows // 2), None), (None, 1)]
     for admit_min, pad in variants:

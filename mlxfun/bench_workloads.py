@@ -70,6 +70,14 @@ def mixed_workload(vocab_size: int, n: int, min_tokens: int, max_tokens: int, se
     return prompts, [rng.randint(min_tokens, max_tokens) for _ in range(n)]
 
 
+def static_batches(model: Model, prompts: list[list[int]], limits: list[int], rows: int) -> float:
+    """Seconds to run the prompts as consecutive static batches of `rows`, each waiting for its slowest row."""
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), rows):
+        generate(model, prompts[i:i + rows], max_tokens=limits[i:i + rows], ignore_eos=True)
+    return time.perf_counter() - t0
+
+
 def continuous_vs_static(model: Model, n: int = 256, rows: int = 16, min_tokens: int = 16,
                          max_tokens: int = 256, seed: int = 0) -> ContinuousResult:
     """Wall time of the same workload as static batches of `rows` and through an engine of `rows`."""
@@ -77,10 +85,7 @@ def continuous_vs_static(model: Model, n: int = 256, rows: int = 16, min_tokens:
     warm = prompts[:rows]
     generate(model, warm, max_tokens=4, ignore_eos=True)  # compile both paths
     generate(model, warm + warm[:1], max_tokens=4, ignore_eos=True, batch_size=rows)
-    t0 = time.perf_counter()
-    for i in range(0, n, rows):
-        generate(model, prompts[i:i + rows], max_tokens=limits[i:i + rows], ignore_eos=True)
-    static_s = time.perf_counter() - t0
+    static_s = static_batches(model, prompts, limits, rows)
     t0 = time.perf_counter()
     out = generate(model, prompts, max_tokens=limits, ignore_eos=True, batch_size=rows)
     continuous_s = time.perf_counter() - t0

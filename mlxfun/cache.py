@@ -57,22 +57,18 @@ def write_positions(positions: mx.array, new: mx.array, slot: mx.array) -> mx.ar
     return mx.slice_update(positions, new, slot[None], axes=(1,))
 
 
-def key_positions(cache: KVCache, new: mx.array, slot: mx.array, wraps: bool = True) -> mx.array:
-    """Positions of the keys a step attends over, for new tokens at positions new (B, T): the
-    slots after writing them (B, C) for one token or a chunk that cannot overwrite a slot it sees
-    (`wraps` False), else the slots before the write then the chunk (B, C + T)."""
+def key_positions(cache: KVCache, new: mx.array, written: mx.array, wraps: bool = True) -> mx.array:
+    """Positions of the keys a step attends over, for new tokens at positions new (B, T) whose
+    write gives slot positions `written` (B, C): those for one token or a chunk that cannot
+    overwrite a slot it sees (`wraps` False), else the slots before the write then the chunk (B, C + T)."""
     if new.shape[1] == 1 or not wraps:
-        return write_positions(cache.positions, new, slot)
+        return written
     return mx.concatenate([cache.positions, new], axis=1)
 
 
-def advance(cache: KVCache, keys: tuple, values: tuple, new_positions: mx.array, slot: mx.array,
-            key_pos: mx.array | None = None) -> KVCache:
-    """The cache after a step wrote `keys`/`values` for tokens at `new_positions` (B, T);
-    `key_pos` is the written slot positions (B, C) when the step already computed them."""
-    written = key_pos if key_pos is not None and key_pos.shape == cache.positions.shape \
-        else write_positions(cache.positions, new_positions, slot)
-    return KVCache(keys, values, written, cache.cursor + new_positions.shape[1])
+def advance(cache: KVCache, keys: tuple, values: tuple, written: mx.array, count: int) -> KVCache:
+    """The cache after a step wrote `keys`/`values` and slot positions `written` (B, C) for `count` tokens."""
+    return KVCache(keys, values, written, cache.cursor + count)
 
 
 def grow(cache: KVCache, new_capacity: int) -> KVCache:
@@ -110,21 +106,26 @@ def place_rows(cache: KVCache, cursor: int, rows: list[int], fresh: KVCache, fre
     take = slice(None) if src == list(range(F)) else mx.array(src, dtype=mx.int32)
     r = mx.array(rows, dtype=mx.int32)
     index = (r[:, None, None], mx.arange(cache.keys[0].shape[1])[None, :, None], dst[None, None, :])
+    positions = updated(mx.full((len(rows), C), -1, mx.int32), (slice(None), dst), fresh.positions[:, take])
+    return KVCache(tuple(updated(a, index, b[:, :, take]) for a, b in zip(cache.keys, fresh.keys)),
+                   tuple(updated(a, index, b[:, :, take]) for a, b in zip(cache.values, fresh.values)),
+                   updated(cache.positions, r, positions), cache.cursor)
 
-    def put(buf: mx.array, new: mx.array) -> mx.array:
-        out = mx.array(buf)  # a new handle on the same data: the assignment below leaves `buf` as it was
-        out[index] = new[:, :, take]
-        return out
 
-    positions = mx.full((len(rows), C), -1, mx.int32)
-    positions[:, dst] = fresh.positions[:, take]
-    all_positions = mx.array(cache.positions)
-    all_positions[r] = positions
-    return KVCache(tuple(put(a, b) for a, b in zip(cache.keys, fresh.keys)),
-                   tuple(put(a, b) for a, b in zip(cache.values, fresh.values)), all_positions, cache.cursor)
+def updated(a: mx.array, index, values: mx.array) -> mx.array:
+    """`a` with `a[index] = values` (a scatter); `a` itself is left as it was."""
+    out = mx.array(a)  # a new handle on the same data, so the assignment rebinds only `out`
+    out[index] = values.astype(a.dtype)
+    return out
 
 
 def bucket(length: int, block: int = 256) -> int:
     """Capacity for `length` tokens: the next multiple of `block`, so attention cost follows
     the real context and a compiled step retraces once per bucket, not per token."""
     return max(block, -(-length // block) * block)
+
+
+def capacity_for(length: int, window: int | None) -> int:
+    """Slots for `length` tokens per row: a bucket, or the attention window when that is smaller
+    (a ring of the window's width then holds everything a query sees)."""
+    return bucket(length) if window is None else min(bucket(length), window)

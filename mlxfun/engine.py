@@ -200,7 +200,7 @@ class Engine:
         longest = max(len(r.prompt) for r in reqs)
         if self.state is None:
             self.cursor = longest
-            self.state = self._empty_state(self._capacity(longest + 1))
+            self.state = self._empty_state(kv.capacity_for(longest + 1, self.config.max_window))
         else:
             self._make_room(extra=longest + 1)
         cap = kv.capacity(self.state.cache)
@@ -236,12 +236,13 @@ class Engine:
         r = mx.array(rows, dtype=mx.int32)
         counts = s.counts
         if counts is not None:
-            counts = _put(counts, r, sampling.update_counts(mx.zeros((len(rows), counts.shape[1]), mx.int32), first))
+            fresh = sampling.update_counts(mx.zeros((len(rows), counts.shape[1]), mx.int32), first)
+            counts = kv.updated(counts, r, fresh)
         self.state = DecodeState(
             kv.place_rows(s.cache, self.cursor, rows, cache, fresh_cursor),
-            tokens=_put(s.tokens, r, first),
-            positions=_put(s.positions, r, mx.array(lengths, mx.int32)),
-            steps=_put(s.steps, r, mx.ones((len(rows),), mx.int32)),
+            tokens=kv.updated(s.tokens, r, first),
+            positions=kv.updated(s.positions, r, mx.array(lengths, mx.int32)),
+            steps=kv.updated(s.steps, r, mx.ones((len(rows),), mx.int32)),
             counts=counts,
         )
 
@@ -259,16 +260,11 @@ class Engine:
         live = [self.start[r] for r, o in enumerate(self.owner) if o is not None]
         need = max([extra] + [self.cursor + 1 - s for s in live])
         cap = kv.capacity(self.state.cache)
-        if self._capacity(need) > cap:
-            cache = kv.grow(self.state.cache, self._capacity(need))
+        if kv.capacity_for(need, self.config.max_window) > cap:
+            cache = kv.grow(self.state.cache, kv.capacity_for(need, self.config.max_window))
             self.start = [s - self.cursor + int(cache.cursor) for s in self.start]
             self.cursor = int(cache.cursor)
             self.state = self.state._replace(cache=cache)
-
-    def _capacity(self, need: int) -> int:
-        """Slots for `need` tokens per row: a bucket, at most the attention window."""
-        window = self.config.max_window
-        return kv.bucket(need) if window is None else min(kv.bucket(need), window)
 
     def _mode(self) -> Mode:
         """The least a step must compute for the live requests (each Mode compiles once)."""
@@ -297,13 +293,6 @@ class Engine:
             if event.finish_reason is not None and rid in self.owner:
                 self.owner[self.owner.index(rid)] = None
             yield event
-
-
-def _put(a: mx.array, rows: mx.array, values: mx.array) -> mx.array:
-    """a (B, ...) with rows `rows` (n,) replaced by `values` (n, ...); `a` itself is unchanged."""
-    out = mx.array(a)
-    out[rows] = values.astype(a.dtype)
-    return out
 
 
 # Settings for a row that holds no request (its tokens are discarded).

@@ -104,10 +104,6 @@ class Batch:
         self.multiple = pad_multiple or prefill_pad_multiple()  # prompt lengths rounded up on a GPU
         self.end = padded_length(prompts, self.multiple)  # the cache cursor after prefill
 
-    def _capacity(self, length: int) -> int:
-        c = kv.bucket(length)
-        return c if self.window is None else min(c, self.window)
-
     def prefill(self) -> tuple[StepOut, DecodeState]:
         B = len(self.prompts)
         params = self.model.params
@@ -130,7 +126,7 @@ class Batch:
         cap = kv.capacity(state.cache)
         if written < cap or (self.window is not None and cap == self.window):
             return state
-        return state._replace(cache=kv.grow(state.cache, self._capacity(written + 1)))
+        return state._replace(cache=kv.grow(state.cache, kv.capacity_for(written + 1, self.window)))
 
     def events(self) -> Iterator[Event]:
         """Run the batch, yielding one event per generated token of each live row."""

@@ -213,7 +213,8 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     """
     h = embed(params.embed, tokens, config.hidden_size)
     slot = None if cache is None else kv.next_slot(cache)
-    key_pos = positions if cache is None else kv.key_positions(cache, positions, slot, wraps)  # (B, S)
+    slot_pos = None if cache is None else kv.write_positions(cache.positions, positions, slot)  # (B, C)
+    key_pos = positions if cache is None else kv.key_positions(cache, positions, slot_pos, wraps)  # (B, S)
     layer_mask = layer_masks(config, positions, key_pos, mask)
     offset = positions[:, 0]  # (B,) RoPE starts here in each row
     new_keys, new_values = [], []
@@ -229,7 +230,7 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     h = mx.fast.rms_norm(h, params.norm, config.rms_norm_eps)
     if cache is None:
         return h, None
-    return h, kv.advance(cache, tuple(new_keys), tuple(new_values), positions, slot, key_pos)
+    return h, kv.advance(cache, tuple(new_keys), tuple(new_values), slot_pos, tokens.shape[1])
 
 
 def logits(params: Params, h: mx.array) -> mx.array:
