@@ -2,6 +2,7 @@
 
 Diagnostic only (it patches functions at trace time, so its outputs are not meaningful):
   baseline      the decode step as it is
+  no-kernels    without the fused CUDA kernels (`mlxfun.kernels`): MLX ops only
   sdpa-masked   attention through mx.fast.scaled_dot_product_attention with the mask (MLX's
                 fallback on CUDA and the CPU) instead of `llama.grouped_attention`
   sdpa-no-mask  the fused kernel without a mask (wrong output: the bound a fused masked kernel could reach)
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from mlxfun import bench, llama
+from mlxfun import bench, kernels, llama
 from mlxfun.generate import Batch, make_config
 from mlxfun.llama import Dense
 from mlxfun.step import make_steps
@@ -122,11 +123,13 @@ def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
         return real_sdpa(q, k, v, scale=scale)
 
     fused = (llama, "fused_masked_attention", lambda: True)
+    off = (kernels, "available", lambda x: False)  # the attention variants below replace the kernels' path
     variants = {
         "baseline": [],
-        "sdpa-masked": [fused],
-        "sdpa-no-mask": [fused, (mx.fast, "scaled_dot_product_attention", sdpa_no_mask)],
-        "no-attention": [(llama, "grouped_attention", lambda q, k, v, mask, scale: q),
+        "no-kernels": [off],
+        "sdpa-masked": [off, fused],
+        "sdpa-no-mask": [off, fused, (mx.fast, "scaled_dot_product_attention", sdpa_no_mask)],
+        "no-attention": [off, (llama, "grouped_attention", lambda q, k, v, mask, scale: q),
                          (mx.fast, "scaled_dot_product_attention", lambda q, k, v, scale, mask=None: q)],
         "2d-matmul": [(llama, "linear", linear_2d)],
         "small-head": [(llama, "logits", small_logits)],

@@ -1,0 +1,76 @@
+"""The fused CUDA decode kernels (`mlxfun.kernels`) against MLX ops, on random inputs (CUDA only).
+
+decode_attention vs `llama.grouped_attention` in float32 on the same (rounded) inputs, under masks
+with left padding, holes (ring slots) and a single visible key; add_norm vs add + mx.fast.rms_norm.
+Run: python benchmarks/kernels_check.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import mlx.core as mx
+
+from mlxfun import kernels, llama
+
+
+def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed: int) -> dict:
+    mx.random.seed(seed)
+    qk = mx.random.normal((B, H + K, 1, D)).astype(dtype)
+    keys = mx.random.normal((B, K, S, D)).astype(dtype)
+    values = mx.random.normal((B, K, S, D)).astype(dtype)
+    visible = mx.random.uniform(shape=(B, 1, S)) < 0.7
+    visible = visible & (mx.arange(S) >= mx.arange(B)[:, None, None] * 7)  # left padding, per row
+    last = mx.arange(S) == S - 1
+    visible = visible | last  # the current token's slot is always visible
+    visible = mx.where(mx.arange(B)[:, None, None] == 0, last, visible)  # row 0: that key only
+    got = kernels.decode_attention(qk, keys, values, visible, H).astype(mx.float32)
+    f32 = [a.astype(mx.float32) for a in (qk, keys, values)]
+    want = llama.grouped_attention(f32[0][:, :H], f32[1], f32[2], visible, D**-0.5)  # (B, H, 1, D)
+    want = want.transpose(0, 2, 1, 3).reshape(B, 1, H * D)
+    err = mx.abs(got - want).max().item()
+    tol = {mx.float32: 1e-4, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}[dtype]
+    out = dict(kernel="decode_attention", B=B, H=H, K=K, D=D, S=S, dtype=str(dtype), max_err=err, ok=err < tol)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def add_norm_case(rows: int, E: int, dtype: mx.Dtype) -> dict:
+    mx.random.seed(rows + E)
+    x, y = (mx.random.normal((rows, 1, E)).astype(dtype) for _ in range(2))
+    w = (1 + 0.1 * mx.random.normal((E,))).astype(dtype)
+    s, n = kernels.add_norm(x, y, w, 1e-5)
+    s_ref = x + y
+    n_ref = mx.fast.rms_norm(s_ref, w, 1e-5)
+    err_s = mx.abs(s.astype(mx.float32) - s_ref.astype(mx.float32)).max().item()
+    err_n = mx.abs(n.astype(mx.float32) - n_ref.astype(mx.float32)).max().item()
+    tol = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 3.2e-2}[dtype]
+    out = dict(kernel="add_norm", rows=rows, E=E, dtype=str(dtype), err_sum=err_s, err_norm=err_n,
+               ok=err_s == 0 and err_n < tol)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    results = []
+    for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        for B, H, K, D, S in ((1, 32, 8, 128, 256), (3, 32, 8, 128, 512), (5, 32, 8, 64, 96), (2, 9, 3, 64, 40),
+                              (4, 8, 8, 32, 33), (2, 16, 2, 128, 1024)):
+            results.append(attention_case(B, H, K, D, S, dtype, seed=B * S))
+        for rows, E in ((1, 4096), (7, 2048), (3, 576), (2, 100)):
+            results.append(add_norm_case(rows, E, dtype))
+    ok = all(r["ok"] for r in results)
+    print("KERNELS", "OK" if ok else "FAILED", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(mx.default_device()), "results": results, "ok": ok}, f, indent=2)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Fused CUDA kernels for the one-token decode step, where MLX 0.32 has none.
+
+At batch 1 an 8B decode step is ~17 kernels per layer, and the host encodes each one: the step
+costs more than reading the weights. Two kernels remove five per layer:
+  - `decode_attention`: masked attention of one query per row over the cache (scores, mask,
+    softmax and the weighted sum in one pass; MLX's fused kernel takes no mask). One block per
+    (row, key head) serves every query head of its group, so each key is read once.
+  - `add_norm`: the residual add and the next RMSNorm (two kernels as MLX ops).
+Both fall back to MLX ops off CUDA, so every other backend runs the same code path.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+_ATTENTION = r"""
+    // One block of NW warps per (row b, key head kh); its G query heads share the keys.
+    constexpr int PER = D / 32;  // elements of a head vector held by each lane
+    const int b = blockIdx.z, kh = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int K = keys_shape[1], S = keys_shape[2], HK = qk_shape[1], H = HK - K;
+    const T* qp = qk + ((size_t)b * HK + kh * G) * D;
+    const T* kp = keys + ((size_t)b * K + kh) * S * D;
+    const T* vp = values + ((size_t)b * K + kh) * S * D;
+    const bool* mp = mask + (size_t)b * S;
+
+    const float scale = rsqrtf((float)D) * 1.44269504088896341f;  // softmax in base 2
+    float q[G][PER], o[G][PER], m[G], l[G];
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        auto qv = unsafe_load_vector<PER>(qp + g * D, lane);
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) { q[g][i] = scale * static_cast<float>(qv[i]); o[g][i] = 0.f; }
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+    }
+    for (int s = warp; s < S; s += NW) {
+        if (!mp[s]) continue;  // the same branch for the whole warp
+        auto kv = unsafe_load_vector<PER>(kp + (size_t)s * D, lane);
+        auto vv = unsafe_load_vector<PER>(vp + (size_t)s * D, lane);
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float score = 0.f;
+            #pragma unroll
+            for (int i = 0; i < PER; ++i) score += q[g][i] * static_cast<float>(kv[i]);
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) score += __shfl_xor_sync(0xffffffff, score, off);
+            float m_new = fmaxf(m[g], score);
+            float f = exp2f(m[g] - m_new), e = exp2f(score - m_new);
+            l[g] = l[g] * f + e;
+            #pragma unroll
+            for (int i = 0; i < PER; ++i) o[g][i] = o[g][i] * f + e * static_cast<float>(vv[i]);
+            m[g] = m_new;
+        }
+    }
+
+    // Combine the warps' partial softmaxes, one query head at a time.
+    __shared__ float wm[G][NW], wl[G][NW], part[NW][D];
+    if (lane == 0) {
+        #pragma unroll
+        for (int g = 0; g < G; ++g) { wm[g][warp] = m[g]; wl[g][warp] = l[g]; }
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float mx_ = -INFINITY;
+        for (int w = 0; w < NW; ++w) mx_ = fmaxf(mx_, wm[g][w]);
+        float f = exp2f(m[g] - mx_);  // 0 for a warp that saw no visible key
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) part[warp][lane * PER + i] = o[g][i] * f;
+        __syncthreads();
+        for (int d = threadIdx.x; d < D; d += NW * 32) {
+            float acc = 0.f, sum = 0.f;
+            for (int w = 0; w < NW; ++w) { acc += part[w][d]; sum += wl[g][w] * exp2f(wm[g][w] - mx_); }
+            out[((size_t)b * H + kh * G + g) * D + d] = static_cast<T>(acc / sum);
+        }
+        __syncthreads();
+    }
+"""
+
+_ADD_NORM = r"""
+    // One block per row: s = x + y, n = rms_norm(s) * w, rounded as MLX's add and rms_norm do.
+    const size_t row = blockIdx.x;
+    const T* xr = x + row * E;
+    const T* yr = y + row * E;
+    T* sr = s + row * E;
+    T* nr = n + row * E;
+    float acc = 0.f;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+        T v = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(yr[i]));
+        sr[i] = v;
+        float f = static_cast<float>(v);
+        acc += f * f;
+    }
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+    __shared__ float warp_sums[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    if (lane == 0) warp_sums[warp] = acc;
+    __syncthreads();
+    acc = 0.f;
+    for (int j = 0; j < warps; ++j) acc += warp_sums[j];
+    const float r = rsqrtf(acc / E + eps[0]);
+    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+        T normed = static_cast<T>(static_cast<float>(sr[i]) * r);
+        nr[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(normed));
+    }
+"""
+
+_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+
+
+def available(x: mx.array) -> bool:
+    """Whether the fused kernels run for activations like `x`: CUDA is the default device."""
+    return x.dtype in _DTYPES and mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def attention_fits(head_dim: int, group: int) -> bool:
+    """The kernel holds one head vector per warp (head_dim a multiple of 32, at most 256) and
+    the G = H / K query heads of a group in registers."""
+    return head_dim % 32 == 0 and head_dim <= 256 and group * head_dim // 32 <= 64
+
+
+def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.array, num_heads: int) -> mx.array:
+    """qk (B, H + K, 1, D) rotated queries then keys, keys/values (B, K, S, D) after this step's
+    write, mask (B, 1, S) bool -> (B, 1, H * D): softmax(q k^T / sqrt(D)) v over visible keys."""
+    B, _, _, D = qk.shape
+    K = keys.shape[1]
+    G = num_heads // K
+    warps = max(4, min(32, 256 // (G * D // 32)))  # fewer warps when each holds more registers
+    attention = mx.fast.cuda_kernel(name="mlxfun_decode_attention", input_names=["qk", "keys", "values", "mask"],
+                                    output_names=["out"], source=_ATTENTION)  # MLX caches the compiled module
+    (out,) = attention(inputs=[qk, keys, values, mask], template=[("T", qk.dtype), ("D", D), ("G", G), ("NW", warps)],
+                       grid=(32 * warps, K, B), threadgroup=(32 * warps, 1, 1),
+                       output_shapes=[(B, 1, num_heads * D)], output_dtypes=[qk.dtype])
+    return out
+
+
+def add_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    """x, y (..., E) -> (s = x + y, rms_norm(s) * weight)."""
+    E = x.shape[-1]
+    rows = x.size // E
+    threads = min(1024, max(32, (E // 4 + 31) // 32 * 32))
+    kernel = mx.fast.cuda_kernel(name="mlxfun_add_norm", input_names=["x", "y", "w", "eps"],
+                                 output_names=["s", "n"], source=_ADD_NORM)
+    s, n = kernel(inputs=[x, y, weight, mx.array([eps], mx.float32)], template=[("T", x.dtype), ("E", E)],
+                  grid=(threads * rows, 1, 1), threadgroup=(threads, 1, 1),
+                  output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
+    return s, n
