@@ -10,7 +10,9 @@ Diagnostic only (it patches functions at trace time, so its outputs are not mean
   2d-matmul     linear maps on x reshaped to (rows, in) instead of (B, 1, in)
   small-head    the LM head on 1024 vocabulary rows only
   no-cache-write  keys and values not written into the cache
-  matmuls-only  only the linear maps of every layer and the head, chained
+  attention-kernel-only / add-norm-kernel-only   one of the two fused CUDA kernels
+  matmuls-only  only the linear maps of every layer and the head, independent of each other
+  matmuls-chained  the same, each fed by the previous one (their serial time: the step's floor)
 Each is timed as a chain of steps queued with mx.async_eval (device throughput), and the
 baseline also step by step: Python call, async_eval, wait.
 Run: python benchmarks/ablate.py --shape 8B --batch-sizes 1,32,128 [--dtype q4] [--json PATH]
@@ -100,6 +102,29 @@ def matmuls_only(config, params, B):
     return 1e3 * (time.perf_counter() - t) / 10
 
 
+def matmuls_chained(config, params, B):
+    """ms of the step's linear maps in their real order, each fed by the previous one's output
+    (slices only between them): the floor that the matmul kernels set for a step."""
+    E, HD, I = config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size
+    x0 = mx.random.normal((B, 1, E)).astype(params.norm.dtype)
+
+    def fn(params, x):
+        for ly in params.layers:
+            x = llama.linear(ly.o, llama.linear(ly.qkv, x)[..., :HD])
+            x = llama.linear(ly.down, llama.linear(ly.gate_up, x)[..., :I])
+        return llama.logits(params, x)
+
+    f = mx.compile(fn)
+    for _ in range(3):
+        mx.eval(f(params, x0))
+    t = time.perf_counter()
+    for _ in range(10):
+        y = f(params, x0)
+        mx.async_eval(y)
+    mx.eval(y)
+    return 1e3 * (time.perf_counter() - t) / 10
+
+
 def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
     config = model.config
     prompts = bench.random_prompts(config.vocab_size, B, 128)
@@ -124,9 +149,15 @@ def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
 
     fused = (llama, "fused_masked_attention", lambda: True)
     off = (kernels, "available", lambda x: False)  # the attention variants below replace the kernels' path
+
+    def add_norm_ops(x, y, w, eps):
+        return x + y, mx.fast.rms_norm(x + y, w, eps)
+
     variants = {
         "baseline": [],
         "no-kernels": [off],
+        "attention-kernel-only": [(kernels, "add_norm", add_norm_ops)],
+        "add-norm-kernel-only": [(kernels, "attention_fits", lambda *a: False)],
         "sdpa-masked": [off, fused],
         "sdpa-no-mask": [off, fused, (mx.fast, "scaled_dot_product_attention", sdpa_no_mask)],
         "no-attention": [off, (llama, "grouped_attention", lambda q, k, v, mask, scale: q),
@@ -146,6 +177,9 @@ def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
             if name == "baseline":
                 res |= split_ms(steps.decode, params, state0, gen.settings, n)
         print(f"  B={B:4d} {name:13s} {res[name]:8.2f} ms/step", flush=True)
+    if only is None or "matmuls-chained" in only:
+        res["matmuls-chained"] = matmuls_chained(config, params, B)
+        print(f"  B={B:4d} {'matmuls-chained':13s} {res['matmuls-chained']:8.2f} ms/step", flush=True)
     if only is not None and "matmuls-only" not in only:
         print("  " + json.dumps(res), flush=True)
         return res

@@ -15,8 +15,9 @@ case "${1:-1B}" in
   kernels)
     timeout 120 python3 benchmarks/kernels_check.py --json "$OUT/h200-kernels.json" || exit 1
     timeout 90 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"
-    timeout 300 python3 benchmarks/ablate.py --shape 8B --batch-sizes 1,8,32,128 --steps 32 \
-      --variants no-kernels --json "$OUT/h200-ablate-8B-kernels.json"
+    timeout 360 python3 benchmarks/ablate.py --shape 8B --batch-sizes 1,8,32,128 --steps 32 \
+      --variants no-kernels,attention-kernel-only,add-norm-kernel-only,matmuls-chained \
+      --json "$OUT/h200-ablate-8B-kernels.json"
     ;;
   1B)
     timeout 90 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"

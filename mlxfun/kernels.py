@@ -14,47 +14,76 @@ from __future__ import annotations
 import mlx.core as mx
 
 _ATTENTION = r"""
-    // One block of NW warps per (row b, key head kh); its G query heads share the keys.
-    constexpr int PER = D / 32;  // elements of a head vector held by each lane
+    // One block of NW warps per (row b, key head kh); its G query heads share each key read.
+    // A warp takes KPW keys at once (LPK lanes per key, PER elements per lane, 16-byte loads),
+    // U rounds of them per iteration so that several loads are in flight.
+    constexpr int LPK = D / PER, KPW = 32 / LPK, U = 2;
     const int b = blockIdx.z, kh = blockIdx.y;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % LPK, grp = lane / LPK;
     const int K = keys_shape[1], S = keys_shape[2], HK = qk_shape[1], H = HK - K;
-    const T* qp = qk + ((size_t)b * HK + kh * G) * D;
-    const T* kp = keys + ((size_t)b * K + kh) * S * D;
-    const T* vp = values + ((size_t)b * K + kh) * S * D;
-    const bool* mp = mask + (size_t)b * S;
+    const T* qp = qk + ((int64_t)b * HK + kh * G) * D;
+    const T* kp = keys + ((int64_t)b * K + kh) * S * D;
+    const T* vp = values + ((int64_t)b * K + kh) * S * D;
+    const bool* mp = mask + (int64_t)b * S;
 
     const float scale = rsqrtf((float)D) * 1.44269504088896341f;  // softmax in base 2
     float q[G][PER], o[G][PER], m[G], l[G];
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-        auto qv = unsafe_load_vector<PER>(qp + g * D, lane);
+        auto qv = unsafe_load_vector<PER>(qp + g * D, sub);
         #pragma unroll
         for (int i = 0; i < PER; ++i) { q[g][i] = scale * static_cast<float>(qv[i]); o[g][i] = 0.f; }
         m[g] = -INFINITY;
         l[g] = 0.f;
     }
-    for (int s = warp; s < S; s += NW) {
-        if (!mp[s]) continue;  // the same branch for the whole warp
-        auto kv = unsafe_load_vector<PER>(kp + (size_t)s * D, lane);
-        auto vv = unsafe_load_vector<PER>(vp + (size_t)s * D, lane);
+    for (int r0 = 0; r0 * NW * KPW < S; r0 += U) {
+        AlignedVector<T, PER> kv[U] = {}, vv[U] = {};
+        bool seen[U];
         #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float score = 0.f;
+        for (int u = 0; u < U; ++u) {
+            const int s = ((r0 + u) * NW + warp) * KPW + grp;
+            seen[u] = s < S && mp[s];
+            if (seen[u]) {
+                kv[u] = unsafe_load_vector<PER>(kp + (int64_t)s * D, sub);
+                vv[u] = unsafe_load_vector<PER>(vp + (int64_t)s * D, sub);
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
             #pragma unroll
-            for (int i = 0; i < PER; ++i) score += q[g][i] * static_cast<float>(kv[i]);
-            #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) score += __shfl_xor_sync(0xffffffff, score, off);
-            float m_new = fmaxf(m[g], score);
-            float f = exp2f(m[g] - m_new), e = exp2f(score - m_new);
-            l[g] = l[g] * f + e;
-            #pragma unroll
-            for (int i = 0; i < PER; ++i) o[g][i] = o[g][i] * f + e * static_cast<float>(vv[i]);
-            m[g] = m_new;
+            for (int g = 0; g < G; ++g) {
+                float score = 0.f;
+                #pragma unroll
+                for (int i = 0; i < PER; ++i) score += q[g][i] * static_cast<float>(kv[u][i]);
+                #pragma unroll
+                for (int off = LPK / 2; off > 0; off >>= 1) score += __shfl_xor_sync(0xffffffff, score, off);
+                if (seen[u]) {
+                    const float m_new = fmaxf(m[g], score);
+                    const float f = exp2f(m[g] - m_new), e = exp2f(score - m_new);
+                    l[g] = l[g] * f + e;
+                    #pragma unroll
+                    for (int i = 0; i < PER; ++i) o[g][i] = o[g][i] * f + e * static_cast<float>(vv[u][i]);
+                    m[g] = m_new;
+                }
+            }
         }
     }
 
-    // Combine the warps' partial softmaxes, one query head at a time.
+    // Merge the warp's key groups (lanes LPK apart), then the warps, one query head at a time.
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        #pragma unroll
+        for (int off = LPK; off < 32; off <<= 1) {
+            const float m_o = __shfl_xor_sync(0xffffffff, m[g], off), l_o = __shfl_xor_sync(0xffffffff, l[g], off);
+            const float m_new = fmaxf(m[g], m_o);
+            const float fa = m[g] == -INFINITY ? 0.f : exp2f(m[g] - m_new);
+            const float fb = m_o == -INFINITY ? 0.f : exp2f(m_o - m_new);
+            l[g] = l[g] * fa + l_o * fb;
+            #pragma unroll
+            for (int i = 0; i < PER; ++i) o[g][i] = o[g][i] * fa + __shfl_xor_sync(0xffffffff, o[g][i], off) * fb;
+            m[g] = m_new;
+        }
+    }
     __shared__ float wm[G][NW], wl[G][NW], part[NW][D];
     if (lane == 0) {
         #pragma unroll
@@ -63,16 +92,21 @@ _ATTENTION = r"""
     __syncthreads();
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-        float mx_ = -INFINITY;
-        for (int w = 0; w < NW; ++w) mx_ = fmaxf(mx_, wm[g][w]);
-        float f = exp2f(m[g] - mx_);  // 0 for a warp that saw no visible key
-        #pragma unroll
-        for (int i = 0; i < PER; ++i) part[warp][lane * PER + i] = o[g][i] * f;
+        float top = -INFINITY;
+        for (int w = 0; w < NW; ++w) top = fmaxf(top, wm[g][w]);
+        const float f = m[g] == -INFINITY ? 0.f : exp2f(m[g] - top);  // 0 for a warp that saw no key
+        if (grp == 0) {
+            #pragma unroll
+            for (int i = 0; i < PER; ++i) part[warp][sub * PER + i] = o[g][i] * f;
+        }
         __syncthreads();
         for (int d = threadIdx.x; d < D; d += NW * 32) {
             float acc = 0.f, sum = 0.f;
-            for (int w = 0; w < NW; ++w) { acc += part[w][d]; sum += wl[g][w] * exp2f(wm[g][w] - mx_); }
-            out[((size_t)b * H + kh * G + g) * D + d] = static_cast<T>(acc / sum);
+            for (int w = 0; w < NW; ++w) {
+                acc += part[w][d];
+                sum += wm[g][w] == -INFINITY ? 0.f : wl[g][w] * exp2f(wm[g][w] - top);
+            }
+            out[((int64_t)b * H + kh * G + g) * D + d] = static_cast<T>(acc / sum);
         }
         __syncthreads();
     }
@@ -117,10 +151,16 @@ def available(x: mx.array) -> bool:
     return x.dtype in _DTYPES and mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
-def attention_fits(head_dim: int, group: int) -> bool:
-    """The kernel holds one head vector per warp (head_dim a multiple of 32, at most 256) and
-    the G = H / K query heads of a group in registers."""
-    return head_dim % 32 == 0 and head_dim <= 256 and group * head_dim // 32 <= 64
+def _lane_split(head_dim: int, dtype: mx.Dtype) -> int:
+    """Elements of a head vector per lane: 16-byte loads, at most 32 lanes per key."""
+    return max(16 // dtype.size, head_dim // 32)
+
+
+def attention_fits(head_dim: int, group: int, dtype: mx.Dtype) -> bool:
+    """The kernel's layout: a key's lanes divide a warp, and the G = H / K query heads of a
+    group plus their partial outputs stay in registers."""
+    per = _lane_split(head_dim, dtype)
+    return head_dim % per == 0 and 32 % (head_dim // per) == 0 and group * per <= 64
 
 
 def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.array, num_heads: int) -> mx.array:
@@ -129,12 +169,16 @@ def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.ar
     B, _, _, D = qk.shape
     K = keys.shape[1]
     G = num_heads // K
-    warps = max(4, min(32, 256 // (G * D // 32)))  # fewer warps when each holds more registers
-    attention = mx.fast.cuda_kernel(name="mlxfun_decode_attention", input_names=["qk", "keys", "values", "mask"],
-                                    output_names=["out"], source=_ATTENTION)  # MLX caches the compiled module
-    (out,) = attention(inputs=[qk, keys, values, mask], template=[("T", qk.dtype), ("D", D), ("G", G), ("NW", warps)],
-                       grid=(32 * warps, K, B), threadgroup=(32 * warps, 1, 1),
-                       output_shapes=[(B, 1, num_heads * D)], output_dtypes=[qk.dtype])
+    per = _lane_split(D, qk.dtype)
+    # Few blocks (small batches): many warps each, so keys are read in parallel. Many blocks:
+    # fewer warps each, so several blocks fit on one multiprocessor.
+    warps = 16 if B * K < 256 and G * per <= 32 else 4
+    kernel = mx.fast.cuda_kernel(name="mlxfun_decode_attention", input_names=["qk", "keys", "values", "mask"],
+                                 output_names=["out"], source=_ATTENTION)  # MLX caches the compiled module
+    (out,) = kernel(inputs=[qk, keys, values, mask],
+                    template=[("T", qk.dtype), ("D", D), ("G", G), ("PER", per), ("NW", warps)],
+                    grid=(32 * warps, K, B), threadgroup=(32 * warps, 1, 1),
+                    output_shapes=[(B, 1, num_heads * D)], output_dtypes=[qk.dtype])
     return out
 
 

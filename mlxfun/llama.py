@@ -150,7 +150,7 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
         else:
             keys = mx.concatenate([cache_kv[0], k], axis=2)  # (B, K, C + T, D)
             values = mx.concatenate([cache_kv[1], v], axis=2)
-    if fused and layer.q_norm is None and kernels.attention_fits(D, H // K):
+    if fused and layer.q_norm is None and kernels.attention_fits(D, H // K, x.dtype):
         return linear(layer.o, kernels.decode_attention(qk, keys, values, mask, H)), new_kv
     if not fused_masked_attention() and (T == 1 or B * H * T * keys.shape[2] <= GROUPED_MAX_SCORES):
         out = grouped_attention(q, keys, values, mask, D**-0.5)
