@@ -113,31 +113,42 @@ _ATTENTION = r"""
 """
 
 _ADD_NORM = r"""
-    // One block per row: s = x + y, n = rms_norm(s) * w, rounded as MLX's add and rms_norm do.
-    const size_t row = blockIdx.x;
-    const T* xr = x + row * E;
-    const T* yr = y + row * E;
-    T* sr = s + row * E;
-    T* nr = n + row * E;
+    // One block per row, VEC elements per thread in registers: s = x + y, n = rms_norm(s) * w,
+    // rounded as MLX's add and rms_norm round.
+    const int64_t row = blockIdx.x;
+    const int t = threadIdx.x;
+    const bool live = t * VEC < E;
+    AlignedVector<T, VEC> sv = {};
     float acc = 0.f;
-    for (int i = threadIdx.x; i < E; i += blockDim.x) {
-        T v = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(yr[i]));
-        sr[i] = v;
-        float f = static_cast<float>(v);
-        acc += f * f;
+    if (live) {
+        auto xv = unsafe_load_vector<VEC>(x + row * E, t);
+        auto yv = unsafe_load_vector<VEC>(y + row * E, t);
+        #pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+            sv[i] = static_cast<T>(static_cast<float>(xv[i]) + static_cast<float>(yv[i]));
+            const float f = static_cast<float>(sv[i]);
+            acc += f * f;
+        }
+        unsafe_store_vector<VEC>(s + row * E, t, sv);
     }
     #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
     __shared__ float warp_sums[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    const int lane = t & 31, warp = t >> 5, warps = blockDim.x >> 5;
     if (lane == 0) warp_sums[warp] = acc;
     __syncthreads();
     acc = 0.f;
     for (int j = 0; j < warps; ++j) acc += warp_sums[j];
     const float r = rsqrtf(acc / E + eps[0]);
-    for (int i = threadIdx.x; i < E; i += blockDim.x) {
-        T normed = static_cast<T>(static_cast<float>(sr[i]) * r);
-        nr[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(normed));
+    if (live) {
+        auto wv = unsafe_load_vector<VEC>(w, t);
+        AlignedVector<T, VEC> nv;
+        #pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+            const T normed = static_cast<T>(static_cast<float>(sv[i]) * r);
+            nv[i] = static_cast<T>(static_cast<float>(wv[i]) * static_cast<float>(normed));
+        }
+        unsafe_store_vector<VEC>(n + row * E, t, nv);
     }
 """
 
@@ -182,14 +193,21 @@ def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.ar
     return out
 
 
+def add_norm_fits(hidden_size: int, dtype: mx.Dtype) -> bool:
+    """One block per row, 16 bytes per thread: the row split in vectors, at most 1024 of them."""
+    vec = 16 // dtype.size
+    return hidden_size % vec == 0 and hidden_size // vec <= 1024
+
+
 def add_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
-    """x, y (..., E) -> (s = x + y, rms_norm(s) * weight)."""
+    """x, y (..., E) -> (s = x + y, rms_norm(s) * weight); needs `add_norm_fits`."""
     E = x.shape[-1]
-    rows = x.size // E
-    threads = min(1024, max(32, (E // 4 + 31) // 32 * 32))
+    vec = 16 // x.dtype.size
+    threads = (E // vec + 31) // 32 * 32
     kernel = mx.fast.cuda_kernel(name="mlxfun_add_norm", input_names=["x", "y", "w", "eps"],
                                  output_names=["s", "n"], source=_ADD_NORM)
-    s, n = kernel(inputs=[x, y, weight, mx.array([eps], mx.float32)], template=[("T", x.dtype), ("E", E)],
-                  grid=(threads * rows, 1, 1), threadgroup=(threads, 1, 1),
+    s, n = kernel(inputs=[x, y, weight, mx.array([eps], mx.float32)],
+                  template=[("T", x.dtype), ("E", E), ("VEC", vec)],
+                  grid=(threads * (x.size // E), 1, 1), threadgroup=(threads, 1, 1),
                   output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
     return s, n

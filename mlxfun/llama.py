@@ -243,7 +243,7 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
 
 def add_norm(h: mx.array, a: mx.array, weight: mx.array, eps: float, fused: bool) -> tuple[mx.array, mx.array]:
     """h, a (B, T, E) -> (h + a, its RMSNorm): one kernel when `fused`, else two MLX ops."""
-    if fused:
+    if fused and kernels.add_norm_fits(h.shape[-1], h.dtype) and weight.dtype == h.dtype:
         return kernels.add_norm(h, a, weight, eps)
     s = h + a
     return s, mx.fast.rms_norm(s, weight, eps)
