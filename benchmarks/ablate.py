@@ -2,7 +2,7 @@
 
 Diagnostic only (it patches functions at trace time, so its outputs are not meaningful):
   baseline      the decode step as it is
-  no-kernels    without the fused CUDA kernels (`mlxfun.kernels`): MLX ops only
+  no-kernels    without the fused CUDA attention (`mlxfun.kernels`): MLX ops only
   sdpa-masked   attention through mx.fast.scaled_dot_product_attention with the mask (MLX's
                 fallback on CUDA and the CPU) instead of `llama.grouped_attention`
   sdpa-no-mask  the fused kernel without a mask (wrong output: the bound a fused masked kernel could reach)
@@ -10,7 +10,6 @@ Diagnostic only (it patches functions at trace time, so its outputs are not mean
   2d-matmul     linear maps on x reshaped to (rows, in) instead of (B, 1, in)
   small-head    the LM head on 1024 vocabulary rows only
   no-cache-write  keys and values not written into the cache
-  attention-kernel-only / add-norm-kernel-only   one of the two fused CUDA kernels
   matmuls-only  only the linear maps of every layer and the head, independent of each other
   matmuls-chained  the same, each fed by the previous one (their serial time: the step's floor)
 Each is timed as a chain of steps queued with mx.async_eval (device throughput), and the
@@ -150,14 +149,9 @@ def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
     fused = (llama, "fused_masked_attention", lambda: True)
     off = (kernels, "available", lambda x: False)  # the attention variants below replace the kernels' path
 
-    def add_norm_ops(x, y, w, eps):
-        return x + y, mx.fast.rms_norm(x + y, w, eps)
-
     variants = {
         "baseline": [],
         "no-kernels": [off],
-        "attention-kernel-only": [(kernels, "add_norm", add_norm_ops)],
-        "add-norm-kernel-only": [(kernels, "attention_fits", lambda *a: False)],
         "sdpa-masked": [off, fused],
         "sdpa-no-mask": [off, fused, (mx.fast, "scaled_dot_product_attention", sdpa_no_mask)],
         "no-attention": [off, (llama, "grouped_attention", lambda q, k, v, mask, scale: q),

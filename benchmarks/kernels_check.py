@@ -1,7 +1,7 @@
-"""The fused CUDA decode kernels (`mlxfun.kernels`) against MLX ops, on random inputs (CUDA only).
+"""The fused CUDA decode attention (`mlxfun.kernels`) against MLX ops, on random inputs (CUDA only).
 
-decode_attention vs `llama.grouped_attention` in float32 on the same (rounded) inputs, under masks
-with left padding, holes (ring slots) and a single visible key; add_norm vs add + mx.fast.rms_norm.
+decode_attention vs `llama.grouped_attention` in exact float32 (on the CPU) on the same rounded
+inputs, under masks with left padding, holes (ring slots) and a single visible key.
 Run: python benchmarks/kernels_check.py [--json PATH]
 """
 
@@ -38,22 +38,6 @@ def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed
     return out
 
 
-def add_norm_case(rows: int, E: int, dtype: mx.Dtype) -> dict:
-    mx.random.seed(rows + E)
-    x, y = (mx.random.normal((rows, 1, E)).astype(dtype) for _ in range(2))
-    w = (1 + 0.1 * mx.random.normal((E,))).astype(dtype)
-    s, n = kernels.add_norm(x, y, w, 1e-5)
-    s_ref = x + y
-    n_ref = mx.fast.rms_norm(s_ref, w, 1e-5)
-    err_s = mx.abs(s.astype(mx.float32) - s_ref.astype(mx.float32)).max().item()
-    err_n = mx.abs(n.astype(mx.float32) - n_ref.astype(mx.float32)).max().item()
-    tol = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 3.2e-2}[dtype]
-    out = dict(kernel="add_norm", rows=rows, E=E, dtype=str(dtype), err_sum=err_s, err_norm=err_n,
-               ok=err_s == 0 and err_n < tol)
-    print(json.dumps(out), flush=True)
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
@@ -61,15 +45,11 @@ def main(argv=None) -> int:
     results = []
     for dtype in (mx.float32, mx.bfloat16, mx.float16):
         for B, H, K, D, S in ((1, 32, 8, 128, 256), (3, 32, 8, 128, 512), (5, 32, 8, 64, 96), (2, 9, 3, 64, 40),
-                              (4, 8, 8, 32, 33), (2, 16, 2, 128, 1024), (40, 32, 8, 128, 64), (1, 16, 16, 256, 7),
+                              (4, 8, 8, 32, 33), (2, 16, 2, 128, 1024), (32, 32, 8, 128, 64), (1, 16, 16, 256, 7),
                               (3, 8, 2, 32, 70)):
-            if not kernels.attention_fits(D, H // K, dtype):
+            if not kernels.attention_fits(B, K, D, H // K, dtype):
                 continue
             results.append(attention_case(B, H, K, D, S, dtype, seed=B * S))
-        for rows, E in ((1, 4096), (7, 2048), (3, 576), (2, 96)):
-            if not kernels.add_norm_fits(E, dtype):
-                continue
-            results.append(add_norm_case(rows, E, dtype))
     ok = all(r["ok"] for r in results)
     print("KERNELS", "OK" if ok else "FAILED", flush=True)
     if args.json:

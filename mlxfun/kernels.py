@@ -1,12 +1,9 @@
-"""Fused CUDA kernels for the one-token decode step, where MLX 0.32 has none.
+"""A fused CUDA kernel for the one-token decode step, where MLX 0.32 has none.
 
-At batch 1 an 8B decode step is ~17 kernels per layer, and the host encodes each one: the step
-costs more than reading the weights. Two kernels remove five per layer:
-  - `decode_attention`: masked attention of one query per row over the cache (scores, mask,
-    softmax and the weighted sum in one pass; MLX's fused kernel takes no mask). One block per
-    (row, key head) serves every query head of its group, so each key is read once.
-  - `add_norm`: the residual add and the next RMSNorm (two kernels as MLX ops).
-Both fall back to MLX ops off CUDA, so every other backend runs the same code path.
+`decode_attention`: masked attention of one query per row over the cache in one pass (scores,
+mask, softmax and the weighted sum; MLX's fused kernel takes no mask, so MLX ops take five
+kernels and a dozen graph nodes per layer). One block per (row, key head) serves every query
+head of its group, so each key is read once. Off CUDA, `llama` runs MLX ops instead.
 """
 
 from __future__ import annotations
@@ -112,46 +109,6 @@ _ATTENTION = r"""
     }
 """
 
-_ADD_NORM = r"""
-    // One block per row, VEC elements per thread in registers: s = x + y, n = rms_norm(s) * w,
-    // rounded as MLX's add and rms_norm round.
-    const int64_t row = blockIdx.x;
-    const int t = threadIdx.x;
-    const bool live = t * VEC < E;
-    AlignedVector<T, VEC> sv = {};
-    float acc = 0.f;
-    if (live) {
-        auto xv = unsafe_load_vector<VEC>(x + row * E, t);
-        auto yv = unsafe_load_vector<VEC>(y + row * E, t);
-        #pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-            sv[i] = static_cast<T>(static_cast<float>(xv[i]) + static_cast<float>(yv[i]));
-            const float f = static_cast<float>(sv[i]);
-            acc += f * f;
-        }
-        unsafe_store_vector<VEC>(s + row * E, t, sv);
-    }
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
-    __shared__ float warp_sums[32];
-    const int lane = t & 31, warp = t >> 5, warps = blockDim.x >> 5;
-    if (lane == 0) warp_sums[warp] = acc;
-    __syncthreads();
-    acc = 0.f;
-    for (int j = 0; j < warps; ++j) acc += warp_sums[j];
-    const float r = rsqrtf(acc / E + eps[0]);
-    if (live) {
-        auto wv = unsafe_load_vector<VEC>(w, t);
-        AlignedVector<T, VEC> nv;
-        #pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-            const T normed = static_cast<T>(static_cast<float>(sv[i]) * r);
-            nv[i] = static_cast<T>(static_cast<float>(wv[i]) * static_cast<float>(normed));
-        }
-        unsafe_store_vector<VEC>(n + row * E, t, nv);
-    }
-"""
-
 _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
@@ -167,11 +124,17 @@ def _lane_split(head_dim: int, dtype: mx.Dtype) -> int:
     return max(16 // dtype.size, head_dim // 32)
 
 
-def attention_fits(head_dim: int, group: int, dtype: mx.Dtype) -> bool:
-    """The kernel's layout: a key's lanes divide a warp, and the G = H / K query heads of a
-    group plus their partial outputs stay in registers."""
+def attention_fits(batch: int, num_kv_heads: int, head_dim: int, group: int, dtype: mx.Dtype) -> bool:
+    """Whether the kernel serves this step: its layout (a key's lanes divide a warp; the G = H / K
+    query heads of a group and their partial outputs fit in registers) and where it was measured
+    faster than MLX ops (8B shape on an H200: batch 1-32 faster, 128 slower; it keeps one block
+    per (row, key head), so at large batches matmuls over the whole cache win)."""
     per = _lane_split(head_dim, dtype)
-    return head_dim % per == 0 and 32 % (head_dim // per) == 0 and group * per <= 64
+    fits = head_dim % per == 0 and 32 % (head_dim // per) == 0 and group * per <= 64
+    return fits and batch * num_kv_heads <= MAX_BLOCKS
+
+
+MAX_BLOCKS = 256
 
 
 def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.array, num_heads: int) -> mx.array:
@@ -181,9 +144,9 @@ def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.ar
     K = keys.shape[1]
     G = num_heads // K
     per = _lane_split(D, qk.dtype)
-    # Few blocks (small batches): many warps each, so keys are read in parallel. Many blocks:
-    # fewer warps each, so several blocks fit on one multiprocessor.
-    warps = 16 if B * K < 256 and G * per <= 32 else 4
+    # Few blocks: many warps each read keys in parallel (registers allowing). More blocks: fewer
+    # warps each, so several blocks share a multiprocessor.
+    warps = 16 if B * K < MAX_BLOCKS and G * per <= 32 else 4
     kernel = mx.fast.cuda_kernel(name="mlxfun_decode_attention", input_names=["qk", "keys", "values", "mask"],
                                  output_names=["out"], source=_ATTENTION)  # MLX caches the compiled module
     (out,) = kernel(inputs=[qk, keys, values, mask],
@@ -191,23 +154,3 @@ def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.ar
                     grid=(32 * warps, K, B), threadgroup=(32 * warps, 1, 1),
                     output_shapes=[(B, 1, num_heads * D)], output_dtypes=[qk.dtype])
     return out
-
-
-def add_norm_fits(hidden_size: int, dtype: mx.Dtype) -> bool:
-    """One block per row, 16 bytes per thread: the row split in vectors, at most 1024 of them."""
-    vec = 16 // dtype.size
-    return hidden_size % vec == 0 and hidden_size // vec <= 1024
-
-
-def add_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
-    """x, y (..., E) -> (s = x + y, rms_norm(s) * weight); needs `add_norm_fits`."""
-    E = x.shape[-1]
-    vec = 16 // x.dtype.size
-    threads = (E // vec + 31) // 32 * 32
-    kernel = mx.fast.cuda_kernel(name="mlxfun_add_norm", input_names=["x", "y", "w", "eps"],
-                                 output_names=["s", "n"], source=_ADD_NORM)
-    s, n = kernel(inputs=[x, y, weight, mx.array([eps], mx.float32)],
-                  template=[("T", x.dtype), ("E", E), ("VEC", vec)],
-                  grid=(threads * (x.size // E), 1, 1), threadgroup=(threads, 1, 1),
-                  output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
-    return s, n

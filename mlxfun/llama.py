@@ -128,7 +128,7 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
     Keys are the T new tokens without a cache; with one, the cache after writing them when T == 1
     or the chunk cannot overwrite a slot its own queries see (`wraps` False), else the cache
     before the write followed by the chunk (a chunk may overwrite ring slots its earlier queries
-    still see). `fused`: a one-token step on CUDA, attention as one kernel (`kernels`)."""
+    still see). `fused`: a one-token step on CUDA, where attention may run as one kernel (`kernels`)."""
     B, T, _ = x.shape
     H, K, D = config.num_heads, config.num_kv_heads, config.head_dim
     qkv = linear(layer.qkv, x).reshape(B, T, H + 2 * K, D).transpose(0, 2, 1, 3)  # (B, H + 2K, T, D)
@@ -150,7 +150,7 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
         else:
             keys = mx.concatenate([cache_kv[0], k], axis=2)  # (B, K, C + T, D)
             values = mx.concatenate([cache_kv[1], v], axis=2)
-    if fused and layer.q_norm is None and kernels.attention_fits(D, H // K, x.dtype):
+    if fused and layer.q_norm is None and kernels.attention_fits(B, K, D, H // K, x.dtype):
         return linear(layer.o, kernels.decode_attention(qk, keys, values, mask, H)), new_kv
     if not fused_masked_attention() and (T == 1 or B * H * T * keys.shape[2] <= GROUPED_MAX_SCORES):
         out = grouped_attention(q, keys, values, mask, D**-0.5)
@@ -220,33 +220,21 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     key_pos = positions if cache is None else kv.key_positions(cache, positions, slot_pos, wraps)  # (B, S)
     layer_mask = layer_masks(config, positions, key_pos, mask)
     offset = positions[:, 0]  # (B,) RoPE starts here in each row
-    # A one-token step on CUDA runs fused kernels (no vjp: differentiate full sequences).
-    fused = cache is not None and tokens.shape[1] == 1 and kernels.available(h)
-    eps = config.rms_norm_eps
-    norms = [ly.mlp_norm for ly in params.layers]
-    next_norms = [ly.attn_norm for ly in params.layers[1:]] + [params.norm]
-    x = mx.fast.rms_norm(h, params.layers[0].attn_norm, eps)  # (B, T, E) the normed residual stream
+    fused = cache is not None and tokens.shape[1] == 1 and kernels.available(h)  # no vjp: steps only
     new_keys, new_values = [], []
     for i, layer in enumerate(params.layers):
         layer_kv = None if cache is None else (cache.keys[i], cache.values[i])
-        a, written = attention(config, layer, x, offset, layer_mask[config.layer_windows[i]], layer_kv, slot,
-                               wraps, fused)
-        h, x = add_norm(h, a, norms[i], eps, fused)
-        h, x = add_norm(h, mlp(layer, x), next_norms[i], eps, fused)
+        a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
+                               offset, layer_mask[config.layer_windows[i]], layer_kv, slot, wraps, fused)
+        h = h + a
+        h = h + mlp(layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps))
         if written is not None:
             new_keys.append(written[0])
             new_values.append(written[1])
+    h = mx.fast.rms_norm(h, params.norm, config.rms_norm_eps)
     if cache is None:
-        return x, None
-    return x, kv.advance(cache, tuple(new_keys), tuple(new_values), slot_pos, tokens.shape[1])
-
-
-def add_norm(h: mx.array, a: mx.array, weight: mx.array, eps: float, fused: bool) -> tuple[mx.array, mx.array]:
-    """h, a (B, T, E) -> (h + a, its RMSNorm): one kernel when `fused`, else two MLX ops."""
-    if fused and kernels.add_norm_fits(h.shape[-1], h.dtype) and weight.dtype == h.dtype:
-        return kernels.add_norm(h, a, weight, eps)
-    s = h + a
-    return s, mx.fast.rms_norm(s, weight, eps)
+        return h, None
+    return h, kv.advance(cache, tuple(new_keys), tuple(new_values), slot_pos, tokens.shape[1])
 
 
 def logits(params: Params, h: mx.array) -> mx.array:
