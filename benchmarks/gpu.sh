@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu.sh 1B    # smoke test, matmul crossover, 1B bench beside mlx-lm, 1B profile
 #   bash benchmarks/gpu.sh 8B    # 8B bench beside mlx-lm, 8B profile
 #   bash benchmarks/gpu.sh ab    # decode-step ablation (attention paths) at 8B, continuous-batching variants at 1B
-#   bash benchmarks/gpu.sh kernels  # fused CUDA kernels vs MLX ops, smoke test, 8B decode step with and without them
+#   bash benchmarks/gpu.sh kernels  # decode-attention kernel vs MLX ops, smoke test, 8B bench beside mlx-lm
 set -u
 OUT=${OUT:-/tmp/mlxfun-out}
 mkdir -p "$OUT"
@@ -13,11 +13,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max
 common=(--batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16,q4 --mlx-lm)
 case "${1:-1B}" in
   kernels)
-    timeout 120 python3 benchmarks/kernels_check.py --json "$OUT/h200-kernels.json" || exit 1
-    timeout 90 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"
-    timeout 360 python3 benchmarks/ablate.py --shape 8B --batch-sizes 1,8,32,128 --steps 32 \
-      --variants no-kernels,attention-kernel-only,add-norm-kernel-only,matmuls-chained \
-      --json "$OUT/h200-ablate-8B-kernels.json"
+    timeout 60 python3 benchmarks/kernels_check.py --json "$OUT/h200-kernels.json" || exit 1
+    timeout 150 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"
+    timeout 370 python3 -m mlxfun.bench --shape 8B "${common[@]}" \
+      --json "$OUT/h200-8B.json" --plot "$OUT/h200-8B.png"
     ;;
   1B)
     timeout 90 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"
