@@ -3,6 +3,7 @@
 Diagnostic only (it patches functions at trace time, so its outputs are not meaningful):
   baseline      the decode step as it is
   no-kernels    without the fused CUDA attention (`mlxfun.kernels`): MLX ops only
+  warps-4 / warps-16   that kernel with this many warps per block at every batch size
   sdpa-masked   attention through mx.fast.scaled_dot_product_attention with the mask (MLX's
                 fallback on CUDA and the CPU) instead of `llama.grouped_attention`
   sdpa-no-mask  the fused kernel without a mask (wrong output: the bound a fused masked kernel could reach)
@@ -152,6 +153,8 @@ def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
     variants = {
         "baseline": [],
         "no-kernels": [off],
+        "warps-4": [(kernels, "warps_per_block", lambda blocks, registers: 4)],
+        "warps-16": [(kernels, "warps_per_block", lambda blocks, registers: 16)],
         "sdpa-masked": [off, fused],
         "sdpa-no-mask": [off, fused, (mx.fast, "scaled_dot_product_attention", sdpa_no_mask)],
         "no-attention": [off, (llama, "grouped_attention", lambda q, k, v, mask, scale: q),

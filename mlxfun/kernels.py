@@ -137,6 +137,12 @@ def attention_fits(batch: int, num_kv_heads: int, head_dim: int, group: int, dty
 MAX_BLOCKS = 256
 
 
+def warps_per_block(blocks: int, registers: int) -> int:
+    """Few blocks: many warps each read keys in parallel (if `registers`, the floats each lane
+    holds per query head group, allow). More blocks: fewer warps, so blocks share a multiprocessor."""
+    return 16 if blocks < MAX_BLOCKS and registers <= 32 else 4
+
+
 def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.array, num_heads: int) -> mx.array:
     """qk (B, H + K, 1, D) rotated queries then keys, keys/values (B, K, S, D) after this step's
     write, mask (B, 1, S) bool -> (B, 1, H * D): softmax(q k^T / sqrt(D)) v over visible keys."""
@@ -144,9 +150,7 @@ def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.ar
     K = keys.shape[1]
     G = num_heads // K
     per = _lane_split(D, qk.dtype)
-    # Few blocks: many warps each read keys in parallel (registers allowing). More blocks: fewer
-    # warps each, so several blocks share a multiprocessor.
-    warps = 16 if B * K < MAX_BLOCKS and G * per <= 32 else 4
+    warps = warps_per_block(B * K, G * per)
     kernel = mx.fast.cuda_kernel(name="mlxfun_decode_attention", input_names=["qk", "keys", "values", "mask"],
                                  output_names=["out"], source=_ATTENTION)  # MLX caches the compiled module
     (out,) = kernel(inputs=[qk, keys, values, mask],

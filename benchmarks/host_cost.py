@@ -1,0 +1,64 @@
+"""What one graph node costs the host and the device: compiled chains of N view nodes (reshapes)
+or N small kernels (RMSNorm), timed as host time (call + mx.async_eval) and total time per node.
+Run: python benchmarks/host_cost.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+N = 512
+
+
+def views(x):
+    for i in range(N):
+        x = x.reshape(64, -1) if i % 2 == 0 else x.reshape(1, -1)
+    return x + 1
+
+
+def norms(x, w):
+    for _ in range(N):
+        x = mx.fast.rms_norm(x, w, 1e-5)
+    return x
+
+
+def timed(f, *args) -> dict:
+    for _ in range(3):
+        mx.eval(f(*args))
+    host, total = [], []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        y = f(*args)
+        mx.async_eval(y)
+        t1 = time.perf_counter()
+        mx.eval(y)
+        t2 = time.perf_counter()
+        host.append(t1 - t0)
+        total.append(t2 - t0)
+    med = statistics.median
+    return dict(host_us_per_node=1e6 * med(host) / N, total_us_per_node=1e6 * med(total) / N)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    x = mx.random.normal((1, 4096)).astype(mx.bfloat16)
+    w = mx.ones((4096,), mx.bfloat16)
+    res = {"device": str(mx.default_device()), "nodes": N,
+           "view": timed(mx.compile(views), x), "rms_norm": timed(mx.compile(norms), x, w)}
+    print(json.dumps(res), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
