@@ -11,17 +11,18 @@ from __future__ import annotations
 import mlx.core as mx
 
 _ATTENTION = r"""
-    // One block of NW warps per (row b, key head kh); its G query heads share each key read.
-    // A warp takes KPW keys at once (LPK lanes per key, PER elements per lane, 16-byte loads),
-    // U rounds of them per iteration so that several loads are in flight.
+    // One block of NW warps per (row b, key head kh, part p of the keys); the G query heads of
+    // the group share each key read. A warp takes KPW keys at once (LPK lanes per key, PER
+    // elements per lane, 16-byte loads), U rounds of them per iteration so loads overlap.
     constexpr int LPK = D / PER, KPW = 32 / LPK, U = 2;
-    const int b = blockIdx.z, kh = blockIdx.y;
+    const int b = blockIdx.z, kh = blockIdx.y / P, p = blockIdx.y % P;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % LPK, grp = lane / LPK;
     const int K = keys_shape[1], S = keys_shape[2], HK = qk_shape[1], H = HK - K;
     const T* qp = qk + ((int64_t)b * HK + kh * G) * D;
     const T* kp = keys + ((int64_t)b * K + kh) * S * D;
     const T* vp = values + ((int64_t)b * K + kh) * S * D;
     const bool* mp = mask + (int64_t)b * S;
+    const int chunk = (S + P - 1) / P, first = p * chunk, end = min(S, first + chunk);
 
     const float scale = rsqrtf((float)D) * 1.44269504088896341f;  // softmax in base 2
     float q[G][PER], o[G][PER], m[G], l[G];
@@ -33,13 +34,13 @@ _ATTENTION = r"""
         m[g] = -INFINITY;
         l[g] = 0.f;
     }
-    for (int r0 = 0; r0 * NW * KPW < S; r0 += U) {
+    for (int r0 = 0; first + r0 * NW * KPW < end; r0 += U) {
         AlignedVector<T, PER> kv[U] = {}, vv[U] = {};
         bool seen[U];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int s = ((r0 + u) * NW + warp) * KPW + grp;
-            seen[u] = s < S && mp[s];
+            const int s = first + ((r0 + u) * NW + warp) * KPW + grp;
+            seen[u] = s < end && mp[s];
             if (seen[u]) {
                 kv[u] = unsafe_load_vector<PER>(kp + (int64_t)s * D, sub);
                 vv[u] = unsafe_load_vector<PER>(vp + (int64_t)s * D, sub);
@@ -103,15 +104,43 @@ _ATTENTION = r"""
                 acc += part[w][d];
                 sum += wm[g][w] == -INFINITY ? 0.f : wl[g][w] * exp2f(wm[g][w] - top);
             }
+"""
+
+# P == 1: the block saw every key; write the output.
+_WHOLE = r"""
             out[((int64_t)b * H + kh * G + g) * D + d] = static_cast<T>(acc / sum);
         }
         __syncthreads();
     }
 """
 
+# P > 1: write this part's unnormalised output, running max and sum for `_MERGE`.
+_PART = r"""
+            const int64_t at = (((int64_t)b * K + kh) * P + p) * G + g;
+            po[at * D + d] = acc;
+            if (d == 0) { pm[at] = top; pl[at] = sum; }
+        }
+        __syncthreads();
+    }
+"""
+
+# One block per (row, query head), one thread per element of the head: the parts' softmaxes merged.
+_MERGE = r"""
+    const int b = blockIdx.z, h = blockIdx.y, d = threadIdx.x, H = gridDim.y;
+    const int64_t row = (((int64_t)b * (H / G) + h / G) * P) * G + h % G;  // part 0 of (B, K, P, G)
+    float top = -INFINITY;
+    for (int i = 0; i < P; ++i) top = fmaxf(top, pm[row + i * G]);
+    float acc = 0.f, sum = 0.f;
+    for (int i = 0; i < P; ++i) {
+        const float mi = pm[row + i * G];
+        const float f = mi == -INFINITY ? 0.f : exp2f(mi - top);
+        acc += po[(row + i * G) * D + d] * f;
+        sum += pl[row + i * G] * f;
+    }
+    out[((int64_t)b * H + h) * D + d] = static_cast<T>(acc / sum);
+"""
+
 _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
-
-
 
 
 def available(x: mx.array) -> bool:
@@ -143,18 +172,37 @@ def warps_per_block(blocks: int, registers: int) -> int:
     return 16 if blocks < MAX_BLOCKS and registers <= 32 else 4
 
 
+def parts_for(blocks: int, keys: int, keys_per_round: int) -> int:
+    """Into how many parts a row's keys are split (each part one block, merged by a second
+    kernel): enough that a block takes at most 4 rounds of loads, at most 2048 blocks in all."""
+    wanted = -(-keys // (4 * keys_per_round))
+    return max(1, min(wanted, 2048 // blocks))
+
+
 def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.array, num_heads: int) -> mx.array:
     """qk (B, H + K, 1, D) rotated queries then keys, keys/values (B, K, S, D) after this step's
     write, mask (B, 1, S) bool -> (B, 1, H * D): softmax(q k^T / sqrt(D)) v over visible keys."""
     B, _, _, D = qk.shape
-    K = keys.shape[1]
+    K, S = keys.shape[1], keys.shape[2]
     G = num_heads // K
     per = _lane_split(D, qk.dtype)
     warps = warps_per_block(B * K, G * per)
-    kernel = mx.fast.cuda_kernel(name="mlxfun_decode_attention", input_names=["qk", "keys", "values", "mask"],
-                                 output_names=["out"], source=_ATTENTION)  # MLX caches the compiled module
-    (out,) = kernel(inputs=[qk, keys, values, mask],
-                    template=[("T", qk.dtype), ("D", D), ("G", G), ("PER", per), ("NW", warps)],
-                    grid=(32 * warps, K, B), threadgroup=(32 * warps, 1, 1),
-                    output_shapes=[(B, 1, num_heads * D)], output_dtypes=[qk.dtype])
-    return out
+    P = parts_for(B * K, S, warps * (32 * per // D) * 2)  # keys a block reads per round: warps x KPW x U
+    template = [("T", qk.dtype), ("D", D), ("G", G), ("PER", per), ("NW", warps), ("P", P)]
+    inputs, names = [qk, keys, values, mask], ["qk", "keys", "values", "mask"]
+    grid, block = (32 * warps, K * P, B), (32 * warps, 1, 1)
+    if P == 1:  # MLX caches each compiled module by name and source
+        kernel = mx.fast.cuda_kernel(name="mlxfun_decode_attention", input_names=names, output_names=["out"],
+                                     source=_ATTENTION + _WHOLE)
+        return kernel(inputs=inputs, template=template, grid=grid, threadgroup=block,
+                      output_shapes=[(B, 1, num_heads * D)], output_dtypes=[qk.dtype])[0]
+    kernel = mx.fast.cuda_kernel(name="mlxfun_decode_attention_parts", input_names=names,
+                                 output_names=["po", "pm", "pl"], source=_ATTENTION + _PART)
+    po, pm, pl = kernel(inputs=inputs, template=template, grid=grid, threadgroup=block,
+                        output_shapes=[(B, K, P, G, D), (B, K, P, G), (B, K, P, G)],
+                        output_dtypes=[mx.float32] * 3)
+    merge = mx.fast.cuda_kernel(name="mlxfun_decode_attention_merge", input_names=["po", "pm", "pl"],
+                                output_names=["out"], source=_MERGE)
+    return merge(inputs=[po, pm, pl], template=[("T", qk.dtype), ("D", D), ("G", G), ("P", P)],
+                 grid=(D, num_heads, B), threadgroup=(D, 1, 1),
+                 output_shapes=[(B, 1, num_heads * D)], output_dtypes=[qk.dtype])[0]
