@@ -15,9 +15,10 @@ _ATTENTION = r"""
     // the group share each key read. A warp takes KPW keys at once (LPK lanes per key, PER
     // elements per lane, 16-byte loads), U rounds of them per iteration so loads overlap.
     constexpr int LPK = D / PER, KPW = 32 / LPK, U = 2;
+    const int K = keys_shape[1], S = keys_shape[2], HK = qk_shape[1], H = HK - K;
+    const int P = gridDim.y / K;  // a runtime value: one compiled kernel serves every cache size
     const int b = blockIdx.z, kh = blockIdx.y / P, p = blockIdx.y % P;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % LPK, grp = lane / LPK;
-    const int K = keys_shape[1], S = keys_shape[2], HK = qk_shape[1], H = HK - K;
     const T* qp = qk + ((int64_t)b * HK + kh * G) * D;
     const T* kp = keys + ((int64_t)b * K + kh) * S * D;
     const T* vp = values + ((int64_t)b * K + kh) * S * D;
@@ -126,7 +127,7 @@ _PART = r"""
 
 # One block per (row, query head), one thread per element of the head: the parts' softmaxes merged.
 _MERGE = r"""
-    const int b = blockIdx.z, h = blockIdx.y, d = threadIdx.x, H = gridDim.y;
+    const int b = blockIdx.z, h = blockIdx.y, d = threadIdx.x, H = gridDim.y, P = pm_shape[2];
     const int64_t row = (((int64_t)b * (H / G) + h / G) * P) * G + h % G;  // part 0 of (B, K, P, G)
     float top = -INFINITY;
     for (int i = 0; i < P; ++i) top = fmaxf(top, pm[row + i * G]);
@@ -188,7 +189,7 @@ def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.ar
     per = _lane_split(D, qk.dtype)
     warps = warps_per_block(B * K, G * per)
     P = parts_for(B * K, S, warps * (32 * per // D) * 2)  # keys a block reads per round: warps x KPW x U
-    template = [("T", qk.dtype), ("D", D), ("G", G), ("PER", per), ("NW", warps), ("P", P)]
+    template = [("T", qk.dtype), ("D", D), ("G", G), ("PER", per), ("NW", warps)]
     inputs, names = [qk, keys, values, mask], ["qk", "keys", "values", "mask"]
     grid, block = (32 * warps, K * P, B), (32 * warps, 1, 1)
     if P == 1:  # MLX caches each compiled module by name and source
@@ -203,6 +204,6 @@ def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.ar
                         output_dtypes=[mx.float32] * 3)
     merge = mx.fast.cuda_kernel(name="mlxfun_decode_attention_merge", input_names=["po", "pm", "pl"],
                                 output_names=["out"], source=_MERGE)
-    return merge(inputs=[po, pm, pl], template=[("T", qk.dtype), ("D", D), ("G", G), ("P", P)],
+    return merge(inputs=[po, pm, pl], template=[("T", qk.dtype), ("D", D), ("G", G)],
                  grid=(D, num_heads, B), threadgroup=(D, 1, 1),
                  output_shapes=[(B, 1, num_heads * D)], output_dtypes=[qk.dtype])[0]
