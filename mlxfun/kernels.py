@@ -145,7 +145,7 @@ _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
 def available(x: mx.array) -> bool:
-    """Whether the fused kernels run for activations like `x`: CUDA is the default device."""
+    """Whether the kernel can run for activations like `x`: CUDA is the default device."""
     return x.dtype in _DTYPES and mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
@@ -157,8 +157,8 @@ def _lane_split(head_dim: int, dtype: mx.Dtype) -> int:
 def attention_fits(batch: int, num_kv_heads: int, head_dim: int, group: int, dtype: mx.Dtype) -> bool:
     """Whether the kernel serves this step: its layout (a key's lanes divide a warp; the G = H / K
     query heads of a group and their partial outputs fit in registers) and where it was measured
-    faster than MLX ops (8B shape on an H200: batch 1-32 faster, 128 slower; it keeps one block
-    per (row, key head), so at large batches matmuls over the whole cache win)."""
+    faster than MLX ops (8B shape on an H200: batch 1-32 faster; batch 128 slower, measured
+    before long caches were split into parts)."""
     per = _lane_split(head_dim, dtype)
     fits = head_dim % per == 0 and 32 % (head_dim // per) == 0 and group * per <= 64
     return fits and batch * num_kv_heads <= MAX_BLOCKS
