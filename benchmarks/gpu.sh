@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max
 common=(--batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16,q4 --mlx-lm)
 case "${1:-1B}" in
   kernels)
-    timeout 60 python3 benchmarks/kernels_check.py --json "$OUT/h200-kernels.json" || exit 1
+    timeout 150 python3 benchmarks/kernels_check.py --json "$OUT/h200-kernels.json" || exit 1
     timeout 150 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"
     timeout 370 python3 -m mlxfun.bench --shape 8B "${common[@]}" \
       --json "$OUT/h200-8B.json" --plot "$OUT/h200-8B.png"
