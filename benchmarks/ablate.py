@@ -77,6 +77,19 @@ def split_ms(step, params, state, settings, n: int) -> dict:
     return dict(call_ms=1e3 * med(calls), async_eval_ms=1e3 * med(asyncs), wait_ms=1e3 * med(waits))
 
 
+def compiled_ms(fn, *args) -> float:
+    """ms per call of `fn` compiled, 10 calls queued back to back after 3 warm-ups."""
+    f = mx.compile(fn)
+    for _ in range(3):
+        mx.eval(f(*args))
+    t = time.perf_counter()
+    for _ in range(10):
+        y = f(*args)
+        mx.async_eval(y)
+    mx.eval(y)
+    return 1e3 * (time.perf_counter() - t) / 10
+
+
 def matmuls_only(config, params, B):
     """ms of the step's linear maps alone (every layer and the head), compiled and chained."""
     E, HD, I = config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size
@@ -91,15 +104,7 @@ def matmuls_only(config, params, B):
         outs.append(llama.logits(params, xs[E])[..., :1])
         return mx.concatenate(outs, axis=-1)
 
-    f = mx.compile(fn)
-    for _ in range(3):
-        mx.eval(f(params, xs))
-    t = time.perf_counter()
-    for _ in range(10):
-        y = f(params, xs)
-        mx.async_eval(y)
-    mx.eval(y)
-    return 1e3 * (time.perf_counter() - t) / 10
+    return compiled_ms(fn, params, xs)
 
 
 def matmuls_chained(config, params, B):
@@ -114,15 +119,7 @@ def matmuls_chained(config, params, B):
             x = llama.linear(ly.down, llama.linear(ly.gate_up, x)[..., :I])
         return llama.logits(params, x)
 
-    f = mx.compile(fn)
-    for _ in range(3):
-        mx.eval(f(params, x0))
-    t = time.perf_counter()
-    for _ in range(10):
-        y = f(params, x0)
-        mx.async_eval(y)
-    mx.eval(y)
-    return 1e3 * (time.perf_counter() - t) / 10
+    return compiled_ms(fn, params, x0)
 
 
 def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
