@@ -1,7 +1,11 @@
-"""The CUDA decode-attention kernel's dispatch rules (pure Python; the kernel itself is checked
-against MLX ops on a GPU by benchmarks/kernels_check.py)."""
+"""The CUDA decode-attention kernel: its dispatch rules, and its source run on the CPU
+(`cuda_emulator`: one thread per CUDA thread) against a float64 NumPy reference. Speed and bf16
+rounding are checked on a GPU by benchmarks/kernels_check.py."""
 
 import mlx.core as mx
+import numpy as np
+import pytest
+from cuda_emulator import run
 
 from mlxfun import kernels
 
@@ -28,3 +32,59 @@ def test_keys_split_into_parts_of_at_most_four_rounds():
     assert kernels.parts_for(256, 1024, 32) == 8  # capped at 2048 blocks
     assert kernels.parts_for(256, 100_000, 32) == 8
     assert kernels.parts_for(4096, 1024, 32) == 1
+
+
+def emulated_attention(qk, keys, values, mask, num_heads, source=None):
+    """`kernels.decode_attention`'s launches (one kernel, or parts then merge), emulated."""
+    B, _, _, D = qk.shape
+    K, S = keys.shape[1], keys.shape[2]
+    G, per = num_heads // K, kernels._lane_split(D, mx.float32)
+    warps = kernels.warps_per_block(B * K, G * per)
+    P = kernels.parts_for(B * K, S, warps * (32 * per // D) * 2)
+    body = source or kernels._ATTENTION
+    template = [("T", 0), ("D", D), ("G", G), ("PER", per), ("NW", warps)]
+    grid, inputs = (32 * warps, K * P, B), dict(qk=qk, keys=keys, values=values, mask=mask)
+    if P == 1:
+        return run(body + kernels._WHOLE, inputs, {"out": (B, 1, num_heads * D)}, template, grid, 32 * warps)[0], P
+    po, pm, pl = run(body + kernels._PART, inputs, {"po": (B, K, P, G, D), "pm": (B, K, P, G), "pl": (B, K, P, G)},
+                     template, grid, 32 * warps)
+    out = run(kernels._MERGE, dict(po=po, pm=pm, pl=pl), {"out": (B, 1, num_heads * D)},
+              [("T", 0), ("D", D), ("G", G)], (D, num_heads, B), D)[0]
+    return out, P
+
+
+def attention_case(B, H, K, D, S, seed):
+    rng = np.random.default_rng(seed)
+    qk = rng.standard_normal((B, H + K, 1, D)).astype(np.float32)
+    keys, values = (rng.standard_normal((B, K, S, D)).astype(np.float32) for _ in range(2))
+    mask = (rng.random((B, 1, S)) < 0.6) & (np.arange(S) >= 5 * np.arange(B)[:, None, None])  # holes, padding
+    mask[:, :, S - 1] = True  # the step's own key
+    mask[0, :, :S - 1] = False  # row 0 sees that key only
+    G = H // K
+    q = qk[:, :H, 0].astype(np.float64).reshape(B, K, G, D)
+    scores = np.einsum("bkgd,bksd->bkgs", q, keys.astype(np.float64)) / np.sqrt(D)
+    scores = np.where(mask[:, :, None, :], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.einsum("bkgs,bksd->bkgd", probs, values.astype(np.float64)).reshape(B, 1, H * D)
+    return (qk, keys, values, mask), want
+
+
+@pytest.mark.parametrize("B,H,K,D,S,parts", [
+    (1, 8, 2, 128, 40, 1),  # 32 lanes per key (float32), 16 warps
+    (3, 6, 3, 32, 77, 1),  # 8 lanes per key: 4 keys per warp at once
+    (2, 8, 2, 64, 300, 2),  # a row's keys in two blocks, merged
+    (64, 4, 4, 64, 96, 2),  # 256 blocks: 4 warps each, and two parts
+])
+def test_emulated_kernel_matches_reference(B, H, K, D, S, parts):
+    inputs, want = attention_case(B, H, K, D, S, seed=B * S)
+    got, P = emulated_attention(*inputs, H)
+    assert P == parts
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_emulator_catches_a_wrong_part_index():
+    inputs, want = attention_case(2, 8, 2, 64, 300, seed=600)
+    broken = kernels._ATTENTION.replace("p = blockIdx.y % P", "p = 0")
+    got, _ = emulated_attention(*inputs, 8, source=broken)
+    assert not np.allclose(got, want, atol=1e-3)  # (here NaN: row 0's only key is never read)

@@ -1,0 +1,106 @@
+"""Runs CUDA kernel sources on the CPU, for tests on machines without a GPU.
+
+Each kernel body is wrapped as MLX's `mx.fast.cuda_kernel` wraps it (the same signature: inputs,
+their `_shape` arrays where the source uses them, outputs, template constants), compiled as C++
+with g++, and run block by block with one OS thread per CUDA thread: `__syncthreads` is a block
+barrier, `__shfl_xor_sync` exchanges through memory between two warp barriers, `__shared__` is a
+static. float32 only: it checks indexing, partitioning and merging, not speed or bf16 rounding
+(benchmarks/kernels_check.py does those on a GPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+PRELUDE = r"""
+#include <array>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+#include <algorithm>
+#define __global__
+#define __grid_constant__
+#define __shared__ static
+using std::min;
+using Shape = std::array<int32_t, 10>;
+struct dim3 { int x, y, z; };
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+std::barrier<>* block_barrier;
+std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+float exchange[1024];
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int off) {
+    const int t = threadIdx.x, w = t / 32;
+    exchange[t] = v;
+    warp_barriers[w]->arrive_and_wait();
+    const float r = exchange[(t & ~31) | ((t & 31) ^ off)];
+    warp_barriers[w]->arrive_and_wait();
+    return r;
+}
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+struct uint4 { uint32_t x, y, z, w; };
+template <typename T, int N> struct AlignedVector {
+    T val[N];
+    T& operator[](int i) { return val[i]; }
+    T operator[](int i) const { return val[i]; }
+};
+template <int N, typename T> AlignedVector<T, N> unsafe_load_vector(const T* p, uint32_t off) {
+    AlignedVector<T, N> v;
+    for (int i = 0; i < N; ++i) v[i] = p[off * N + i];
+    return v;
+}
+template <typename F> void launch(F f, dim3 grid, int threads) {
+    gridDim = grid;
+    blockDim = {threads, 1, 1};
+    for (int z = 0; z < grid.z; ++z) for (int y = 0; y < grid.y; ++y) for (int x = 0; x < grid.x; ++x) {
+        std::barrier<> bar(threads);
+        block_barrier = &bar;
+        warp_barriers.clear();
+        for (int w = 0; w < threads / 32; ++w) warp_barriers.emplace_back(new std::barrier<>(32));
+        std::vector<std::thread> ts;
+        for (int t = 0; t < threads; ++t)
+            ts.emplace_back([&, t] { threadIdx = {t, 0, 0}; blockIdx = {x, y, z}; f(); });
+        for (auto& t : ts) t.join();
+    }
+}
+"""
+
+CTYPES = {np.dtype(np.float32): "float", np.dtype(np.bool_): "bool", np.dtype(np.uint32): "uint32_t"}
+
+
+def run(source: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple], template: list,
+        grid: tuple[int, int, int], threads: int) -> list[np.ndarray]:
+    """The kernel body `source` over `inputs`, MLX's grid convention (grid in threads along x)."""
+    params, args = [], []
+    for i, (name, a) in enumerate(inputs.items()):
+        params.append(f"const {CTYPES[a.dtype]}* {name}")
+        args.append(f"({CTYPES[a.dtype]}*)p[{i}]")
+        if name + "_shape" in source:
+            params.append(f"const Shape {name}_shape")
+            args.append("Shape{" + ", ".join(map(str, a.shape)) + "}")
+    for j, name in enumerate(outputs):
+        params.append(f"float* {name}")
+        args.append(f"(float*)p[{len(inputs) + j}]")
+    consts = "".join(f"  using {k} = float;\n" if k == "T" else f"  constexpr int {k} = {v};\n" for k, v in template)
+    code = (PRELUDE + "void kernel(" + ", ".join(params) + ") {\n" + consts + source + "\n}\n"
+            'extern "C" void run(void** p) { launch([&] { kernel(' + ", ".join(args) + "); }, dim3{"
+            + f"{-(-grid[0] // threads)}, {grid[1]}, {grid[2]}" + "}, " + f"{min(threads, grid[0])}); }}\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = Path(tmp) / "k.cpp", Path(tmp) / "k.so"
+        src.write_text(code)
+        subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread", str(src), "-o", str(lib)],
+                       check=True)
+        outs = [np.zeros(shape, np.float32) for shape in outputs.values()]
+        arrays = [np.ascontiguousarray(a) for a in inputs.values()] + outs
+        ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+        ctypes.CDLL(str(lib)).run(ptrs)
+    return outs
