@@ -11,7 +11,10 @@ For each batch size one generation runs step by step, synchronously, on freshly 
   keeps it alive does: the cache buffers cannot then be updated in place, so every step copies them;
 - matmuls: the time of the step's linear maps alone at this batch size (MLX's kernels);
 - pipelined step: per-step time of the real generation loop (`Batch.events`, with `mx.async_eval`
-  pipelining), over the same prompts.
+  pipelining), over the same prompts;
+- graph nodes: the primitives in one decode step's graph (compiled), by kind. Each costs the host
+  time to encode (on an H200 host ~3 us per kernel node, ~1 us per view: benchmarks/host_cost.py).
+  On the CPU fast ops (RMSNorm, RoPE) appear decomposed.
 
 `profile_generation` returns one `BatchProfile`; `profile` runs several batch sizes into a `Report`.
 """
@@ -19,14 +22,18 @@ For each batch size one generation runs step by step, synchronously, on freshly 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import re
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from mlxfun import bench, llama
 from mlxfun.generate import Batch, make_config
@@ -50,6 +57,7 @@ class BatchProfile:
     matmul_s: float | None = None
     pipelined_step_s: float | None = None
     prefill_s: float = 0.0
+    graph_nodes: dict[str, int] = field(default_factory=dict)  # primitive kind -> count in one step
 
     @property
     def tokens_per_s(self) -> float:
@@ -67,7 +75,7 @@ class Report:
 
     def table(self) -> str:
         head = (f"{'batch':>5s} {'traces':>6s} {'first ms':>9s} {'compile ms':>10s} {'step ms':>8s} {'host ms':>8s} "
-                f"{'device ms':>9s} {'held ms':>8s} {'matmul ms':>9s} {'piped ms':>9s} {'tok/s':>8s}")
+                f"{'device ms':>9s} {'held ms':>8s} {'matmul ms':>9s} {'piped ms':>9s} {'tok/s':>8s} {'nodes':>6s}")
         lines = [f"{self.model} on {self.device}: prompt {self.prompt_tokens}, {self.max_tokens} tokens", head,
                  "-" * len(head)]
 
@@ -78,11 +86,20 @@ class Report:
             lines.append(f"{b.batch:5d} {b.traces:6d} {ms(b.first_step_s):>9s} {ms(b.compile_s):>10s} "
                          f"{ms(b.steady_step_s):>8s} {ms(b.steady_host_s):>8s} {ms(b.steady_device_s):>9s} "
                          f"{ms(b.held_state_step_s):>8s} {ms(b.matmul_s):>9s} {ms(b.pipelined_step_s):>9s} "
-                         f"{b.tokens_per_s:8.1f}")
+                         f"{b.tokens_per_s:8.1f} {sum(b.graph_nodes.values()):6d}")
         return "\n".join(lines)
 
     def to_json(self) -> dict:
         return asdict(self) | {"batches": [asdict(b) | {"tokens_per_s": b.tokens_per_s} for b in self.batches]}
+
+
+def graph_nodes(outputs) -> dict[str, int]:
+    """Primitives in the (not yet evaluated) graph behind `outputs`, by kind, most frequent first."""
+    arrays = [a for _, a in tree_flatten(outputs) if isinstance(a, mx.array)]
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *arrays)
+        kinds = re.findall(r'label ="([^"]+)", shape=rectangle', f.read())
+    return dict(collections.Counter(k.split()[0] for k in kinds).most_common())
 
 
 def _median_time(fn, repeats: int = 5) -> float:
@@ -129,9 +146,12 @@ def profile_generation(model: Model, prompts: list[list[int]], max_tokens: int, 
     prefill_s = time.perf_counter() - t
     written = max(len(p) for p in prompts)
     records = []  # (held, host, device)
+    nodes = {}
     for i in range(max_tokens - 1):
         state = batch._grow(state, written)
         hold = held_state and i % 2 == 1 and i > 1  # every other step, after the first two
+        if i == 1:  # compiled by now: count the nodes of an extra, untimed call
+            nodes = graph_nodes(steps.decode(params, state, settings))
         t0 = time.perf_counter()
         out, new_state = steps.decode(params, state, settings)
         kept = state if hold else None
@@ -152,7 +172,7 @@ def profile_generation(model: Model, prompts: list[list[int]], max_tokens: int, 
         batch=B, steps=len(records), traces=traces[0], first_step_s=first[1] + first[2], first_step_host_s=first[1],
         compile_s=max(0.0, first[1] + first[2] - step_s), steady_step_s=step_s,
         steady_host_s=statistics.median(r[1] for r in steady), steady_device_s=statistics.median(r[2] for r in steady),
-        held_state_step_s=statistics.median(held) if held else None, prefill_s=prefill_s)
+        held_state_step_s=statistics.median(held) if held else None, prefill_s=prefill_s, graph_nodes=nodes)
     if matmuls:
         profile.matmul_s = matmul_time(model, params, B)
     if pipelined:
