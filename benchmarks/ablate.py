@@ -91,7 +91,7 @@ def compiled_ms(fn, *args) -> float:
 
 
 def matmuls_only(config, params, B):
-    """ms of the step's linear maps alone (every layer and the head), compiled and chained."""
+    """ms of the step's linear maps alone (every layer and the head), independent of each other."""
     E, HD, I = config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size
     dtype = params.norm.dtype
     xs = {n: mx.random.normal((B, 1, n)).astype(dtype) for n in {E, HD, I}}

@@ -180,15 +180,22 @@ def parts_for(blocks: int, keys: int, keys_per_round: int) -> int:
     return max(1, min(wanted, 2048 // blocks))
 
 
+def launch(batch: int, num_kv_heads: int, keys: int, head_dim: int, group: int, dtype: mx.Dtype
+           ) -> tuple[int, int, int]:
+    """(elements per lane, warps per block, parts per row's keys) of a decode-attention launch."""
+    per = _lane_split(head_dim, dtype)
+    warps = warps_per_block(batch * num_kv_heads, group * per)
+    keys_per_round = warps * (32 * per // head_dim) * 2  # warps x keys per warp at once x rounds in flight
+    return per, warps, parts_for(batch * num_kv_heads, keys, keys_per_round)
+
+
 def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.array, num_heads: int) -> mx.array:
     """qk (B, H + K, 1, D) rotated queries then keys, keys/values (B, K, S, D) after this step's
     write, mask (B, 1, S) bool -> (B, 1, H * D): softmax(q k^T / sqrt(D)) v over visible keys."""
     B, _, _, D = qk.shape
     K, S = keys.shape[1], keys.shape[2]
     G = num_heads // K
-    per = _lane_split(D, qk.dtype)
-    warps = warps_per_block(B * K, G * per)
-    P = parts_for(B * K, S, warps * (32 * per // D) * 2)  # keys a block reads per round: warps x KPW x U
+    per, warps, P = launch(B, K, S, D, G, qk.dtype)
     template = [("T", qk.dtype), ("D", D), ("G", G), ("PER", per), ("NW", warps)]
     inputs, names = [qk, keys, values, mask], ["qk", "keys", "values", "mask"]
     grid, block = (32 * warps, K * P, B), (32 * warps, 1, 1)

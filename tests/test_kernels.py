@@ -38,9 +38,8 @@ def emulated_attention(qk, keys, values, mask, num_heads, source=None):
     """`kernels.decode_attention`'s launches (one kernel, or parts then merge), emulated."""
     B, _, _, D = qk.shape
     K, S = keys.shape[1], keys.shape[2]
-    G, per = num_heads // K, kernels._lane_split(D, mx.float32)
-    warps = kernels.warps_per_block(B * K, G * per)
-    P = kernels.parts_for(B * K, S, warps * (32 * per // D) * 2)
+    G = num_heads // K
+    per, warps, P = kernels.launch(B, K, S, D, G, mx.float32)
     body = source or kernels._ATTENTION
     template = [("T", 0), ("D", D), ("G", G), ("PER", per), ("NW", warps)]
     grid, inputs = (32 * warps, K * P, B), dict(qk=qk, keys=keys, values=values, mask=mask)
