@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu.sh 1B    # smoke test, matmul crossover, 1B bench beside mlx-lm, 1B profile
 #   bash benchmarks/gpu.sh 8B    # 8B bench beside mlx-lm, 8B profile
 #   bash benchmarks/gpu.sh ab    # decode-step ablation (attention paths) at 8B, continuous-batching variants at 1B
+#   bash benchmarks/gpu.sh qmv      # (branch qmv-kernel) the 4-bit product kernel vs the dense copy, 8B
 #   bash benchmarks/gpu.sh kernels  # decode-attention kernel vs MLX ops, smoke test, 8B bench beside mlx-lm
 set -u
 OUT=${OUT:-/tmp/mlxfun-out}
@@ -17,6 +18,14 @@ case "${1:-1B}" in
     timeout 150 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"
     timeout 370 python3 -m mlxfun.bench --shape 8B "${common[@]}" \
       --json "$OUT/h200-8B.json" --plot "$OUT/h200-8B.png"
+    ;;
+  qmv)  # branch qmv-kernel: mlxfun's 4-bit product for up to 8 rows, against the dense copy
+    timeout 150 python3 benchmarks/kernels_check.py --json "$OUT/h200-kernels-qmv.json" || exit 1
+    timeout 150 python3 benchmarks/smoke.py --json "$OUT/h200-smoke-qmv.json"
+    timeout 150 python3 -m mlxfun.bench --shape 8B --batch-sizes 1,4,8 --dtypes q4 --strategy quantized \
+      --mlx-lm --matmul --json "$OUT/h200-8B-qmv.json"
+    timeout 100 python3 -m mlxfun.bench --shape 8B --batch-sizes 1,4,8 --dtypes q4 --strategy dense \
+      --json "$OUT/h200-8B-q4-dense.json"
     ;;
   1B)
     timeout 90 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"

@@ -1,7 +1,8 @@
-"""The fused CUDA decode attention (`mlxfun.kernels`) against MLX ops, on random inputs (CUDA only).
+"""mlxfun's CUDA kernels (`mlxfun.kernels`) against MLX ops, on random inputs (CUDA only).
 
 decode_attention vs `llama.grouped_attention` in exact float32 (on the CPU) on the same rounded
-inputs, under masks with left padding, holes (ring slots) and a single visible key.
+inputs, under masks with left padding, holes (ring slots) and a single visible key; qmv against
+a float32 product with the dequantized weights (relative to the largest output).
 Run: python benchmarks/kernels_check.py [--json PATH]
 """
 
@@ -38,6 +39,22 @@ def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed
     return out
 
 
+def qmv_case(M: int, OUT: int, IN: int, group_size: int, dtype: mx.Dtype) -> dict:
+    mx.random.seed(M * OUT + IN)
+    w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(dtype)
+    q = mx.quantize(w, group_size=group_size, bits=4)
+    x = mx.random.normal((M, IN)).astype(dtype)
+    got = kernels.qmv(x, *q, group_size).astype(mx.float32)
+    with mx.stream(mx.cpu):
+        f32 = mx.dequantize(*q, group_size=group_size, bits=4).astype(mx.float32)
+        want = x.astype(mx.float32) @ f32.T
+        err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
+    tol = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]
+    out = dict(kernel="qmv", M=M, OUT=OUT, IN=IN, group_size=group_size, dtype=str(dtype), rel_err=err, ok=err < tol)
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
@@ -50,6 +67,8 @@ def main(argv=None) -> int:
             if not kernels.attention_fits(B, K, D, H // K, dtype):
                 continue
             results.append(attention_case(B, H, K, D, S, dtype, seed=B * S))
+        for M, OUT, IN, gs in ((1, 6144, 4096, 64), (3, 100, 14336, 64), (8, 4096, 576, 32), (5, 33, 256, 128)):
+            results.append(qmv_case(M, OUT, IN, gs, dtype))
     ok = all(r["ok"] for r in results)
     print("KERNELS", "OK" if ok else "FAILED", flush=True)
     if args.json:

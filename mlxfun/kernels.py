@@ -1,4 +1,7 @@
-"""A fused CUDA kernel for the one-token decode step, where MLX 0.32 has none.
+"""CUDA kernels for the decode step, where MLX 0.32 has none or a slow one.
+
+`qmv`: a product of a few rows with 4-bit weights that reads only the 4-bit bytes (MLX's CUDA
+4-bit product at one row runs no faster than bf16, which reads four times as many).
 
 `decode_attention`: masked attention of one query per row over the cache in one pass (scores,
 mask, softmax and the weighted sum; MLX's fused kernel takes no mask, so MLX ops take five
@@ -140,6 +143,87 @@ _MERGE = r"""
     }
     out[((int64_t)b * H + h) * D + d] = static_cast<T>(acc / sum);
 """
+
+# y (M, OUT) = x (M, IN) @ dequantize(w)^T for MLX's 4-bit affine format: w (OUT, IN / 8) uint32,
+# value k of a word in bits [4k, 4k + 4), in input order; scales, biases (OUT, IN / GS). One warp per
+# output row; a lane takes 32 inputs (16 bytes of w) at a time, U of them in flight. The sum over a
+# chunk is s * sum(x q) + b * sum(x), so a weight costs one FMA per row of x after its unpacking.
+_QMV = r"""
+    constexpr int U = 4;
+    const int IN = x_shape[1], OUT = w_shape[0], chunks = IN / 32, groups = IN / GS;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= OUT) return;  // a whole warp: the kernel has no block-wide barrier
+    const uint4* wr = reinterpret_cast<const uint4*>(w + (int64_t)row * (IN / 8));
+    float acc[M];
+    #pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = 0.f;
+    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+        uint4 wv[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + 32 * u;
+            if (c < chunks) wv[u] = wr[c];
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + 32 * u;
+            if (c >= chunks) break;
+            const int64_t g = (int64_t)row * groups + c * 32 / GS;
+            const float sc = static_cast<float>(scales[g]), bi = static_cast<float>(biases[g]);
+            const uint32_t words[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
+            float q[32];
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                #pragma unroll
+                for (int k = 0; k < 8; ++k) q[8 * j + k] = static_cast<float>((words[j] >> (4 * k)) & 0xFu);
+            }
+            #pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const T* xp = x + (int64_t)m * IN + c * 32;
+                float dot = 0.f, xs = 0.f;
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    auto xv = unsafe_load_vector<8>(xp, j);
+                    #pragma unroll
+                    for (int k = 0; k < 8; ++k) {
+                        const float xf = static_cast<float>(xv[k]);
+                        dot += xf * q[8 * j + k];
+                        xs += xf;
+                    }
+                }
+                acc[m] += sc * dot + bi * xs;
+            }
+        }
+    }
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+        float v = acc[m];
+        #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
+        if (lane == 0) y[(int64_t)m * OUT + row] = static_cast<T>(v);
+    }
+"""
+
+QMV_MAX_ROWS = 8
+
+
+def qmv_fits(rows: int, in_features: int, group_size: int, bits: int) -> bool:
+    """The 4-bit product's layout: at most QMV_MAX_ROWS rows of x (each weight is unpacked once
+    for all of them), inputs in whole 32-value chunks, a chunk inside one group."""
+    return bits == 4 and rows <= QMV_MAX_ROWS and in_features % 32 == 0 and group_size % 32 == 0
+
+
+def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+    """x (M, IN) @ dequantize(w, scales, biases)^T (4 bits) -> (M, OUT); needs `qmv_fits`."""
+    M = x.shape[0]
+    out = w.shape[0]
+    warps = 4
+    kernel = mx.fast.cuda_kernel(name="mlxfun_qmv4", input_names=["x", "w", "scales", "biases"],
+                                 output_names=["y"], source=_QMV)
+    return kernel(inputs=[x, w, scales, biases], template=[("T", x.dtype), ("GS", group_size), ("M", M)],
+                  grid=(32 * warps * -(-out // warps), 1, 1), threadgroup=(32 * warps, 1, 1),
+                  output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]
+
 
 _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 

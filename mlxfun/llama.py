@@ -67,8 +67,13 @@ def linear(p: Linear, x: mx.array) -> mx.array:
     if isinstance(p, Quantized):
         group_size, bits = quant_shape(p, x.shape[-1])
         # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
-        y = mx.quantized_matmul(x.reshape(-1, x.shape[-1]), p.weight, p.scales, p.biases, transpose=True,
-                                group_size=group_size, bits=bits).reshape(*x.shape[:-1], -1)
+        rows = x.reshape(-1, x.shape[-1])
+        if kernels.available(x) and kernels.qmv_fits(rows.shape[0], x.shape[-1], group_size, bits):
+            y = kernels.qmv(rows, p.weight, p.scales, p.biases, group_size)
+        else:
+            y = mx.quantized_matmul(rows, p.weight, p.scales, p.biases, transpose=True,
+                                    group_size=group_size, bits=bits)
+        y = y.reshape(*x.shape[:-1], -1)
     else:
         y = x @ p.weight.T
     return y if p.bias is None else y + p.bias

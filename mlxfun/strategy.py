@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from mlxfun import blas, weights
 from mlxfun.config import ModelConfig
+from mlxfun.kernels import QMV_MAX_ROWS
 from mlxfun.llama import Params, Quantized
 
 
@@ -26,12 +27,14 @@ class WeightStrategy:
     memory_fraction: float = 0.75  # the copy plus memory in use must fit in this share of the device's
 
 
-# Measured (benchmarks/README.md). On an H200 (MLX 0.32.4, CUDA) the dense copy wins at every batch
-# size, even 1: there MLX's 4-bit kernels run slower than bf16 (8B: 118 vs 152 tok/s at batch 1,
-# 1166 vs 2668 at 32). On the CPU with MLX's bundled reference BLAS a float32 matmul costs about what
+# Measured (benchmarks/README.md). On an H200 (MLX 0.32.4, CUDA) MLX's 4-bit kernels run slower
+# than bf16 at every batch size (8B: 118 vs 152 tok/s at batch 1, 1166 vs 2668 at 32), so larger
+# batches run a dense copy; up to `kernels.QMV_MAX_ROWS` rows mlxfun's own 4-bit product
+# (`kernels.qmv`) reads a quarter of the bytes. UNMEASURED: the threshold awaits a GPU run.
+# On the CPU with MLX's bundled reference BLAS a float32 matmul costs about what
 # a 4-bit one does per row (0.62 vs 0.71 ms at M=1, 19.6 vs 21.0 at M=32 for 1536x576), so the copy
 # (0.8 s and 540 MB for SmolLM2) buys little there: the CPU keeps the quantized kernels.
-GPU = WeightStrategy(dense_from=1)
+GPU = WeightStrategy(dense_from=QMV_MAX_ROWS + 1)
 CPU = WeightStrategy(dense_from=None)
 # With a system BLAS (mlxfun.blas) float32 products run 2.6x faster at one row and 10-20x from 8,
 # while the 4-bit kernels stay as they were: the copy wins at every batch size.

@@ -87,3 +87,25 @@ def test_emulator_catches_a_wrong_part_index():
     broken = kernels._ATTENTION.replace("p = blockIdx.y % P", "p = 0")
     got, _ = emulated_attention(*inputs, 8, source=broken)
     assert not np.allclose(got, want, atol=1e-3)  # (here NaN: row 0's only key is never read)
+
+
+def test_qmv_layout_limits():
+    assert kernels.qmv_fits(1, 4096, 64, 4)
+    assert kernels.qmv_fits(kernels.QMV_MAX_ROWS, 576, 32, 4)
+    assert not kernels.qmv_fits(kernels.QMV_MAX_ROWS + 1, 4096, 64, 4)  # more rows: a dense copy wins
+    assert not kernels.qmv_fits(1, 4096, 64, 8)  # 4 bits only
+    assert not kernels.qmv_fits(1, 4112, 16, 4)  # a 32-value chunk would span groups
+
+
+@pytest.mark.parametrize("M,OUT,IN,group_size", [(1, 70, 256, 64), (3, 33, 576, 32), (8, 40, 512, 128)])
+def test_emulated_qmv_matches_reference(M, OUT, IN, group_size):
+    rng = np.random.default_rng(M * OUT)
+    w = mx.array(rng.standard_normal((OUT, IN)).astype(np.float32) * IN**-0.5)
+    q, scales, biases = mx.quantize(w, group_size=group_size, bits=4)
+    x = rng.standard_normal((M, IN)).astype(np.float32)
+    warps = 4  # as kernels.qmv launches it
+    (got,) = run(kernels._QMV, dict(x=x, w=np.array(q), scales=np.array(scales), biases=np.array(biases)),
+                 {"y": (M, OUT)}, [("T", 0), ("GS", group_size), ("M", M)], (32 * warps * -(-OUT // warps), 1, 1),
+                 32 * warps)
+    deq = np.array(mx.dequantize(q, scales, biases, group_size=group_size, bits=4)).astype(np.float64)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T, atol=1e-5)
