@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu.sh 1B    # smoke test, matmul crossover, 1B bench beside mlx-lm, 1B profile
 #   bash benchmarks/gpu.sh 8B    # 8B bench beside mlx-lm, 8B profile
 #   bash benchmarks/gpu.sh ab    # decode-step ablation (attention paths) at 8B, continuous-batching variants at 1B
-#   bash benchmarks/gpu.sh qmv      # (branch qmv-kernel) the 4-bit product kernel vs the dense copy, 8B
+#   bash benchmarks/gpu.sh qmv      # kernel checks; the 4-bit product kernel vs MLX's and dense, per rows, 8B
+#   bash benchmarks/gpu.sh qmv-step # 8B 4-bit decode with qmv and with the dense copy, batch 1-8
 #   bash benchmarks/gpu.sh kernels  # decode-attention kernel vs MLX ops, smoke test, 8B bench beside mlx-lm
 set -u
 OUT=${OUT:-/tmp/mlxfun-out}
@@ -19,12 +20,16 @@ case "${1:-1B}" in
     timeout 370 python3 -m mlxfun.bench --shape 8B "${common[@]}" \
       --json "$OUT/h200-8B.json" --plot "$OUT/h200-8B.png"
     ;;
-  qmv)  # branch qmv-kernel: mlxfun's 4-bit product for up to 8 rows, against the dense copy
-    timeout 150 python3 benchmarks/kernels_check.py --json "$OUT/h200-kernels-qmv.json" || exit 1
-    timeout 150 python3 benchmarks/smoke.py --json "$OUT/h200-smoke-qmv.json"
-    timeout 150 python3 -m mlxfun.bench --shape 8B --batch-sizes 1,4,8 --dtypes q4 --strategy quantized \
-      --mlx-lm --matmul --json "$OUT/h200-8B-qmv.json"
-    timeout 100 python3 -m mlxfun.bench --shape 8B --batch-sizes 1,4,8 --dtypes q4 --strategy dense \
+  qmv)  # branch qmv-kernel: kernel checks (attention and qmv), qmv vs MLX 4-bit vs dense per rows
+    timeout 200 python3 benchmarks/kernels_check.py --json "$OUT/h200-kernels-qmv.json" || exit 1
+    timeout 350 python3 benchmarks/qmv_rows.py --shape 8B --rows 1,2,4,8 --per-warp 1,2,4 \
+      --json "$OUT/h200-qmv-rows-8B.json"
+    ;;
+  qmv-step)  # the decode step with qmv (strategy quantized) and with the dense copy, 8B 4-bit
+    timeout 100 python3 benchmarks/smoke.py --json "$OUT/h200-smoke-qmv.json"
+    timeout 250 python3 -m mlxfun.bench --shape 8B --batch-sizes 1,2,4,8 --dtypes q4 --strategy quantized \
+      --mlx-lm --json "$OUT/h200-8B-qmv.json"
+    timeout 150 python3 -m mlxfun.bench --shape 8B --batch-sizes 1,2,4,8 --dtypes q4 --strategy dense \
       --json "$OUT/h200-8B-q4-dense.json"
     ;;
   1B)

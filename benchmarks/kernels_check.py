@@ -39,18 +39,18 @@ def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed
     return out
 
 
-def qmv_case(M: int, OUT: int, IN: int, group_size: int, dtype: mx.Dtype) -> dict:
+def qmv_case(M: int, OUT: int, IN: int, group_size: int, per_warp: int, dtype: mx.Dtype) -> dict:
     mx.random.seed(M * OUT + IN)
     w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(dtype)
     q = mx.quantize(w, group_size=group_size, bits=4)
     x = mx.random.normal((M, IN)).astype(dtype)
-    got = kernels.qmv(x, *q, group_size).astype(mx.float32)
+    got = kernels.qmv(x, *q, group_size, per_warp).astype(mx.float32)
     with mx.stream(mx.cpu):
         f32 = mx.dequantize(*q, group_size=group_size, bits=4).astype(mx.float32)
         want = x.astype(mx.float32) @ f32.T
         err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
     tol = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]
-    out = dict(kernel="qmv", M=M, OUT=OUT, IN=IN, group_size=group_size, dtype=str(dtype), rel_err=err, ok=err < tol)
+    out = dict(kernel="qmv", M=M, OUT=OUT, IN=IN, group_size=group_size, per_warp=per_warp, dtype=str(dtype), rel_err=err, ok=err < tol)
     print(json.dumps(out), flush=True)
     return out
 
@@ -67,8 +67,9 @@ def main(argv=None) -> int:
             if not kernels.attention_fits(B, K, D, H // K, dtype):
                 continue
             results.append(attention_case(B, H, K, D, S, dtype, seed=B * S))
-        for M, OUT, IN, gs in ((1, 6144, 4096, 64), (3, 100, 14336, 64), (8, 4096, 576, 32), (5, 33, 256, 128)):
-            results.append(qmv_case(M, OUT, IN, gs, dtype))
+        for M, OUT, IN, gs, R in ((1, 6144, 4096, 64, 4), (3, 100, 14336, 64, 2), (8, 4096, 576, 32, 4),
+                                  (5, 33, 256, 128, 1), (2, 1026, 4096, 64, 4)):
+            results.append(qmv_case(M, OUT, IN, gs, R, dtype))
     ok = all(r["ok"] for r in results)
     print("KERNELS", "OK" if ok else "FAILED", flush=True)
     if args.json:

@@ -149,58 +149,91 @@ _MERGE = r"""
 # output row; a lane takes 32 inputs (16 bytes of w) at a time, U of them in flight. The sum over a
 # chunk is s * sum(x q) + b * sum(x), so a weight costs one FMA per row of x after its unpacking.
 _QMV = r"""
-    constexpr int U = 4;
+    // One warp computes R output features for all M rows of x. Each lane takes 32-value chunks
+    // (16 bytes of 4-bit weights per feature), U of them in flight; a chunk's x values are read
+    // and converted once and serve all R features. A nibble q at bits 4k (k < 5; the upper three
+    // after a shift by 12) is read exactly as the float q * 16^k by OR-ing it into the mantissa of
+    // 2^23 and subtracting 2^23 (two full-rate ops; an int-to-float conversion runs at 1/8 rate),
+    // and x is pre-scaled by 16^-k once per chunk, so x * q is exact as before.
+    constexpr int U = 2;
     const int IN = x_shape[1], OUT = w_shape[0], chunks = IN / 32, groups = IN / GS;
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= OUT) return;  // a whole warp: the kernel has no block-wide barrier
-    const uint4* wr = reinterpret_cast<const uint4*>(w + (int64_t)row * (IN / 8));
-    float acc[M];
+    const int f0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R, lane = threadIdx.x & 31;
+    if (f0 >= OUT) return;  // a whole warp: the kernel has no block-wide barrier
+    float acc[M][R];
     #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.f;
+    for (int m = 0; m < M; ++m) {
+        #pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+    }
     for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
-        uint4 wv[U];
+        uint4 wv[U][R];
+        float sc[U][R], bi[U][R];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = c0 + 32 * u;
-            if (c < chunks) wv[u] = wr[c];
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int64_t f = min(f0 + r, OUT - 1);  // past the end: recomputes the last, never stored
+                if (c < chunks) {
+                    wv[u][r] = reinterpret_cast<const uint4*>(w + f * (IN / 8))[c];
+                    sc[u][r] = static_cast<float>(scales[f * groups + c * 32 / GS]);
+                    bi[u][r] = static_cast<float>(biases[f * groups + c * 32 / GS]);
+                }
+            }
         }
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = c0 + 32 * u;
             if (c >= chunks) break;
-            const int64_t g = (int64_t)row * groups + c * 32 / GS;
-            const float sc = static_cast<float>(scales[g]), bi = static_cast<float>(biases[g]);
-            const uint32_t words[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
-            float q[32];
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                #pragma unroll
-                for (int k = 0; k < 8; ++k) q[8 * j + k] = static_cast<float>((words[j] >> (4 * k)) & 0xFu);
-            }
+            float dot[M][R], xs[M];
             #pragma unroll
             for (int m = 0; m < M; ++m) {
-                const T* xp = x + (int64_t)m * IN + c * 32;
-                float dot = 0.f, xs = 0.f;
+                xs[m] = 0.f;
                 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    auto xv = unsafe_load_vector<8>(xp, j);
+                for (int r = 0; r < R; ++r) dot[m][r] = 0.f;
+            }
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {  // 32-bit word j of the chunk: 8 weights
+                float q[R][8];
+                #pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const uint32_t word = j == 0 ? wv[u][r].x : j == 1 ? wv[u][r].y : j == 2 ? wv[u][r].z : wv[u][r].w;
+                    const uint32_t high = word >> 12;
+                    #pragma unroll
+                    for (int k = 0; k < 8; ++k) {
+                        const uint32_t bits = k < 5 ? word & (0xFu << (4 * k)) : high & (0xFu << (4 * (k - 3)));
+                        q[r][k] = __int_as_float(0x4B000000u | bits) - 8388608.f;
+                    }
+                }
+                #pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    auto xv = unsafe_load_vector<8>(x + (int64_t)m * IN + c * 32, j);
                     #pragma unroll
                     for (int k = 0; k < 8; ++k) {
                         const float xf = static_cast<float>(xv[k]);
-                        dot += xf * q[8 * j + k];
-                        xs += xf;
+                        xs[m] += xf;
+                        const float xs16 = xf * __int_as_float((127 - 4 * (k < 5 ? k : k - 3)) << 23);  // x 16^-k
+                        #pragma unroll
+                        for (int r = 0; r < R; ++r) dot[m][r] += xs16 * q[r][k];
                     }
                 }
-                acc[m] += sc * dot + bi * xs;
+            }
+            #pragma unroll
+            for (int m = 0; m < M; ++m) {
+                #pragma unroll
+                for (int r = 0; r < R; ++r) acc[m][r] += sc[u][r] * dot[m][r] + bi[u][r] * xs[m];
             }
         }
     }
     #pragma unroll
     for (int m = 0; m < M; ++m) {
-        float v = acc[m];
         #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
-        if (lane == 0) y[(int64_t)m * OUT + row] = static_cast<T>(v);
+        for (int r = 0; r < R; ++r) {
+            float v = acc[m][r];
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
+            if (lane == (m * R + r) % 32 && f0 + r < OUT) y[(int64_t)m * OUT + f0 + r] = static_cast<T>(v);
+        }
     }
 """
 
@@ -213,15 +246,27 @@ def qmv_fits(rows: int, in_features: int, group_size: int, bits: int) -> bool:
     return bits == 4 and rows <= QMV_MAX_ROWS and in_features % 32 == 0 and group_size % 32 == 0
 
 
-def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
-    """x (M, IN) @ dequantize(w, scales, biases)^T (4 bits) -> (M, OUT); needs `qmv_fits`."""
-    M = x.shape[0]
-    out = w.shape[0]
-    warps = 4
+QMV_FEATURES_PER_WARP = 4
+QMV_WARPS = 4
+
+
+def qmv_grid(out_features: int, per_warp: int) -> tuple[int, int]:
+    """(threads in the grid, threads per block) of a qmv launch: one warp per `per_warp` features."""
+    threads = 32 * QMV_WARPS
+    return threads * -(-out_features // (per_warp * QMV_WARPS)), threads
+
+
+def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+        per_warp: int = QMV_FEATURES_PER_WARP) -> mx.array:
+    """x (M, IN) @ dequantize(w, scales, biases)^T (4 bits) -> (M, OUT); needs `qmv_fits`.
+    `per_warp` output features per warp (a benchmark varies it)."""
+    M, out = x.shape[0], w.shape[0]
     kernel = mx.fast.cuda_kernel(name="mlxfun_qmv4", input_names=["x", "w", "scales", "biases"],
                                  output_names=["y"], source=_QMV)
-    return kernel(inputs=[x, w, scales, biases], template=[("T", x.dtype), ("GS", group_size), ("M", M)],
-                  grid=(32 * warps * -(-out // warps), 1, 1), threadgroup=(32 * warps, 1, 1),
+    grid, block = qmv_grid(out, per_warp)
+    return kernel(inputs=[x, w, scales, biases],
+                  template=[("T", x.dtype), ("GS", group_size), ("M", M), ("R", per_warp)],
+                  grid=(grid, 1, 1), threadgroup=(block, 1, 1),
                   output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]
 
 

@@ -20,6 +20,7 @@ import numpy as np
 PRELUDE = r"""
 #include <array>
 #include <barrier>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -47,6 +48,7 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
     return r;
 }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+inline float __int_as_float(int v) { return std::bit_cast<float>(v); }
 struct uint4 { uint32_t x, y, z, w; };
 template <typename T, int N> struct AlignedVector {
     T val[N];

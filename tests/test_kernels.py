@@ -97,15 +97,17 @@ def test_qmv_layout_limits():
     assert not kernels.qmv_fits(1, 4112, 16, 4)  # a 32-value chunk would span groups
 
 
-@pytest.mark.parametrize("M,OUT,IN,group_size", [(1, 70, 256, 64), (3, 33, 576, 32), (8, 40, 512, 128)])
-def test_emulated_qmv_matches_reference(M, OUT, IN, group_size):
+@pytest.mark.parametrize("M,OUT,IN,group_size,per_warp", [(1, 70, 256, 64, 4), (3, 33, 576, 32, 2),
+                                                          (8, 40, 512, 128, 4), (2, 9, 2048, 64, 1)])
+def test_emulated_qmv_matches_reference(M, OUT, IN, group_size, per_warp):
+    """Every nibble position (the upper three are shifted before the mantissa trick), features
+    past the end of a warp's share (OUT not a multiple), chunks past the end of a lane's loop."""
     rng = np.random.default_rng(M * OUT)
     w = mx.array(rng.standard_normal((OUT, IN)).astype(np.float32) * IN**-0.5)
     q, scales, biases = mx.quantize(w, group_size=group_size, bits=4)
     x = rng.standard_normal((M, IN)).astype(np.float32)
-    warps = 4  # as kernels.qmv launches it
+    grid, block = kernels.qmv_grid(OUT, per_warp)  # as kernels.qmv launches it
     (got,) = run(kernels._QMV, dict(x=x, w=np.array(q), scales=np.array(scales), biases=np.array(biases)),
-                 {"y": (M, OUT)}, [("T", 0), ("GS", group_size), ("M", M)], (32 * warps * -(-OUT // warps), 1, 1),
-                 32 * warps)
+                 {"y": (M, OUT)}, [("T", 0), ("GS", group_size), ("M", M), ("R", per_warp)], (grid, 1, 1), block)
     deq = np.array(mx.dequantize(q, scales, biases, group_size=group_size, bits=4)).astype(np.float64)
     np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T, atol=1e-5)
