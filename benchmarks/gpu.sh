@@ -22,7 +22,7 @@ case "${1:-1B}" in
     ;;
   qmv)  # branch qmv-kernel: kernel checks (attention and qmv), qmv vs MLX 4-bit vs dense per rows
     timeout 200 python3 benchmarks/kernels_check.py --json "$OUT/h200-kernels-qmv.json" || exit 1
-    timeout 350 python3 benchmarks/qmv_rows.py --shape 8B --rows 1,2,4,8 --per-warp 1,2,4 \
+    timeout 350 python3 benchmarks/qmv_rows.py --shape 8B --rows 1,2,4,8 \
       --json "$OUT/h200-qmv-rows-8B.json"
     ;;
   qmv-step)  # the decode step with qmv (strategy quantized) and with the dense copy, 8B 4-bit

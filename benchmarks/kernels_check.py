@@ -39,12 +39,16 @@ def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed
     return out
 
 
-def qmv_case(M: int, OUT: int, IN: int, group_size: int, per_warp: int, dtype: mx.Dtype) -> dict:
+def qmv_case(M: int, OUT: int, IN: int, group_size: int, per_warp: int | None, dtype: mx.Dtype) -> dict:
+    """per_warp None: the tensor-core product (`kernels.qmv_mma`)."""
     mx.random.seed(M * OUT + IN)
     w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(dtype)
     q = mx.quantize(w, group_size=group_size, bits=4)
     x = mx.random.normal((M, IN)).astype(dtype)
-    got = kernels.qmv(x, *q, group_size, per_warp).astype(mx.float32)
+    if per_warp is None:
+        got = kernels.qmv_mma(x, *q, group_size).astype(mx.float32)
+    else:
+        got = kernels.qmv_simt(x, *q, group_size, per_warp).astype(mx.float32)
     with mx.stream(mx.cpu):
         f32 = mx.dequantize(*q, group_size=group_size, bits=4).astype(mx.float32)
         want = x.astype(mx.float32) @ f32.T
@@ -70,6 +74,9 @@ def main(argv=None) -> int:
         for M, OUT, IN, gs, R in ((1, 6144, 4096, 64, 4), (3, 100, 14336, 64, 2), (8, 4096, 576, 32, 4),
                                   (5, 33, 256, 128, 1), (2, 1026, 4096, 64, 4)):
             results.append(qmv_case(M, OUT, IN, gs, R, dtype))
+        if dtype != mx.float32:  # tensor cores: bf16 and fp16 inputs
+            for M, OUT, IN, gs in ((1, 6144, 4096, 64), (8, 4096, 14336, 64), (3, 1000, 576, 32), (5, 40, 2048, 128)):
+                results.append(qmv_case(M, OUT, IN, gs, None, dtype))
     ok = all(r["ok"] for r in results)
     print("KERNELS", "OK" if ok else "FAILED", flush=True)
     if args.json:

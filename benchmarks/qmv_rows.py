@@ -1,12 +1,12 @@
-"""mlxfun's 4-bit product (`kernels.qmv`) against MLX's 4-bit product and a dense bf16 copy, per
-number of rows M, at the linear maps of a Llama shape (CUDA only).
+"""The linear maps of a decode step with 4-bit weights, per number of rows M, by product (CUDA only):
+mlxfun's tensor-core 4-bit product (`kernels.qmv_mma`), its CUDA-core one (`kernels.qmv_simt`), MLX's
+`quantized_matmul`, and a dense bf16 copy.
 
-Each product runs over `--copies` distinct weights, launched together and timed together, so the
-weights come from memory (not the 50 MB L2) and launches overlap as in a decode step. The
-"step" columns add one layer's maps times the number of layers plus the LM head: the serial
-matmul time of a decode step, which sets the batch size below which qmv should serve 4-bit
-weights (`strategy.GPU`) and how many output features a warp takes (`kernels.QMV_FEATURES_PER_WARP`).
-Run: python benchmarks/qmv_rows.py --shape 8B [--rows 1,2,4,8] [--per-warp 1,2,4] [--json PATH]
+Each is timed as the decode step runs them: one compiled function over every layer's maps (qkv,
+o, gate_up, down; distinct weights per layer, so they come from memory, not the 50 MB L2), each
+fed by the one before, then the LM head. This is the serial matmul time of a step, which sets the
+batch size below which 4-bit weights stay 4-bit (`strategy.GPU`).
+Run: python benchmarks/qmv_rows.py --shape 8B [--rows 1,2,4,8] [--json PATH]
 """
 
 from __future__ import annotations
@@ -20,71 +20,97 @@ import mlx.core as mx
 
 from mlxfun import bench, kernels
 
+GROUP = 64
 
-def linear_shapes(shape: str) -> list[tuple[str, int, int, int]]:
-    """(name, out, in, count per step) of a decode step's linear maps."""
+
+def products(group_size: int) -> dict:
+    """name -> fn(x (M, in), weight) -> (M, out); weight is a dense array or quantize()'s triple."""
+    return {
+        "dense": lambda x, w: x @ w.T,
+        "mlx_q4": lambda x, q: mx.quantized_matmul(x, *q, transpose=True, group_size=group_size, bits=4),
+        "qmv_cuda_cores": lambda x, q: kernels.qmv_simt(x, *q, group_size),
+        "qmv_tensor_cores": lambda x, q: kernels.qmv_mma(x, *q, group_size),
+    }
+
+
+def random_layers(shape: str, dtype: mx.Dtype) -> tuple[list[list[mx.array]], mx.array]:
+    """Per layer (qkv, o, gate_up, down) weights (out, in), and the LM head."""
     c = bench.SHAPES[shape]
-    H, K, D, E, inter = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size
-    L = c.num_layers
-    return [("qkv", (H + 2 * K) * D, E, L), ("o", E, H * D, L), ("gate_up", 2 * inter, E, L),
-            ("down", E, inter, L), ("head", c.vocab_size, E, 1)]
+    E, inter, HD = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
+    sizes = [((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, E), (E, HD), (2 * inter, E), (E, inter)]
+
+    def weight(n_out, n_in):
+        w = (mx.random.normal((n_out, n_in)) * n_in**-0.5).astype(dtype)
+        mx.eval(w)
+        return w
+
+    return [[weight(*s) for s in sizes] for _ in range(c.num_layers)], weight(c.vocab_size, E)
 
 
-def timed_ms(fn, weights, x, repeats: int) -> float:
-    """Median ms of one product, `fn(x, w)` over all `weights` per evaluation."""
-    mx.eval([fn(x, w) for w in weights])
+def chain(fn, layers, head, hidden: int, inner: int):
+    """x (M, E) -> logits: every layer's maps in order, each fed by a slice of the previous output."""
+
+    def step(x):
+        for qkv, o, gate_up, down in layers:
+            h = fn(x, qkv)[:, :hidden]
+            h = fn(h, o)
+            h = fn(h, gate_up)[:, :inner]
+            x = fn(h, down)
+        return fn(x, head)
+
+    return mx.compile(step)
+
+
+def timed_ms(step, x, repeats: int) -> float:
+    for _ in range(2):  # trace, compile, warm
+        mx.eval(step(x))
     ts = []
     for _ in range(repeats):
         t = time.perf_counter()
-        mx.eval([fn(x, w) for w in weights])
+        mx.eval(step(x))
         ts.append(time.perf_counter() - t)
-    return 1e3 * sorted(ts)[len(ts) // 2] / len(weights)
+    return 1e3 * sorted(ts)[len(ts) // 2]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="8B", choices=sorted(bench.SHAPES))
     p.add_argument("--rows", default="1,2,4,8")
-    p.add_argument("--per-warp", default="1,2,4")
-    p.add_argument("--copies", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--products", default=",".join(products(GROUP)))
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rows = [int(v) for v in args.rows.split(",")]
-    per_warp = [int(v) for v in args.per_warp.split(",")]
-    dtype, gs = mx.bfloat16, 64
+    names = args.products.split(",")
+    dtype = mx.bfloat16
     if not kernels.available(mx.zeros((1,), dtype)):
         print("qmv_rows: CUDA only", file=sys.stderr)
         return 2
+    c = bench.SHAPES[args.shape]
+    layers, head = random_layers(args.shape, dtype)
+    weight_bytes = {"dense": sum(w.nbytes for ws in layers for w in ws) + head.nbytes}
+    quantized = [[mx.quantize(w, group_size=GROUP, bits=4) for w in ws] for ws in layers], \
+        mx.quantize(head, group_size=GROUP, bits=4)
+    mx.eval(quantized)
+    weight_bytes["q4"] = sum(a.nbytes for ws in quantized[0] for q in ws for a in q) + sum(a.nbytes for a in quantized[1])
     results = []
-    for name, n_out, n_in, count in linear_shapes(args.shape):
-        copies = max(2, args.copies if name != "head" else 4)
-        dense = [(mx.random.normal((n_out, n_in)) * n_in**-0.5).astype(dtype) for _ in range(copies)]
-        quant = [mx.quantize(w, group_size=gs, bits=4) for w in dense]
-        mx.eval(dense, quant)
+    for name in names:
+        fn = products(GROUP)[name]
+        ws, hd = (layers, head) if name == "dense" else quantized
+        step = chain(fn, ws, hd, c.num_heads * c.head_dim, c.intermediate_size)
         for M in rows:
-            x = mx.random.normal((M, n_in)).astype(dtype)
-            row = dict(map=name, out=n_out, inp=n_in, count=count, M=M,
-                       dense_ms=timed_ms(lambda x, w: x @ w.T, dense, x, args.repeats),
-                       mlx_q4_ms=timed_ms(lambda x, q: mx.quantized_matmul(x, *q, transpose=True, group_size=gs,
-                                                                          bits=4), quant, x, args.repeats))
-            for R in per_warp:
-                row[f"qmv{R}_ms"] = timed_ms(lambda x, q: kernels.qmv(x, *q, gs, per_warp=R), quant, x, args.repeats)
-            results.append(row)
-            print(json.dumps(row), flush=True)
-        del dense, quant
-        mx.clear_cache()
-    cols = ["dense_ms", "mlx_q4_ms"] + [f"qmv{R}_ms" for R in per_warp]
-    print(f"\nserial matmul ms per decode step ({args.shape}, bf16, 4-bit group {gs}):")
-    print("   M " + "".join(f"{c[:-3]:>10s}" for c in cols))
-    step = []
+            ms = timed_ms(step, mx.random.normal((M, c.hidden_size)).astype(dtype), args.repeats)
+            gb = weight_bytes["dense" if name == "dense" else "q4"] / 1e9
+            results.append(dict(product=name, M=M, step_ms=ms, weight_gb=gb, tb_per_s=gb / ms))
+            print(json.dumps(results[-1]), flush=True)
+    print(f"\nserial matmul ms per decode step ({args.shape}, bf16 activations, 4-bit group {GROUP}):")
+    print("   M " + "".join(f"{n:>18s}" for n in names))
     for M in rows:
-        total = {c: sum(r[c] * r["count"] for r in results if r["M"] == M) for c in cols}
-        step.append(dict(M=M, **total))
-        print(f"{M:4d} " + "".join(f"{total[c]:10.3f}" for c in cols))
+        print(f"{M:4d} " + "".join(f"{r['step_ms']:18.3f}" for n in names for r in results
+                                   if r["product"] == n and r["M"] == M))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": bench.machine(), "shape": args.shape, "products": results, "step": step}, f, indent=2)
+            json.dump({"machine": bench.machine(), "shape": args.shape, "results": results}, f, indent=2)
     return 0
 
 

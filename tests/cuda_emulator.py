@@ -76,12 +76,45 @@ template <typename F> void launch(F f, dim3 grid, int threads) {
 }
 """
 
+# CPU versions of `kernels._QMV_MMA_HEADER`: the same names and semantics in float32 (no bf16
+# rounding). qmv_mma exchanges the warp's fragments through memory and computes each lane's share
+# of c with the m16n8k16 fragment layouts of the PTX ISA: A register r of lane (g, t) holds row
+# g + 8 (r & 1), columns 2 t + 8 (r >> 1) + {0, 1}; B register r holds rows 2 t + 8 r + {0, 1},
+# column g; c[i] is row g + 8 (i >> 1), column 2 t + (i & 1).
+QMV_HEADER = r"""
+struct Pair { float lo, hi; };
+template <typename T> Pair qmv_pack(T lo, T hi) { return {lo, hi}; }
+template <typename T> Pair qmv_dequant(uint32_t word, int p, Pair scale, Pair bias) {
+    return {float((word >> (4 * p)) & 15u) * scale.lo + bias.lo, float((word >> (4 * p + 16)) & 15u) * scale.hi + bias.hi};
+}
+Pair mma_a[1024][4], mma_b[1024][2];
+inline float half_of(Pair p, int h) { return h ? p.hi : p.lo; }
+template <typename T> void qmv_mma(float* c, const Pair* a, const Pair* b) {
+    const int me = threadIdx.x, base = me & ~31, lane = me & 31, g = lane >> 2, t = lane & 3;
+    for (int r = 0; r < 4; ++r) mma_a[me][r] = a[r];
+    for (int r = 0; r < 2; ++r) mma_b[me][r] = b[r];
+    warp_barriers[me / 32]->arrive_and_wait();
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        float sum = 0.f;
+        for (int k = 0; k < 16; ++k) {
+            const int a_lane = base + (row % 8) * 4 + (k % 8) / 2, a_reg = (row >= 8) + 2 * (k >= 8);
+            const int b_lane = base + col * 4 + (k % 8) / 2, b_reg = k >= 8;
+            sum += half_of(mma_a[a_lane][a_reg], k & 1) * half_of(mma_b[b_lane][b_reg], k & 1);
+        }
+        c[i] += sum;
+    }
+    warp_barriers[me / 32]->arrive_and_wait();
+}
+"""
+
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.bool_): "bool", np.dtype(np.uint32): "uint32_t"}
 
 
 def run(source: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple], template: list,
-        grid: tuple[int, int, int], threads: int) -> list[np.ndarray]:
-    """The kernel body `source` over `inputs`, MLX's grid convention (grid in threads along x)."""
+        grid: tuple[int, int, int], threads: int, header: str = "") -> list[np.ndarray]:
+    """The kernel body `source` over `inputs`, MLX's grid convention (grid in threads along x);
+    `header` (C++) goes before the kernel, as `mx.fast.cuda_kernel`'s does."""
     params, args = [], []
     for i, (name, a) in enumerate(inputs.items()):
         params.append(f"const {CTYPES[a.dtype]}* {name}")
@@ -93,7 +126,7 @@ def run(source: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple], t
         params.append(f"float* {name}")
         args.append(f"(float*)p[{len(inputs) + j}]")
     consts = "".join(f"  using {k} = float;\n" if k == "T" else f"  constexpr int {k} = {v};\n" for k, v in template)
-    code = (PRELUDE + "void kernel(" + ", ".join(params) + ") {\n" + consts + source + "\n}\n"
+    code = (PRELUDE + header + "void kernel(" + ", ".join(params) + ") {\n" + consts + source + "\n}\n"
             'extern "C" void run(void** p) { launch([&] { kernel(' + ", ".join(args) + "); }, dim3{"
             + f"{-(-grid[0] // threads)}, {grid[1]}, {grid[2]}" + "}, " + f"{min(threads, grid[0])}); }}\n")
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,7 +5,7 @@ rounding are checked on a GPU by benchmarks/kernels_check.py."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from cuda_emulator import run
+from cuda_emulator import QMV_HEADER, run
 
 from mlxfun import kernels
 
@@ -109,5 +109,22 @@ def test_emulated_qmv_matches_reference(M, OUT, IN, group_size, per_warp):
     grid, block = kernels.qmv_grid(OUT, per_warp)  # as kernels.qmv launches it
     (got,) = run(kernels._QMV, dict(x=x, w=np.array(q), scales=np.array(scales), biases=np.array(biases)),
                  {"y": (M, OUT)}, [("T", 0), ("GS", group_size), ("M", M), ("R", per_warp)], (grid, 1, 1), block)
+    deq = np.array(mx.dequantize(q, scales, biases, group_size=group_size, bits=4)).astype(np.float64)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T, atol=1e-5)
+
+
+@pytest.mark.parametrize("M,OUT,IN,group_size", [(1, 40, 256, 64), (3, 16, 1152, 32), (8, 37, 576, 64),
+                                                 (5, 24, 2048, 128)])
+def test_emulated_qmv_mma_matches_reference(M, OUT, IN, group_size):
+    """The tensor-core product through PTX's fragment layouts: every nibble pair, features past
+    OUT (not a multiple of 16), rows past M, inputs not a multiple of 128 (576, 1152) and a
+    block's warps sharing the inputs (2048 = 16 blocks of 128 over 8 warps)."""
+    rng = np.random.default_rng(M * OUT + IN)
+    w = mx.array(rng.standard_normal((OUT, IN)).astype(np.float32) * IN**-0.5)
+    q, scales, biases = mx.quantize(w, group_size=group_size, bits=4)
+    x = rng.standard_normal((M, IN)).astype(np.float32)
+    grid, block = kernels.qmv_mma_grid(OUT)  # as kernels.qmv_mma launches it
+    (got,) = run(kernels._QMV_MMA, dict(x=x, w=np.array(q), scales=np.array(scales), biases=np.array(biases)),
+                 {"y": (M, OUT)}, [("T", 0), ("GS", group_size), ("M", M)], (grid, 1, 1), block, header=QMV_HEADER)
     deq = np.array(mx.dequantize(q, scales, biases, group_size=group_size, bits=4)).astype(np.float64)
     np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T, atol=1e-5)
