@@ -1,5 +1,7 @@
-"""What one graph node costs the host and the device: compiled chains of N view nodes (reshapes)
-or N small kernels (RMSNorm), timed as host time (call + mx.async_eval) and total time per node.
+"""What one graph node costs the host and the device: compiled chains of N view nodes (reshapes),
+N small kernels (RMSNorm), N one-row products with a 4096 x 4096 weight that stays in L2 (bf16
+matmul, MLX's 4-bit product, mlxfun's `kernels.qmv`), and N trivial `mx.fast.cuda_kernel`s
+(a copy), timed as host time (call + mx.async_eval) and total time per node.
 Run: python benchmarks/host_cost.py [--json PATH]
 """
 
@@ -13,6 +15,8 @@ import time
 
 import mlx.core as mx
 
+from mlxfun import kernels
+
 N = 512
 
 
@@ -25,6 +29,35 @@ def views(x):
 def norms(x, w):
     for _ in range(N):
         x = mx.fast.rms_norm(x, w, 1e-5)
+    return x
+
+
+def matmuls(x, w):
+    for _ in range(N):
+        x = x @ w.T
+    return x
+
+
+def mlx_q4(x, w, scales, biases):
+    for _ in range(N):
+        x = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=64, bits=4)
+    return x
+
+
+def qmv(x, w, scales, biases):
+    for _ in range(N):
+        x = kernels.qmv(x, w, scales, biases, 64)
+    return x
+
+
+_COPY = "const int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < x_shape[1]) y[i] = x[i];"
+
+
+def copies(x):
+    kernel = mx.fast.cuda_kernel(name="mlxfun_copy", input_names=["x"], output_names=["y"], source=_COPY)
+    for _ in range(N):
+        x = kernel(inputs=[x], grid=(x.shape[1], 1, 1), threadgroup=(256, 1, 1),
+                   output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
     return x
 
 
@@ -53,6 +86,11 @@ def main(argv=None) -> int:
     w = mx.ones((4096,), mx.bfloat16)
     res = {"device": str(mx.default_device()), "nodes": N,
            "view": timed(mx.compile(views), x), "rms_norm": timed(mx.compile(norms), x, w)}
+    if kernels.available(x):
+        dense = (mx.random.normal((4096, 4096)) / 64).astype(mx.bfloat16)
+        q = mx.quantize(dense, group_size=64, bits=4)
+        res.update(matmul=timed(mx.compile(matmuls), x, dense), mlx_q4=timed(mx.compile(mlx_q4), x, *q),
+                   qmv=timed(mx.compile(qmv), x, *q), cuda_kernel_copy=timed(mx.compile(copies), x))
     print(json.dumps(res), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,12 +1,13 @@
 """The linear maps of a decode step with 4-bit weights, per number of rows M, by product (CUDA only):
-mlxfun's tensor-core 4-bit product (`kernels.qmv_mma`), its CUDA-core one (`kernels.qmv_simt`), MLX's
-`quantized_matmul`, and a dense bf16 copy.
+mlxfun's tensor-core 4-bit product (`kernels.qmv_mma`, "mma"; "mma8x2": 8 warps per block, 2
+loads in flight), its CUDA-core one (`kernels.qmv_simt`, "simt"), MLX's `quantized_matmul`
+("mlx_q4"), and a dense bf16 copy ("dense").
 
 Each is timed as the decode step runs them: one compiled function over every layer's maps (qkv,
 o, gate_up, down; distinct weights per layer, so they come from memory, not the 50 MB L2), each
 fed by the one before, then the LM head. This is the serial matmul time of a step, which sets the
 batch size below which 4-bit weights stay 4-bit (`strategy.GPU`).
-Run: python benchmarks/qmv_rows.py --shape 8B [--rows 1,2,4,8] [--json PATH]
+Run: python benchmarks/qmv_rows.py --shape 8B [--rows 1,2,4,8] [--products dense,mma,mma4x4] [--json PATH]
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ from mlxfun import bench, kernels
 GROUP = 64
 
 
-def products(group_size: int) -> dict:
-    """name -> fn(x (M, in), weight) -> (M, out); weight is a dense array or quantize()'s triple."""
+def product(name: str, group_size: int):
+    """fn(x (M, in), weight) -> (M, out); weight is a dense array or quantize()'s triple.
+    "mma" is `kernels.qmv_mma` as launched; "mma<warps>x<in_flight>" a variant of its launch."""
+    if name.startswith("mma") and name != "mma":
+        warps, in_flight = map(int, name[3:].split("x"))
+        return lambda x, q: kernels.qmv_mma(x, *q, group_size, warps=warps, in_flight=in_flight)
     return {
         "dense": lambda x, w: x @ w.T,
         "mlx_q4": lambda x, q: mx.quantized_matmul(x, *q, transpose=True, group_size=group_size, bits=4),
-        "qmv_cuda_cores": lambda x, q: kernels.qmv_simt(x, *q, group_size),
-        "qmv_tensor_cores": lambda x, q: kernels.qmv_mma(x, *q, group_size),
-    }
+        "simt": lambda x, q: kernels.qmv_simt(x, *q, group_size),
+        "mma": lambda x, q: kernels.qmv_mma(x, *q, group_size),
+    }[name]
 
 
 def random_layers(shape: str, dtype: mx.Dtype) -> tuple[list[list[mx.array]], mx.array]:
@@ -76,7 +81,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="8B", choices=sorted(bench.SHAPES))
     p.add_argument("--rows", default="1,2,4,8")
-    p.add_argument("--products", default=",".join(products(GROUP)))
+    p.add_argument("--products", default="dense,mlx_q4,simt,mma")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
     weight_bytes["q4"] = sum(a.nbytes for ws in quantized[0] for q in ws for a in q) + sum(a.nbytes for a in quantized[1])
     results = []
     for name in names:
-        fn = products(GROUP)[name]
+        fn = product(name, GROUP)
         ws, hd = (layers, head) if name == "dense" else quantized
         step = chain(fn, ws, hd, c.num_heads * c.head_dim, c.intermediate_size)
         for M in rows:

@@ -323,8 +323,9 @@ _QMV_MMA = r"""
     // A slots are filled from the nibbles of the 32-bit words it loads itself, and its B slots with
     // the x values of those same inputs: lane (g, t) = (lane / 4, lane % 4) takes features g and
     // g + 8 and, of each 128 inputs, the 32 at 32 t (one uint4 of W per feature, one group).
-    // The KW warps of a block take every KW-th 128 inputs; shared memory sums their partials.
-    constexpr int KW = 8, U = 2;  // warps per block, 128-input blocks in flight per warp
+    // The KW warps of a block take every KW-th 128 inputs, U of them in flight, each U with its
+    // own accumulators (consecutive mma on one accumulator wait for each other); shared memory
+    // sums the warps' partials.
     const int IN = x_shape[1], OUT = w_shape[0], groups = IN / GS, blocks = (IN + 127) / 128;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int f0 = blockIdx.x * 16;
@@ -332,7 +333,9 @@ _QMV_MMA = r"""
     const uint4* wa = reinterpret_cast<const uint4*>(w + fa * (IN / 8));
     const uint4* wb = reinterpret_cast<const uint4*>(w + fb * (IN / 8));
     const T* xr = x + (int64_t)min(g, M - 1) * IN;  // columns past M: never stored
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    float c[U][4];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) c[u][0] = c[u][1] = c[u][2] = c[u][3] = 0.f;
     for (int b0 = warp; b0 < blocks; b0 += KW * U) {  // the same trip count on every lane of a warp
         uint4 qa[U], qb[U];
         AlignedVector<T, 8> xv[U][4];
@@ -371,14 +374,19 @@ _QMV_MMA = r"""
                     Pair a[4] = {qmv_dequant<T>(word_a, p, sa[u], ba[u]), qmv_dequant<T>(word_b, p, sb[u], bb[u]),
                                  qmv_dequant<T>(word_a, p + 1, sa[u], ba[u]), qmv_dequant<T>(word_b, p + 1, sb[u], bb[u])};
                     Pair b[2] = {qmv_pack<T>(xv[u][j][p], xv[u][j][p + 4]), qmv_pack<T>(xv[u][j][p + 1], xv[u][j][p + 5])};
-                    qmv_mma<T>(c, a, b);
+                    qmv_mma<T>(c[u], a, b);
                 }
             }
         }
     }
     __shared__ float partial[KW][32][4];
     #pragma unroll
-    for (int i = 0; i < 4; ++i) partial[warp][lane][i] = c[i];
+    for (int i = 0; i < 4; ++i) {
+        float v = 0.f;
+        #pragma unroll
+        for (int u = 0; u < U; ++u) v += c[u][i];
+        partial[warp][lane][i] = v;
+    }
     __syncthreads();
     if (warp == 0) {
         #pragma unroll
@@ -392,22 +400,24 @@ _QMV_MMA = r"""
     }
 """
 
-QMV_WARPS_PER_BLOCK = 8  # KW in _QMV_MMA
+QMV_MMA_WARPS = 8  # KW: warps per block, sharing the inputs
+QMV_MMA_IN_FLIGHT = 2  # U: 128-input blocks a warp loads at once
 
 
-def qmv_mma_grid(out_features: int) -> tuple[int, int]:
+def qmv_mma_grid(out_features: int, warps: int = QMV_MMA_WARPS) -> tuple[int, int]:
     """(threads in the grid, threads per block) of a qmv_mma launch: a block per 16 features."""
-    threads = 32 * QMV_WARPS_PER_BLOCK
-    return threads * -(-out_features // 16), threads
+    return 32 * warps * -(-out_features // 16), 32 * warps
 
 
-def qmv_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
-    """`qmv` on tensor cores (bf16 or fp16 x)."""
+def qmv_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+            warps: int = QMV_MMA_WARPS, in_flight: int = QMV_MMA_IN_FLIGHT) -> mx.array:
+    """`qmv` on tensor cores (bf16 or fp16 x); `warps` and `in_flight` as a benchmark varies them."""
     M, out = x.shape[0], w.shape[0]
     kernel = mx.fast.cuda_kernel(name="mlxfun_qmv4_mma", input_names=["x", "w", "scales", "biases"],
                                  output_names=["y"], source=_QMV_MMA, header=_QMV_MMA_HEADER)
-    grid, block = qmv_mma_grid(out)
-    return kernel(inputs=[x, w, scales, biases], template=[("T", x.dtype), ("GS", group_size), ("M", M)],
+    grid, block = qmv_mma_grid(out, warps)
+    return kernel(inputs=[x, w, scales, biases],
+                  template=[("T", x.dtype), ("GS", group_size), ("M", M), ("KW", warps), ("U", in_flight)],
                   grid=(grid, 1, 1), threadgroup=(block, 1, 1),
                   output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]
 

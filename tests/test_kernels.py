@@ -113,18 +113,20 @@ def test_emulated_qmv_matches_reference(M, OUT, IN, group_size, per_warp):
     np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T, atol=1e-5)
 
 
-@pytest.mark.parametrize("M,OUT,IN,group_size", [(1, 40, 256, 64), (3, 16, 1152, 32), (8, 37, 576, 64),
-                                                 (5, 24, 2048, 128)])
-def test_emulated_qmv_mma_matches_reference(M, OUT, IN, group_size):
+@pytest.mark.parametrize("M,OUT,IN,group_size,warps,in_flight", [(1, 40, 256, 64, 8, 4), (3, 16, 1152, 32, 8, 2),
+                                                                 (8, 37, 576, 64, 4, 4), (5, 24, 4096, 128, 8, 4),
+                                                                 (2, 17, 2048, 64, 4, 1)])
+def test_emulated_qmv_mma_matches_reference(M, OUT, IN, group_size, warps, in_flight):
     """The tensor-core product through PTX's fragment layouts: every nibble pair, features past
     OUT (not a multiple of 16), rows past M, inputs not a multiple of 128 (576, 1152) and a
-    block's warps sharing the inputs (2048 = 16 blocks of 128 over 8 warps)."""
+    block's warps sharing the inputs (4096 = 32 blocks of 128: one round of 8 warps x 4)."""
     rng = np.random.default_rng(M * OUT + IN)
     w = mx.array(rng.standard_normal((OUT, IN)).astype(np.float32) * IN**-0.5)
     q, scales, biases = mx.quantize(w, group_size=group_size, bits=4)
     x = rng.standard_normal((M, IN)).astype(np.float32)
-    grid, block = kernels.qmv_mma_grid(OUT)  # as kernels.qmv_mma launches it
+    grid, block = kernels.qmv_mma_grid(OUT, warps)  # as kernels.qmv_mma launches it
+    template = [("T", 0), ("GS", group_size), ("M", M), ("KW", warps), ("U", in_flight)]
     (got,) = run(kernels._QMV_MMA, dict(x=x, w=np.array(q), scales=np.array(scales), biases=np.array(biases)),
-                 {"y": (M, OUT)}, [("T", 0), ("GS", group_size), ("M", M)], (grid, 1, 1), block, header=QMV_HEADER)
+                 {"y": (M, OUT)}, template, (grid, 1, 1), block, header=QMV_HEADER)
     deq = np.array(mx.dequantize(q, scales, biases, group_size=group_size, bits=4)).astype(np.float64)
     np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T, atol=1e-5)
