@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu.sh 8B    # 8B bench beside mlx-lm, 8B profile
 #   bash benchmarks/gpu.sh ab    # decode-step ablation (attention paths) at 8B, continuous-batching variants at 1B
 #   bash benchmarks/gpu.sh qmv      # kernel checks; the 4-bit product kernel vs MLX's and dense, per rows, 8B
-#   bash benchmarks/gpu.sh qmv-step # 8B 4-bit decode with qmv and with the dense copy, batch 1-8
+#   bash benchmarks/gpu.sh qmv-step # 4-bit decode with qmv and with the dense copy, 8B and 1B, batch 1 and 8
 #   bash benchmarks/gpu.sh kernels  # decode-attention kernel vs MLX ops, smoke test, 8B bench beside mlx-lm
 set -u
 OUT=${OUT:-/tmp/mlxfun-out}
@@ -25,12 +25,14 @@ case "${1:-1B}" in
     timeout 350 python3 benchmarks/qmv_rows.py --shape 8B --rows 1,2,4,8 \
       --json "$OUT/h200-qmv-rows-8B.json"
     ;;
-  qmv-step)  # the decode step with qmv (strategy quantized) and with the dense copy, 8B 4-bit
-    timeout 100 python3 benchmarks/smoke.py --json "$OUT/h200-smoke-qmv.json"
-    timeout 250 python3 -m mlxfun.bench --shape 8B --batch-sizes 1,2,4,8 --dtypes q4 --strategy quantized \
-      --mlx-lm --json "$OUT/h200-8B-qmv.json"
-    timeout 150 python3 -m mlxfun.bench --shape 8B --batch-sizes 1,2,4,8 --dtypes q4 --strategy dense \
-      --json "$OUT/h200-8B-q4-dense.json"
+  qmv-step)  # decode with qmv (strategy quantized) and with the dense copy, 4-bit, batch 1 and 8
+    for shape in 8B 1B; do
+      timeout 170 python3 -m mlxfun.bench --shape $shape --batch-sizes 1,8 --dtypes q4 --strategy quantized \
+        --mlx-lm --json "$OUT/h200-$shape-qmv.json" | tail -5
+      timeout 100 python3 -m mlxfun.bench --shape $shape --batch-sizes 1,8 --dtypes q4 --strategy dense \
+        --json "$OUT/h200-$shape-q4-dense.json" | tail -4
+    done
+    timeout 60 python3 benchmarks/smoke.py --json "$OUT/h200-smoke-qmv.json" | tail -2
     ;;
   1B)
     timeout 90 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"

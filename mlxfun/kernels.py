@@ -400,8 +400,8 @@ _QMV_MMA = r"""
     }
 """
 
-QMV_MMA_WARPS = 8  # KW: warps per block, sharing the inputs
-QMV_MMA_IN_FLIGHT = 2  # U: 128-input blocks a warp loads at once
+QMV_MMA_WARPS = 16  # KW: warps per block, sharing the inputs
+QMV_MMA_IN_FLIGHT = 1  # U: 128-input blocks a warp loads at once
 
 
 def qmv_mma_grid(out_features: int, warps: int = QMV_MMA_WARPS) -> tuple[int, int]:
