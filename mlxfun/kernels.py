@@ -11,9 +11,46 @@ head of its group, so each key is read once. Off CUDA, `llama` runs MLX ops inst
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
 
-_ATTENTION = r"""
+
+def compact(source: str) -> str:
+    """CUDA source without comments and indentation. MLX hashes a custom kernel's whole source at
+    every launch (to find its compiled module), so the source's length is host time per node."""
+    lines = (line.split("//")[0].strip() for line in source.splitlines())
+    return "\n".join(line for line in lines if line)
+
+
+def with_reference_vjp(kernel: Callable, reference: Callable) -> Callable:
+    """`kernel(*arrays)`, differentiated as `reference(*arrays)`: the same function in MLX ops
+    (a custom kernel has no VJP of its own). Integer and bool inputs (packed weights, masks) get
+    zero gradients; the others get the reference's."""
+
+    @mx.custom_function
+    def fn(*arrays):
+        return kernel(*arrays)
+
+    @fn.vjp
+    def fn_vjp(primals, cotangent, output):
+        wrt = [i for i, a in enumerate(primals) if mx.issubdtype(a.dtype, mx.floating)]
+
+        def ref(*xs):
+            args = list(primals)
+            for i, x in zip(wrt, xs):
+                args[i] = x
+            return reference(*args)
+
+        _, grads = mx.vjp(ref, [primals[i] for i in wrt], [cotangent])
+        out = [mx.zeros_like(a) for a in primals]
+        for i, g in zip(wrt, grads):
+            out[i] = g
+        return tuple(out)
+
+    return fn
+
+_ATTENTION = compact(r"""
     // One block of NW warps per (row b, key head kh, part p of the keys); the G query heads of
     // the group share each key read. A warp takes KPW keys at once (LPK lanes per key, PER
     // elements per lane, 16-byte loads), U rounds of them per iteration so loads overlap.
@@ -108,28 +145,28 @@ _ATTENTION = r"""
                 acc += part[w][d];
                 sum += wm[g][w] == -INFINITY ? 0.f : wl[g][w] * exp2f(wm[g][w] - top);
             }
-"""
+""")
 
 # P == 1: the block saw every key; write the output.
-_WHOLE = r"""
+_WHOLE = compact(r"""
             out[((int64_t)b * H + kh * G + g) * D + d] = static_cast<T>(acc / sum);
         }
         __syncthreads();
     }
-"""
+""")
 
 # P > 1: write this part's unnormalised output, running max and sum for `_MERGE`.
-_PART = r"""
+_PART = compact(r"""
             const int64_t at = (((int64_t)b * K + kh) * P + p) * G + g;
             po[at * D + d] = acc;
             if (d == 0) { pm[at] = top; pl[at] = sum; }
         }
         __syncthreads();
     }
-"""
+""")
 
 # One block per (row, query head), one thread per element of the head: the parts' softmaxes merged.
-_MERGE = r"""
+_MERGE = compact(r"""
     const int b = blockIdx.z, h = blockIdx.y, d = threadIdx.x, H = gridDim.y, P = pm_shape[2];
     const int64_t row = (((int64_t)b * (H / G) + h / G) * P) * G + h % G;  // part 0 of (B, K, P, G)
     float top = -INFINITY;
@@ -142,13 +179,13 @@ _MERGE = r"""
         sum += pl[row + i * G] * f;
     }
     out[((int64_t)b * H + h) * D + d] = static_cast<T>(acc / sum);
-"""
+""")
 
 # y (M, OUT) = x (M, IN) @ dequantize(w)^T for MLX's 4-bit affine format: w (OUT, IN / 8) uint32,
 # value k of a word in bits [4k, 4k + 4), in input order; scales, biases (OUT, IN / GS). One warp per
 # output row; a lane takes 32 inputs (16 bytes of w) at a time, U of them in flight. The sum over a
 # chunk is s * sum(x q) + b * sum(x), so a weight costs one FMA per row of x after its unpacking.
-_QMV = r"""
+_QMV = compact(r"""
     // One warp computes R output features for all M rows of x. Each lane takes 32-value chunks
     // (16 bytes of 4-bit weights per feature), U of them in flight; a chunk's x values are read
     // and converted once and serve all R features. A nibble q at bits 4k (k < 5; the upper three
@@ -235,7 +272,7 @@ _QMV = r"""
             if (lane == (m * R + r) % 32 && f0 + r < OUT) y[(int64_t)m * OUT + f0 + r] = static_cast<T>(v);
         }
     }
-"""
+""")
 
 QMV_MAX_ROWS = 8
 
@@ -279,7 +316,7 @@ def qmv_simt(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group
 
 # Tensor-core helpers for `_QMV_MMA` (bf16 and fp16 activations). A `Pair` is two values of T in
 # one register, the operand of mma.sync; `tests/cuda_emulator.py` defines the same names on the CPU.
-_QMV_MMA_HEADER = r"""
+_QMV_MMA_HEADER = compact(r"""
 using Pair = uint32_t;
 template <typename T> struct QmvOps;
 template <> struct QmvOps<__nv_bfloat16> {
@@ -314,9 +351,9 @@ template <> __device__ inline void qmv_mma<__half>(float* c, const Pair* a, cons
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-"""
+""")
 
-_QMV_MMA = r"""
+_QMV_MMA = compact(r"""
     // y (M, OUT) = x (M, IN) W^T, W 4-bit. A block computes 16 output features for all M <= 8 rows
     // with tensor cores: mma m16n8k16, A = 16 features x 16 inputs of W dequantized in registers,
     // B = 16 inputs x 8 rows of x. A dot product may take its inputs in any order, so each lane's
@@ -398,7 +435,7 @@ _QMV_MMA = r"""
             if (f < OUT && row < M) y[(int64_t)row * OUT + f] = static_cast<T>(v);
         }
     }
-"""
+""")
 
 QMV_MMA_WARPS = 16  # KW: warps per block, sharing the inputs
 QMV_MMA_IN_FLIGHT = 1  # U: 128-input blocks a warp loads at once

@@ -68,11 +68,15 @@ def linear(p: Linear, x: mx.array) -> mx.array:
         group_size, bits = quant_shape(p, x.shape[-1])
         # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
         rows = x.reshape(-1, x.shape[-1])
+
+        def product(x, w, scales, biases):
+            return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
         if kernels.available(x) and kernels.qmv_fits(rows.shape[0], x.shape[-1], group_size, bits):
-            y = kernels.qmv(rows, p.weight, p.scales, p.biases, group_size)
+            qmv = kernels.with_reference_vjp(lambda *a: kernels.qmv(*a, group_size), product)
+            y = qmv(rows, p.weight, p.scales, p.biases)
         else:
-            y = mx.quantized_matmul(rows, p.weight, p.scales, p.biases, transpose=True,
-                                    group_size=group_size, bits=bits)
+            y = product(rows, p.weight, p.scales, p.biases)
         y = y.reshape(*x.shape[:-1], -1)
     else:
         y = x @ p.weight.T
@@ -156,7 +160,7 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
             keys = mx.concatenate([cache_kv[0], k], axis=2)  # (B, K, C + T, D)
             values = mx.concatenate([cache_kv[1], v], axis=2)
     if fused and layer.q_norm is None and kernels.attention_fits(B, K, D, H // K, x.dtype):
-        return linear(layer.o, kernels.decode_attention(qk, keys, values, mask, H)), new_kv
+        return linear(layer.o, fused_decode_attention(qk, keys, values, mask, H)), new_kv
     if not fused_masked_attention() and (T == 1 or B * H * T * keys.shape[2] <= GROUPED_MAX_SCORES):
         out = grouped_attention(q, keys, values, mask, D**-0.5)
     else:
@@ -170,6 +174,20 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
 # head), and cuDNN builds a graph per new prefill shape (~100 ms each on an H200), which small
 # prefills of varied sizes, as continuous batching admits them, would pay again and again.
 GROUPED_MAX_SCORES = 1 << 26
+
+
+def fused_decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.array, num_heads: int
+                           ) -> mx.array:
+    """`kernels.decode_attention` (qk (B, H + K, 1, D), keys/values (B, K, S, D), mask (B, 1, S) ->
+    (B, 1, H * D)), differentiable: its gradient is `grouped_attention`'s."""
+
+    def reference(qk, keys, values, mask):
+        B, _, _, D = qk.shape
+        out = grouped_attention(qk[:, :num_heads], keys, values, mask, D**-0.5)  # (B, H, 1, D)
+        return out.transpose(0, 2, 1, 3).reshape(B, 1, num_heads * D)
+
+    kernel = kernels.with_reference_vjp(lambda *a: kernels.decode_attention(*a, num_heads), reference)
+    return kernel(qk, keys, values, mask)
 
 
 def fused_masked_attention() -> bool:
