@@ -509,7 +509,7 @@ def launch(batch: int, num_kv_heads: int, keys: int, head_dim: int, group: int, 
 
 def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.array, num_heads: int) -> mx.array:
     """qk (B, H + K, 1, D) rotated queries then keys, keys/values (B, K, S, D) after this step's
-    write, mask (B, 1, S) bool -> (B, 1, H * D): softmax(q k^T / sqrt(D)) v over visible keys."""
+    write, mask (B, 1, S) bool -> (B, H * D): softmax(q k^T / sqrt(D)) v over visible keys."""
     B, _, _, D = qk.shape
     K, S = keys.shape[1], keys.shape[2]
     G = num_heads // K
@@ -521,7 +521,7 @@ def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.ar
         kernel = mx.fast.cuda_kernel(name="mlxfun_decode_attention", input_names=names, output_names=["out"],
                                      source=_ATTENTION + _WHOLE)
         return kernel(inputs=inputs, template=template, grid=grid, threadgroup=block,
-                      output_shapes=[(B, 1, num_heads * D)], output_dtypes=[qk.dtype])[0]
+                      output_shapes=[(B, num_heads * D)], output_dtypes=[qk.dtype])[0]
     kernel = mx.fast.cuda_kernel(name="mlxfun_decode_attention_parts", input_names=names,
                                  output_names=["po", "pm", "pl"], source=_ATTENTION + _PART)
     po, pm, pl = kernel(inputs=inputs, template=template, grid=grid, threadgroup=block,
@@ -531,4 +531,4 @@ def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.ar
                                 output_names=["out"], source=_MERGE)
     return merge(inputs=[po, pm, pl], template=[("T", qk.dtype), ("D", D), ("G", G)],
                  grid=(D, num_heads, B), threadgroup=(D, 1, 1),
-                 output_shapes=[(B, 1, num_heads * D)], output_dtypes=[qk.dtype])[0]
+                 output_shapes=[(B, num_heads * D)], output_dtypes=[qk.dtype])[0]

@@ -67,7 +67,7 @@ def linear(p: Linear, x: mx.array) -> mx.array:
     if isinstance(p, Quantized):
         group_size, bits = quant_shape(p, x.shape[-1])
         # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
-        rows = x.reshape(-1, x.shape[-1])
+        rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
 
         def product(x, w, scales, biases):
             return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
@@ -77,14 +77,14 @@ def linear(p: Linear, x: mx.array) -> mx.array:
             y = qmv(rows, p.weight, p.scales, p.biases)
         else:
             y = product(rows, p.weight, p.scales, p.biases)
-        y = y.reshape(*x.shape[:-1], -1)
+        y = y if x.ndim == 2 else y.reshape(*x.shape[:-1], -1)
     else:
         y = x @ p.weight.T
     return y if p.bias is None else y + p.bias
 
 
 def embed(p: Linear, tokens: mx.array, hidden_size: int) -> mx.array:
-    """tokens (B, T) -> (B, T, E): rows of the table, dequantized if needed."""
+    """tokens (...) -> (..., E): rows of the table, dequantized if needed."""
     if isinstance(p, Quantized):
         group_size, bits = quant_shape(p, hidden_size)
         return mx.dequantize(p.weight[tokens], p.scales[tokens], p.biases[tokens],
@@ -132,15 +132,22 @@ def rope(config: ModelConfig, x: mx.array, offset: mx.array) -> mx.array:
 def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, mask: mx.array,
               cache_kv: tuple[mx.array, mx.array] | None, slot: mx.array | None, wraps: bool = True,
               fused: bool = False):
-    """x (B, T, E), mask (B, T, S) -> ((B, T, E), this layer's new (keys, values) or None).
+    """x (B, T, E), or (B, E) for one token per row, mask (B, T, S) -> (output shaped as x, this
+    layer's new (keys, values) or None).
 
     Keys are the T new tokens without a cache; with one, the cache after writing them when T == 1
     or the chunk cannot overwrite a slot its own queries see (`wraps` False), else the cache
     before the write followed by the chunk (a chunk may overwrite ring slots its earlier queries
-    still see). `fused`: a one-token step on CUDA, where attention may run as one kernel (`kernels`)."""
-    B, T, _ = x.shape
+    still see). `fused`: a one-token step on CUDA, where attention may run as one kernel (`kernels`).
+    A (B, E) x takes fewer graph nodes (no flatten/unflatten around each product, no transposes):
+    decode steps are host-bound on a GPU, and each node costs the host about 1-3 us."""
+    B, T = x.shape[0], 1 if x.ndim == 2 else x.shape[1]
     H, K, D = config.num_heads, config.num_kv_heads, config.head_dim
-    qkv = linear(layer.qkv, x).reshape(B, T, H + 2 * K, D).transpose(0, 2, 1, 3)  # (B, H + 2K, T, D)
+    qkv = linear(layer.qkv, x)
+    if x.ndim == 2:
+        qkv = qkv.reshape(B, H + 2 * K, 1, D)
+    else:
+        qkv = qkv.reshape(B, T, H + 2 * K, D).transpose(0, 2, 1, 3)  # (B, H + 2K, T, D)
     v = qkv[:, H + K:]  # (B, K, T, D)
     if layer.q_norm is None:
         qk = rope(config, qkv[:, :H + K], offset)  # queries and keys rotated by one kernel
@@ -159,13 +166,13 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
         else:
             keys = mx.concatenate([cache_kv[0], k], axis=2)  # (B, K, C + T, D)
             values = mx.concatenate([cache_kv[1], v], axis=2)
-    if fused and layer.q_norm is None and kernels.attention_fits(B, K, D, H // K, x.dtype):
+    if fused and x.ndim == 2 and layer.q_norm is None and kernels.attention_fits(B, K, D, H // K, x.dtype):
         return linear(layer.o, fused_decode_attention(qk, keys, values, mask, H)), new_kv
     if not fused_masked_attention() and (T == 1 or B * H * T * keys.shape[2] <= GROUPED_MAX_SCORES):
         out = grouped_attention(q, keys, values, mask, D**-0.5)
     else:
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask[:, None])
-    out = out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
+    out = out.reshape(B, H * D) if x.ndim == 2 else out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
     return linear(layer.o, out), new_kv
 
 
@@ -179,12 +186,12 @@ GROUPED_MAX_SCORES = 1 << 26
 def fused_decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.array, num_heads: int
                            ) -> mx.array:
     """`kernels.decode_attention` (qk (B, H + K, 1, D), keys/values (B, K, S, D), mask (B, 1, S) ->
-    (B, 1, H * D)), differentiable: its gradient is `grouped_attention`'s."""
+    (B, H * D)), differentiable: its gradient is `grouped_attention`'s."""
 
     def reference(qk, keys, values, mask):
         B, _, _, D = qk.shape
         out = grouped_attention(qk[:, :num_heads], keys, values, mask, D**-0.5)  # (B, H, 1, D)
-        return out.transpose(0, 2, 1, 3).reshape(B, 1, num_heads * D)
+        return out.reshape(B, num_heads * D)
 
     kernel = kernels.with_reference_vjp(lambda *a: kernels.decode_attention(*a, num_heads), reference)
     return kernel(qk, keys, values, mask)
@@ -237,13 +244,14 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     of its queries can see (a cache's first pass: empty slots), so it attends over the cache after
     writing (S = C) instead of the old cache followed by the chunk (S = C + T).
     """
-    h = embed(params.embed, tokens, config.hidden_size)
+    step = cache is not None and tokens.shape[1] == 1  # one token per row: (B, E) activations
+    h = embed(params.embed, tokens[:, 0] if step else tokens, config.hidden_size)
     slot = None if cache is None else kv.next_slot(cache)
     slot_pos = None if cache is None else kv.write_positions(cache.positions, positions, slot)  # (B, C)
     key_pos = positions if cache is None else kv.key_positions(cache, positions, slot_pos, wraps)  # (B, S)
     layer_mask = layer_masks(config, positions, key_pos, mask)
     offset = positions[:, 0]  # (B,) RoPE starts here in each row
-    fused = cache is not None and tokens.shape[1] == 1 and kernels.available(h)  # no vjp: steps only
+    fused = step and kernels.available(h)
     new_keys, new_values = [], []
     for i, layer in enumerate(params.layers):
         layer_kv = None if cache is None else (cache.keys[i], cache.values[i])
@@ -255,6 +263,7 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
             new_keys.append(written[0])
             new_values.append(written[1])
     h = mx.fast.rms_norm(h, params.norm, config.rms_norm_eps)
+    h = h[:, None] if step else h  # (B, T, E)
     if cache is None:
         return h, None
     return h, kv.advance(cache, tuple(new_keys), tuple(new_values), slot_pos, tokens.shape[1])

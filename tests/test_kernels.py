@@ -176,10 +176,10 @@ def test_kernel_paths_differentiate_like_mlx_ops(monkeypatch):
     qk = mx.array(rng.standard_normal((B, H + K, 1, D)).astype(np.float32))
     keys, values = (mx.array(rng.standard_normal((B, K, S, D)).astype(np.float32)) for _ in range(2))
     mask = mx.array(np.arange(S)[None, None, :] >= np.array([0, 2])[:, None, None])  # row 1: left padding
-    cot = mx.array(rng.standard_normal((B, 1, H * D)).astype(np.float32))
+    cot = mx.array(rng.standard_normal((B, H * D)).astype(np.float32))
     want = mx.vjp(lambda qk, k, v: llama.grouped_attention(qk[:, :H], k, v, mask, D**-0.5)
-                  .transpose(0, 2, 1, 3).reshape(B, 1, H * D), [qk, keys, values], [cot])[1]
-    monkeypatch.setattr(kernels, "decode_attention", lambda qk, k, v, m, h: mx.zeros((B, 1, h * D)))
+                  .reshape(B, H * D), [qk, keys, values], [cot])[1]
+    monkeypatch.setattr(kernels, "decode_attention", lambda qk, k, v, m, h: mx.zeros((B, h * D)))
     got = mx.vjp(lambda qk, k, v: llama.fused_decode_attention(qk, k, v, mask, H), [qk, keys, values], [cot])[1]
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
