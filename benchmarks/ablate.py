@@ -8,7 +8,6 @@ Diagnostic only (it patches functions at trace time, so its outputs are not mean
                 fallback on CUDA and the CPU) instead of `llama.grouped_attention`
   sdpa-no-mask  the fused kernel without a mask (wrong output: the bound a fused masked kernel could reach)
   no-attention  attention output replaced by the queries (no SDPA, no mask)
-  2d-matmul     linear maps on x reshaped to (rows, in) instead of (B, 1, in)
   small-head    the LM head on 1024 vocabulary rows only
   no-cache-write  keys and values not written into the cache
   matmuls-only  only the linear maps of every layer and the head, independent of each other
@@ -94,14 +93,14 @@ def matmuls_only(config, params, B):
     """ms of the step's linear maps alone (every layer and the head), independent of each other."""
     E, HD, I = config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size
     dtype = params.norm.dtype
-    xs = {n: mx.random.normal((B, 1, n)).astype(dtype) for n in {E, HD, I}}
+    xs = {n: mx.random.normal((B, n)).astype(dtype) for n in {E, HD, I}}  # (B, n): as in a step
 
     def fn(params, xs):
         outs = []
         for ly in params.layers:
             for p, n_in in ((ly.qkv, E), (ly.o, HD), (ly.gate_up, E), (ly.down, I)):
-                outs.append(llama.linear(p, xs[n_in])[..., :1])
-        outs.append(llama.logits(params, xs[E])[..., :1])
+                outs.append(llama.linear(p, xs[n_in], fast=True)[..., :1])
+        outs.append(llama.logits(params, xs[E], fast=True)[..., :1])
         return mx.concatenate(outs, axis=-1)
 
     return compiled_ms(fn, params, xs)
@@ -111,13 +110,13 @@ def matmuls_chained(config, params, B):
     """ms of the step's linear maps in their real order, each fed by the previous one's output
     (slices only between them): the floor that the matmul kernels set for a step."""
     E, HD, I = config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size
-    x0 = mx.random.normal((B, 1, E)).astype(params.norm.dtype)
+    x0 = mx.random.normal((B, E)).astype(params.norm.dtype)
 
     def fn(params, x):
         for ly in params.layers:
-            x = llama.linear(ly.o, llama.linear(ly.qkv, x)[..., :HD])
-            x = llama.linear(ly.down, llama.linear(ly.gate_up, x)[..., :I])
-        return llama.logits(params, x)
+            x = llama.linear(ly.o, llama.linear(ly.qkv, x, fast=True)[..., :HD], fast=True)
+            x = llama.linear(ly.down, llama.linear(ly.gate_up, x, fast=True)[..., :I], fast=True)
+        return llama.logits(params, x, fast=True)
 
     return compiled_ms(fn, params, x0)
 
@@ -133,13 +132,9 @@ def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
     real_sdpa = mx.fast.scaled_dot_product_attention
     real_linear = llama.linear
 
-    def linear_2d(p, x):
-        y = real_linear(p, x.reshape(-1, x.shape[-1]))
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
-    def small_logits(params, h):
+    def small_logits(params, h, fast=False):
         p = params.embed if params.lm_head is None else params.lm_head
-        return real_linear(Dense(p.weight[:1024]) if isinstance(p, Dense) else p, h)
+        return real_linear(Dense(p.weight[:1024]) if isinstance(p, Dense) else p, h, fast)
 
     def sdpa_no_mask(q, k, v, scale, mask=None):
         return real_sdpa(q, k, v, scale=scale)
@@ -156,7 +151,6 @@ def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
         "sdpa-no-mask": [off, fused, (mx.fast, "scaled_dot_product_attention", sdpa_no_mask)],
         "no-attention": [off, (llama, "grouped_attention", lambda q, k, v, mask, scale: q),
                          (mx.fast, "scaled_dot_product_attention", lambda q, k, v, scale, mask=None: q)],
-        "2d-matmul": [(llama, "linear", linear_2d)],
         "small-head": [(llama, "logits", small_logits)],
         "no-cache-write": [(llama.kv, "write", lambda buf, new, slot: buf)],
     }

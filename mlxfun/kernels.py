@@ -11,8 +11,6 @@ head of its group, so each key is read once. Off CUDA, `llama` runs MLX ops inst
 
 from __future__ import annotations
 
-from typing import Callable
-
 import mlx.core as mx
 
 
@@ -22,33 +20,6 @@ def compact(source: str) -> str:
     lines = (line.split("//")[0].strip() for line in source.splitlines())
     return "\n".join(line for line in lines if line)
 
-
-def with_reference_vjp(kernel: Callable, reference: Callable) -> Callable:
-    """`kernel(*arrays)`, differentiated as `reference(*arrays)`: the same function in MLX ops
-    (a custom kernel has no VJP of its own). Integer and bool inputs (packed weights, masks) get
-    zero gradients; the others get the reference's."""
-
-    @mx.custom_function
-    def fn(*arrays):
-        return kernel(*arrays)
-
-    @fn.vjp
-    def fn_vjp(primals, cotangent, output):
-        wrt = [i for i, a in enumerate(primals) if mx.issubdtype(a.dtype, mx.floating)]
-
-        def ref(*xs):
-            args = list(primals)
-            for i, x in zip(wrt, xs):
-                args[i] = x
-            return reference(*args)
-
-        _, grads = mx.vjp(ref, [primals[i] for i in wrt], [cotangent])
-        out = [mx.zeros_like(a) for a in primals]
-        for i, g in zip(wrt, grads):
-            out[i] = g
-        return tuple(out)
-
-    return fn
 
 _ATTENTION = compact(r"""
     // One block of NW warps per (row b, key head kh, part p of the keys); the G query heads of

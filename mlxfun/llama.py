@@ -62,21 +62,18 @@ def dequantize(q: Quantized, in_features: int) -> mx.array:
     return mx.dequantize(q.weight, q.scales, q.biases, group_size=group_size, bits=bits)
 
 
-def linear(p: Linear, x: mx.array) -> mx.array:
-    """x (..., in) -> (..., out)."""
+def linear(p: Linear, x: mx.array, fast: bool = False) -> mx.array:
+    """x (..., in) -> (..., out). `fast`: 4-bit weights and at most `kernels.QMV_MAX_ROWS` rows run
+    mlxfun's CUDA product (on CUDA; it has no gradient)."""
     if isinstance(p, Quantized):
         group_size, bits = quant_shape(p, x.shape[-1])
         # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
         rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
-
-        def product(x, w, scales, biases):
-            return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
-
-        if kernels.available(x) and kernels.qmv_fits(rows.shape[0], x.shape[-1], group_size, bits):
-            qmv = kernels.with_reference_vjp(lambda *a: kernels.qmv(*a, group_size), product)
-            y = qmv(rows, p.weight, p.scales, p.biases)
+        if fast and kernels.available(x) and kernels.qmv_fits(rows.shape[0], x.shape[-1], group_size, bits):
+            y = kernels.qmv(rows, p.weight, p.scales, p.biases, group_size)
         else:
-            y = product(rows, p.weight, p.scales, p.biases)
+            y = mx.quantized_matmul(rows, p.weight, p.scales, p.biases, transpose=True,
+                                    group_size=group_size, bits=bits)
         y = y if x.ndim == 2 else y.reshape(*x.shape[:-1], -1)
     else:
         y = x @ p.weight.T
@@ -131,19 +128,20 @@ def rope(config: ModelConfig, x: mx.array, offset: mx.array) -> mx.array:
 
 def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, mask: mx.array,
               cache_kv: tuple[mx.array, mx.array] | None, slot: mx.array | None, wraps: bool = True,
-              fused: bool = False):
+              fast: bool = False):
     """x (B, T, E), or (B, E) for one token per row, mask (B, T, S) -> (output shaped as x, this
     layer's new (keys, values) or None).
 
     Keys are the T new tokens without a cache; with one, the cache after writing them when T == 1
     or the chunk cannot overwrite a slot its own queries see (`wraps` False), else the cache
     before the write followed by the chunk (a chunk may overwrite ring slots its earlier queries
-    still see). `fused`: a one-token step on CUDA, where attention may run as one kernel (`kernels`).
+    still see). `fast`: mlxfun's CUDA kernels may run (see `hidden`); attention is one kernel in a
+    one-token step.
     A (B, E) x takes fewer graph nodes (no flatten/unflatten around each product, no transposes):
     decode steps are host-bound on a GPU, and each node costs the host about 1-3 us."""
     B, T = x.shape[0], 1 if x.ndim == 2 else x.shape[1]
     H, K, D = config.num_heads, config.num_kv_heads, config.head_dim
-    qkv = linear(layer.qkv, x)
+    qkv = linear(layer.qkv, x, fast)
     if x.ndim == 2:
         qkv = qkv.reshape(B, H + 2 * K, 1, D)
     else:
@@ -166,14 +164,15 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
         else:
             keys = mx.concatenate([cache_kv[0], k], axis=2)  # (B, K, C + T, D)
             values = mx.concatenate([cache_kv[1], v], axis=2)
-    if fused and x.ndim == 2 and layer.q_norm is None and kernels.attention_fits(B, K, D, H // K, x.dtype):
-        return linear(layer.o, fused_decode_attention(qk, keys, values, mask, H)), new_kv
+    if fast and x.ndim == 2 and layer.q_norm is None and kernels.available(x) and \
+            kernels.attention_fits(B, K, D, H // K, x.dtype):
+        return linear(layer.o, kernels.decode_attention(qk, keys, values, mask, H), fast), new_kv
     if not fused_masked_attention() and (T == 1 or B * H * T * keys.shape[2] <= GROUPED_MAX_SCORES):
         out = grouped_attention(q, keys, values, mask, D**-0.5)
     else:
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask[:, None])
     out = out.reshape(B, H * D) if x.ndim == 2 else out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
-    return linear(layer.o, out), new_kv
+    return linear(layer.o, out, fast), new_kv
 
 
 # Off Metal, attention up to this many scores runs as `grouped_attention`: on CUDA a one-token step
@@ -181,20 +180,6 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
 # head), and cuDNN builds a graph per new prefill shape (~100 ms each on an H200), which small
 # prefills of varied sizes, as continuous batching admits them, would pay again and again.
 GROUPED_MAX_SCORES = 1 << 26
-
-
-def fused_decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.array, num_heads: int
-                           ) -> mx.array:
-    """`kernels.decode_attention` (qk (B, H + K, 1, D), keys/values (B, K, S, D), mask (B, 1, S) ->
-    (B, H * D)), differentiable: its gradient is `grouped_attention`'s."""
-
-    def reference(qk, keys, values, mask):
-        B, _, _, D = qk.shape
-        out = grouped_attention(qk[:, :num_heads], keys, values, mask, D**-0.5)  # (B, H, 1, D)
-        return out.reshape(B, num_heads * D)
-
-    kernel = kernels.with_reference_vjp(lambda *a: kernels.decode_attention(*a, num_heads), reference)
-    return kernel(qk, keys, values, mask)
 
 
 def fused_masked_attention() -> bool:
@@ -225,9 +210,9 @@ def layer_masks(config: ModelConfig, positions: mx.array, key_pos: mx.array,
             for w in set(config.layer_windows)}
 
 
-def mlp(layer: Layer, x: mx.array) -> mx.array:
-    gate, up = mx.split(linear(layer.gate_up, x), 2, axis=-1)  # (B, T, I) each
-    return linear(layer.down, silu(gate) * up)
+def mlp(layer: Layer, x: mx.array, fast: bool = False) -> mx.array:
+    gate, up = mx.split(linear(layer.gate_up, x, fast), 2, axis=-1)  # (B, T, I) each
+    return linear(layer.down, silu(gate) * up, fast)
 
 
 def silu(x: mx.array) -> mx.array:
@@ -235,14 +220,18 @@ def silu(x: mx.array) -> mx.array:
 
 
 def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
-           mask: mx.array | None = None, cache: kv.KVCache | None = None, *, wraps: bool = True):
+           mask: mx.array | None = None, cache: kv.KVCache | None = None, *, wraps: bool = True,
+           fast: bool = False):
     """tokens (B, T), positions (B, T) -> (final hidden states (B, T, E), new cache or None).
 
     `mask` (B, T, S) is the padding/causal visibility over the keys (see `attention` and
     `cache.key_positions` for their order); None derives it from positions (`masks.causal`).
     Layer windows are applied on top. `wraps=False` promises that the chunk writes only slots none
     of its queries can see (a cache's first pass: empty slots), so it attends over the cache after
-    writing (S = C) instead of the old cache followed by the chunk (S = C + T).
+    writing (S = C) instead of the old cache followed by the chunk (S = C + T). `fast`: on CUDA, run
+    mlxfun's kernels where they apply (`kernels`: one-token attention, few-row 4-bit products).
+    They have no gradients: the decode and prefill steps of `mlxfun.step` set it, and everything
+    else (scoring, `mx.grad`) runs MLX ops, the same math.
     """
     step = cache is not None and tokens.shape[1] == 1  # one token per row: (B, E) activations
     h = embed(params.embed, tokens[:, 0] if step else tokens, config.hidden_size)
@@ -251,14 +240,13 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     key_pos = positions if cache is None else kv.key_positions(cache, positions, slot_pos, wraps)  # (B, S)
     layer_mask = layer_masks(config, positions, key_pos, mask)
     offset = positions[:, 0]  # (B,) RoPE starts here in each row
-    fused = step and kernels.available(h)
     new_keys, new_values = [], []
     for i, layer in enumerate(params.layers):
         layer_kv = None if cache is None else (cache.keys[i], cache.values[i])
         a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
-                               offset, layer_mask[config.layer_windows[i]], layer_kv, slot, wraps, fused)
+                               offset, layer_mask[config.layer_windows[i]], layer_kv, slot, wraps, fast)
         h = h + a
-        h = h + mlp(layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps))
+        h = h + mlp(layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps), fast)
         if written is not None:
             new_keys.append(written[0])
             new_values.append(written[1])
@@ -269,9 +257,9 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     return h, kv.advance(cache, tuple(new_keys), tuple(new_values), slot_pos, tokens.shape[1])
 
 
-def logits(params: Params, h: mx.array) -> mx.array:
+def logits(params: Params, h: mx.array, fast: bool = False) -> mx.array:
     """h (..., E) -> logits (..., V)."""
-    return linear(params.embed if params.lm_head is None else params.lm_head, h)
+    return linear(params.embed if params.lm_head is None else params.lm_head, h, fast)
 
 
 def forward(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,

@@ -63,9 +63,9 @@ def choose(mode: Mode, logits: mx.array, settings: sampling.Settings, steps: mx.
 def decode_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeState,
                 settings: sampling.Settings) -> tuple[StepOut, DecodeState]:
     """One token for every row: decoder, sampling and cache update."""
-    logits, cache = llama.forward(config, params, state.tokens[:, None], state.positions[:, None],
-                                  None, state.cache)  # (B, 1, V)
-    out = choose(mode, logits[:, -1], settings, state.steps, state.counts)
+    h, cache = llama.hidden(config, params, state.tokens[:, None], state.positions[:, None], None, state.cache,
+                            fast=True)  # (B, 1, E)
+    out = choose(mode, llama.logits(params, h[:, -1], fast=True), settings, state.steps, state.counts)
     counts = None if state.counts is None else sampling.update_counts(state.counts, out.tokens)
     return out, DecodeState(cache, out.tokens, state.positions + 1, state.steps + 1, counts)
 
@@ -74,14 +74,14 @@ def prefill_chunk(config: ModelConfig, params: Params, tokens: mx.array, positio
                   cache: KVCache, wraps: bool = True) -> tuple[mx.array, KVCache]:
     """tokens (B, T) into the cache -> (hidden state of the last token (B, E), cache).
     `wraps`: whether the chunk may overwrite slots its queries see (see `llama.hidden`)."""
-    h, cache = llama.hidden(config, params, tokens, positions, None, cache, wraps=wraps)
+    h, cache = llama.hidden(config, params, tokens, positions, None, cache, wraps=wraps, fast=True)
     return h[:, -1], cache
 
 
 def first_token(config: ModelConfig, mode: Mode, params: Params, h: mx.array, settings: sampling.Settings,
                 steps: mx.array, counts: mx.array | None) -> StepOut:
     """h (B, E): the last prompt position's hidden state -> the first generated token."""
-    return choose(mode, llama.logits(params, h), settings, steps, counts)
+    return choose(mode, llama.logits(params, h, fast=True), settings, steps, counts)
 
 
 class Steps(NamedTuple):
