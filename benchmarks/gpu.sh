@@ -20,7 +20,7 @@ case "${1:-1B}" in
     timeout 370 python3 -m mlxfun.bench --shape 8B "${common[@]}" \
       --json "$OUT/h200-8B.json" --plot "$OUT/h200-8B.png"
     ;;
-  qmv)  # branch qmv-kernel: kernel checks (attention and qmv), qmv vs MLX 4-bit vs dense per rows
+  qmv)  # kernel checks (attention and qmv); a step's 4-bit products (qmv, MLX's) vs dense, per rows
     timeout 200 python3 benchmarks/kernels_check.py --json "$OUT/h200-kernels-qmv.json" || exit 1
     timeout 350 python3 benchmarks/qmv_rows.py --shape 8B --rows 1,2,4,8 \
       --json "$OUT/h200-qmv-rows-8B.json"
@@ -32,7 +32,7 @@ case "${1:-1B}" in
       timeout 100 python3 -m mlxfun.bench --shape $shape --batch-sizes 1,8 --dtypes q4 --strategy dense \
         --json "$OUT/h200-$shape-q4-dense.json" | tail -4
     done
-    timeout 60 python3 benchmarks/smoke.py --json "$OUT/h200-smoke-qmv.json" | tail -2
+    timeout 150 python3 benchmarks/smoke.py --json "$OUT/h200-smoke-qmv.json" | tail -4
     ;;
   1B)
     timeout 90 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"

@@ -1,7 +1,12 @@
 """CUDA kernels for the decode step, where MLX 0.32 has none or a slow one.
 
-`qmv`: a product of a few rows with 4-bit weights that reads only the 4-bit bytes (MLX's CUDA
-4-bit product at one row runs no faster than bf16, which reads four times as many).
+`qmv`: a product of at most 8 rows with 4-bit weights that reads only the 4-bit bytes (MLX's
+CUDA 4-bit product at one row runs no faster than bf16, which reads four times as many). With
+bf16 or fp16 activations it runs on tensor cores, the weights dequantized in registers
+(`_QMV_MMA`); with float32 on CUDA cores (`_QMV`).
+
+The decoder runs these kernels only when its caller asks (`llama.hidden(..., fast=True)`, as the
+steps of `mlxfun.step` do): they have no gradients, and the default path is MLX ops.
 
 `decode_attention`: masked attention of one query per row over the cache in one pass (scores,
 mask, softmax and the weighted sum; MLX's fused kernel takes no mask, so MLX ops take five
