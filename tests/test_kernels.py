@@ -168,3 +168,9 @@ def test_kernels_run_in_steps_only(monkeypatch):
 
     grad = mx.grad(loss)(params.norm)
     assert calls == [] and np.all(np.isfinite(np.array(grad))) and np.any(np.array(grad))
+
+
+def test_compact_drops_comments_and_indentation_only():
+    src = "    const int a = 1;  // why\n\n    #pragma unroll\n    for (int i = 0; i < 4; ++i) a += i;\n    // gone\n"
+    assert kernels.compact(src) == "const int a = 1;\n#pragma unroll\nfor (int i = 0; i < 4; ++i) a += i;"
+    assert "//" not in kernels._QMV_MMA + kernels._QMV_MMA_HEADER + kernels._ATTENTION  # what MLX hashes per launch
