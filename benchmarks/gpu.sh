@@ -26,6 +26,8 @@ case "${1:-1B}" in
       --json "$OUT/h200-qmv-rows-8B.json"
     ;;
   qmv-step)  # decode with qmv (strategy quantized) and with the dense copy, 4-bit, batch 1 and 8
+    timeout 150 python3 -m mlxfun.bench --shape 1B --batch-sizes 1 --dtypes q4 --gen-tokens 16 --matmul \
+      --json "$OUT/h200-matmul.json" | grep matmul  # 4-bit vs dequantize+matmul vs dense, 1-1024 rows
     for shape in 8B 1B; do
       timeout 170 python3 -m mlxfun.bench --shape $shape --batch-sizes 1,8 --dtypes q4 --strategy quantized \
         --mlx-lm --json "$OUT/h200-$shape-qmv.json" | tail -5

@@ -391,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": info, "args": {k: v for k, v in vars(args).items()}, "rows": [], "matmul": []}
     if args.matmul:
         sizes = [(1536, 576)] + ([(14336, 4096)] if on_gpu() else [])
-        result["matmul"] = matmul_bench(sizes, [1, 8, 32, 128], DTYPES[args.base_dtype])
+        # Prompt-sized rows too: where dequantize-then-matmul overtakes the 4-bit product (prefill).
+        rows = [1, 8, 32, 128] + ([512, 1024] if on_gpu() else [])
+        result["matmul"] = matmul_bench(sizes, rows, DTYPES[args.base_dtype])
     rows: list[Row] = []
     for name, build in variants(args):
         t = time.perf_counter()
