@@ -24,6 +24,7 @@ case "${1:-1B}" in
     timeout 200 python3 benchmarks/kernels_check.py --json "$OUT/h200-kernels-qmv.json" || exit 1
     timeout 350 python3 benchmarks/qmv_rows.py --shape 8B --rows 1,2,4,8 \
       --json "$OUT/h200-qmv-rows-8B.json"
+    timeout 150 python3 benchmarks/qmv_probe.py --shape 8B --json "$OUT/h200-qmv-probe-8B.json"
     ;;
   qmv-step)  # decode with qmv (strategy quantized) and with the dense copy, 4-bit, batch 1 and 8
     timeout 150 python3 -m mlxfun.bench --shape 1B --batch-sizes 1 --dtypes q4 --gen-tokens 16 --matmul \
