@@ -1,6 +1,6 @@
 """What one graph node costs the host and the device: compiled chains of N view nodes (reshapes),
 N small kernels (RMSNorm), N one-row products with a 4096 x 4096 weight that stays in L2 (bf16
-matmul, MLX's 4-bit product, mlxfun's `kernels.qmv`), and N trivial `mx.fast.cuda_kernel`s
+matmul, MLX's 4-bit product, mlxfun's `qmv.product`), and N trivial `mx.fast.cuda_kernel`s
 (a copy), timed as host time (call + mx.async_eval) and total time per node.
 Run: python benchmarks/host_cost.py [--json PATH]
 """
@@ -15,7 +15,7 @@ import time
 
 import mlx.core as mx
 
-from mlxfun import kernels
+from mlxfun import kernels, qmv
 
 N = 512
 
@@ -46,7 +46,7 @@ def mlx_q4(x, w, scales, biases):
 
 def qmv(x, w, scales, biases):
     for _ in range(N):
-        x = kernels.qmv(x, w, scales, biases, 64)
+        x = qmv.product(x, w, scales, biases, 64)
     return x
 
 

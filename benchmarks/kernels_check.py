@@ -14,7 +14,7 @@ import sys
 
 import mlx.core as mx
 
-from mlxfun import kernels, llama
+from mlxfun import kernels, llama, qmv
 
 
 def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed: int) -> dict:
@@ -40,15 +40,15 @@ def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed
 
 
 def qmv_case(M: int, OUT: int, IN: int, group_size: int, per_warp: int | None, dtype: mx.Dtype) -> dict:
-    """per_warp None: the tensor-core product (`kernels.qmv_mma`)."""
+    """per_warp None: the tensor-core product (`qmv.mma`)."""
     mx.random.seed(M * OUT + IN)
     w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(dtype)
     q = mx.quantize(w, group_size=group_size, bits=4)
     x = mx.random.normal((M, IN)).astype(dtype)
     if per_warp is None:
-        got = kernels.qmv_mma(x, *q, group_size).astype(mx.float32)
+        got = qmv.mma(x, *q, group_size).astype(mx.float32)
     else:
-        got = kernels.qmv_simt(x, *q, group_size, per_warp).astype(mx.float32)
+        got = qmv.simt(x, *q, group_size, per_warp).astype(mx.float32)
     with mx.stream(mx.cpu):
         f32 = mx.dequantize(*q, group_size=group_size, bits=4).astype(mx.float32)
         want = x.astype(mx.float32) @ f32.T

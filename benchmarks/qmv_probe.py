@@ -1,12 +1,12 @@
-"""Where `kernels.qmv_mma`'s time goes (CUDA only, diagnostic): an 8B step's 4-bit weights read by
+"""Where `qmv.mma`'s time goes (CUDA only, diagnostic): an 8B step's 4-bit weights read by
 probe kernels that do no arithmetic, in the same compiled chain as `qmv_rows.py`.
 
   stream     each thread reads 16-byte words of a whole weight, grid-stride: the bandwidth a
              simple custom kernel reaches (the floor for any 4-bit product)
-  qmv-loads  qmv_mma's launch and load pattern (blocks of 16 features, 16 warps splitting the
+  qmv-loads  qmv.mma's launch and load pattern (blocks of 16 features, 16 warps splitting the
              inputs, each lane its uint4 of two features, the scales and biases), then only an
              XOR of what it loaded: its loads without dequantization, mma or the block's sum
-  qmv        qmv_mma itself, one row
+  qmv        qmv.mma itself, one row
 If qmv-loads is close to qmv, the loads' pattern or latency bounds the kernel; if it is close to
 stream, the arithmetic and the block-wide sum do.
 Run: python benchmarks/qmv_probe.py [--shape 8B] [--json PATH]
@@ -20,7 +20,7 @@ import sys
 
 import mlx.core as mx
 
-from mlxfun import bench, kernels
+from mlxfun import bench, kernels, qmv
 
 import qmv_rows
 
@@ -65,7 +65,7 @@ def probe(name: str):
     """fn(x (1, in) bf16, quantize()'s triple) -> a small array, after reading the weight (and,
     for "qmv", computing x W^T)."""
     if name == "qmv":
-        return lambda x, q: kernels.qmv_mma(x, *q, qmv_rows.GROUP)
+        return lambda x, q: qmv.mma(x, *q, qmv_rows.GROUP)
     source, names = {"stream": (_STREAM, ["x", "w"]),
                      "qmv-loads": (_QMV_LOADS, ["x", "w", "scales", "biases"])}[name]
     kernel = mx.fast.cuda_kernel(name="mlxfun_probe_" + name.replace("-", "_"), input_names=names,

@@ -1,6 +1,6 @@
 """The linear maps of a decode step with 4-bit weights, per number of rows M, by product (CUDA only):
-mlxfun's tensor-core 4-bit product (`kernels.qmv_mma`, "mma"; "mma8x2": 8 warps per block, 2
-loads in flight), its CUDA-core one (`kernels.qmv_simt`, "simt"), MLX's `quantized_matmul`
+mlxfun's tensor-core 4-bit product (`qmv.mma`, "mma"; "mma8x2": 8 warps per block, 2
+loads in flight), its CUDA-core one (`qmv.simt`, "simt"), MLX's `quantized_matmul`
 ("mlx_q4"), and a dense bf16 copy ("dense").
 
 Each is timed as the decode step runs them: one compiled function over every layer's maps (qkv,
@@ -19,22 +19,22 @@ import time
 
 import mlx.core as mx
 
-from mlxfun import bench, kernels
+from mlxfun import bench, kernels, qmv
 
 GROUP = 64
 
 
 def product(name: str, group_size: int):
     """fn(x (M, in), weight) -> (M, out); weight is a dense array or quantize()'s triple.
-    "mma" is `kernels.qmv_mma` as launched; "mma<warps>x<in_flight>" a variant of its launch."""
+    "mma" is `qmv.mma` as launched; "mma<warps>x<in_flight>" a variant of its launch."""
     if name.startswith("mma") and name != "mma":
         warps, in_flight = map(int, name[3:].split("x"))
-        return lambda x, q: kernels.qmv_mma(x, *q, group_size, warps=warps, in_flight=in_flight)
+        return lambda x, q: qmv.mma(x, *q, group_size, warps=warps, in_flight=in_flight)
     return {
         "dense": lambda x, w: x @ w.T,
         "mlx_q4": lambda x, q: mx.quantized_matmul(x, *q, transpose=True, group_size=group_size, bits=4),
-        "simt": lambda x, q: kernels.qmv_simt(x, *q, group_size),
-        "mma": lambda x, q: kernels.qmv_mma(x, *q, group_size),
+        "simt": lambda x, q: qmv.simt(x, *q, group_size),
+        "mma": lambda x, q: qmv.mma(x, *q, group_size),
     }[name]
 
 

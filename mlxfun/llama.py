@@ -13,7 +13,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from mlxfun import cache as kv
-from mlxfun import kernels, masks
+from mlxfun import kernels, masks, qmv
 from mlxfun.config import ModelConfig
 
 
@@ -63,14 +63,14 @@ def dequantize(q: Quantized, in_features: int) -> mx.array:
 
 
 def linear(p: Linear, x: mx.array, fast: bool = False) -> mx.array:
-    """x (..., in) -> (..., out). `fast`: 4-bit weights and at most `kernels.QMV_MAX_ROWS` rows run
+    """x (..., in) -> (..., out). `fast`: 4-bit weights and at most `qmv.MAX_ROWS` rows run
     mlxfun's CUDA product (on CUDA; it has no gradient)."""
     if isinstance(p, Quantized):
         group_size, bits = quant_shape(p, x.shape[-1])
         # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
         rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
-        if fast and kernels.available(x) and kernels.qmv_fits(rows.shape[0], x.shape[-1], group_size, bits):
-            y = kernels.qmv(rows, p.weight, p.scales, p.biases, group_size)
+        if fast and kernels.available(x) and qmv.fits(rows.shape[0], x.shape[-1], group_size, bits):
+            y = qmv.product(rows, p.weight, p.scales, p.biases, group_size)
         else:
             y = mx.quantized_matmul(rows, p.weight, p.scales, p.biases, transpose=True,
                                     group_size=group_size, bits=bits)
@@ -229,7 +229,7 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     Layer windows are applied on top. `wraps=False` promises that the chunk writes only slots none
     of its queries can see (a cache's first pass: empty slots), so it attends over the cache after
     writing (S = C) instead of the old cache followed by the chunk (S = C + T). `fast`: on CUDA, run
-    mlxfun's kernels where they apply (`kernels`: one-token attention, few-row 4-bit products).
+    mlxfun's kernels where they apply (`kernels`: one-token attention; `qmv`: few-row 4-bit products).
     They have no gradients: the decode and prefill steps of `mlxfun.step` set it, and everything
     else (scoring, `mx.grad`) runs MLX ops, the same math.
     """

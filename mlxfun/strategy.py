@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxfun import blas, weights
+from mlxfun import blas, qmv, weights
 from mlxfun.config import ModelConfig
-from mlxfun.kernels import QMV_MAX_ROWS
 from mlxfun.llama import Params, Quantized
 
 
@@ -29,14 +28,14 @@ class WeightStrategy:
 
 # Measured (benchmarks/README.md). On an H200 (MLX 0.32.4, CUDA) MLX's 4-bit kernels run slower
 # than bf16 at every batch size (8B: 118 vs 152 tok/s at batch 1, 1166 vs 2668 at 32), so batches
-# of more than `kernels.QMV_MAX_ROWS` rows run a dense copy. Up to that, decode steps run mlxfun's
-# 4-bit product (`kernels.qmv`): 8B 4-bit 269 tok/s against the copy's 203 at batch 1, 1760 vs
+# of more than `qmv.MAX_ROWS` rows run a dense copy. Up to that, decode steps run mlxfun's
+# 4-bit product (`qmv.product`): 8B 4-bit 269 tok/s against the copy's 203 at batch 1, 1760 vs
 # 1230 at 8, with 5 GB of peak memory instead of 34 (1B: 510 vs 554 at batch 1, 3815 vs 2716 at 8).
 # Prompts then run MLX's 4-bit product (as fast as mlx-lm's, 2.7-3.7x slower than the copy).
 # On the CPU with MLX's bundled reference BLAS a float32 matmul costs about what
 # a 4-bit one does per row (0.62 vs 0.71 ms at M=1, 19.6 vs 21.0 at M=32 for 1536x576), so the copy
 # (0.8 s and 540 MB for SmolLM2) buys little there: the CPU keeps the quantized kernels.
-GPU = WeightStrategy(dense_from=QMV_MAX_ROWS + 1)
+GPU = WeightStrategy(dense_from=qmv.MAX_ROWS + 1)
 CPU = WeightStrategy(dense_from=None)
 # With a system BLAS (mlxfun.blas) float32 products run 2.6x faster at one row and 10-20x from 8,
 # while the 4-bit kernels stay as they were: the copy wins at every batch size.

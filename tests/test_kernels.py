@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from cuda_emulator import QMV_HEADER, run
 
-from mlxfun import kernels
+from mlxfun import kernels, qmv
 
 
 def test_layout_limits():
@@ -90,11 +90,11 @@ def test_emulator_catches_a_wrong_part_index():
 
 
 def test_qmv_layout_limits():
-    assert kernels.qmv_fits(1, 4096, 64, 4)
-    assert kernels.qmv_fits(kernels.QMV_MAX_ROWS, 576, 32, 4)
-    assert not kernels.qmv_fits(kernels.QMV_MAX_ROWS + 1, 4096, 64, 4)  # more rows: a dense copy wins
-    assert not kernels.qmv_fits(1, 4096, 64, 8)  # 4 bits only
-    assert not kernels.qmv_fits(1, 4112, 16, 4)  # a 32-value chunk would span groups
+    assert qmv.fits(1, 4096, 64, 4)
+    assert qmv.fits(qmv.MAX_ROWS, 576, 32, 4)
+    assert not qmv.fits(qmv.MAX_ROWS + 1, 4096, 64, 4)  # more rows: a dense copy wins
+    assert not qmv.fits(1, 4096, 64, 8)  # 4 bits only
+    assert not qmv.fits(1, 4112, 16, 4)  # a 32-value chunk would span groups
 
 
 @pytest.mark.parametrize("M,OUT,IN,group_size,per_warp", [(1, 70, 256, 64, 4), (3, 33, 576, 32, 2),
@@ -106,8 +106,8 @@ def test_emulated_qmv_matches_reference(M, OUT, IN, group_size, per_warp):
     w = mx.array(rng.standard_normal((OUT, IN)).astype(np.float32) * IN**-0.5)
     q, scales, biases = mx.quantize(w, group_size=group_size, bits=4)
     x = rng.standard_normal((M, IN)).astype(np.float32)
-    grid, block = kernels.qmv_grid(OUT, per_warp)  # as kernels.qmv launches it
-    (got,) = run(kernels._QMV, dict(x=x, w=np.array(q), scales=np.array(scales), biases=np.array(biases)),
+    grid, block = qmv.simt_grid(OUT, per_warp)  # as qmv.simt launches it
+    (got,) = run(qmv._SIMT, dict(x=x, w=np.array(q), scales=np.array(scales), biases=np.array(biases)),
                  {"y": (M, OUT)}, [("T", 0), ("GS", group_size), ("M", M), ("R", per_warp)], (grid, 1, 1), block)
     deq = np.array(mx.dequantize(q, scales, biases, group_size=group_size, bits=4)).astype(np.float64)
     np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T, atol=1e-5)
@@ -124,9 +124,9 @@ def test_emulated_qmv_mma_matches_reference(M, OUT, IN, group_size, warps, in_fl
     w = mx.array(rng.standard_normal((OUT, IN)).astype(np.float32) * IN**-0.5)
     q, scales, biases = mx.quantize(w, group_size=group_size, bits=4)
     x = rng.standard_normal((M, IN)).astype(np.float32)
-    grid, block = kernels.qmv_mma_grid(OUT, warps)  # as kernels.qmv_mma launches it
+    grid, block = qmv.mma_grid(OUT, warps)  # as qmv.mma launches it
     template = [("T", 0), ("GS", group_size), ("M", M), ("KW", warps), ("U", in_flight)]
-    (got,) = run(kernels._QMV_MMA, dict(x=x, w=np.array(q), scales=np.array(scales), biases=np.array(biases)),
+    (got,) = run(qmv._MMA, dict(x=x, w=np.array(q), scales=np.array(scales), biases=np.array(biases)),
                  {"y": (M, OUT)}, template, (grid, 1, 1), block, header=QMV_HEADER)
     deq = np.array(mx.dequantize(q, scales, biases, group_size=group_size, bits=4)).astype(np.float64)
     np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T, atol=1e-5)
@@ -148,7 +148,7 @@ def test_kernels_run_in_steps_only(monkeypatch):
         return lambda *a: calls.append(name) or real(*a)
 
     monkeypatch.setattr(kernels, "available", lambda x: True)
-    monkeypatch.setattr(kernels, "qmv", stand_in("qmv", lambda x, w, s, b, gs: mx.quantized_matmul(
+    monkeypatch.setattr(qmv, "product", stand_in("qmv", lambda x, w, s, b, gs: mx.quantized_matmul(
         x, w, s, b, group_size=gs, bits=4)))
     monkeypatch.setattr(kernels, "decode_attention", stand_in("attention", lambda qk, k, v, m, h: llama.grouped_attention(
         qk[:, :h], k, v, m, k.shape[-1]**-0.5).reshape(qk.shape[0], -1)))
@@ -173,4 +173,4 @@ def test_kernels_run_in_steps_only(monkeypatch):
 def test_compact_drops_comments_and_indentation_only():
     src = "    const int a = 1;  // why\n\n    #pragma unroll\n    for (int i = 0; i < 4; ++i) a += i;\n    // gone\n"
     assert kernels.compact(src) == "const int a = 1;\n#pragma unroll\nfor (int i = 0; i < 4; ++i) a += i;"
-    assert "//" not in kernels._QMV_MMA + kernels._QMV_MMA_HEADER + kernels._ATTENTION  # what MLX hashes per launch
+    assert "//" not in qmv._MMA + qmv._MMA_HEADER + kernels._ATTENTION  # what MLX hashes per launch
