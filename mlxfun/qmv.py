@@ -213,8 +213,10 @@ _MMA = compact(r"""
                 qb[u] = wb[k / 32];
                 #pragma unroll
                 for (int j = 0; j < 4; ++j) xv[u][j] = unsafe_load_vector<8>(xr + k, j);
-                const T s0 = scales[fa * groups + k / GS], s1 = scales[fb * groups + k / GS];
-                const T z0 = biases[fa * groups + k / GS], z1 = biases[fb * groups + k / GS];
+                // Through float: scales may have another dtype than x (bf16 <-> fp16 has no implicit cast).
+                const int64_t ga = fa * groups + k / GS, gb = fb * groups + k / GS;
+                const T s0 = static_cast<T>(static_cast<float>(scales[ga])), s1 = static_cast<T>(static_cast<float>(scales[gb]));
+                const T z0 = static_cast<T>(static_cast<float>(biases[ga])), z1 = static_cast<T>(static_cast<float>(biases[gb]));
                 sa[u] = qmv_pack<T>(s0, s0); ba[u] = qmv_pack<T>(z0, z0);
                 sb[u] = qmv_pack<T>(s1, s1); bb[u] = qmv_pack<T>(z1, z1);
             } else {  // zero weights times zero inputs
