@@ -110,9 +110,7 @@ def main(argv=None) -> int:
         ms = qmv_rows.timed_ms(mx.compile(step), xs, args.repeats)
         results.append(dict(probe=name, step_ms=ms, weight_gb=gb, tb_per_s=gb / ms))
         print(json.dumps(results[-1]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": bench.machine(), "shape": args.shape, "results": results}, f, indent=2)
+    qmv_rows.save(args.json, args.shape, results)
     return 0
 
 

@@ -113,10 +113,15 @@ def main(argv=None) -> int:
     for M in rows:
         print(f"{M:4d} " + "".join(f"{r['step_ms']:18.3f}" for n in names for r in results
                                    if r["product"] == n and r["M"] == M))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": bench.machine(), "shape": args.shape, "results": results}, f, indent=2)
+    save(args.json, args.shape, results)
     return 0
+
+
+def save(path: str | None, shape: str, results: list[dict]) -> None:
+    """The results, with the machine they came from, as JSON at `path` (if given)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"machine": bench.machine(), "shape": shape, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -150,10 +150,6 @@ _MERGE = compact(r"""
     out[((int64_t)b * H + h) * D + d] = static_cast<T>(acc / sum);
 """)
 
-# y (M, OUT) = x (M, IN) @ dequantize(w)^T for MLX's 4-bit affine format: w (OUT, IN / 8) uint32,
-# value k of a word in bits [4k, 4k + 4), in input order; scales, biases (OUT, IN / GS). One warp per
-# output row; a lane takes 32 inputs (16 bytes of w) at a time, U of them in flight. The sum over a
-# chunk is s * sum(x q) + b * sum(x), so a weight costs one FMA per row of x after its unpacking.
 _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 

@@ -9,7 +9,7 @@ For each batch size one generation runs step by step, synchronously, on freshly 
   for the result after queuing);
 - held-state step: the same step while the caller still holds the previous state, as a loop that
   keeps it alive does: the cache buffers cannot then be updated in place, so every step copies them;
-- matmuls: the time of the step's linear maps alone at this batch size (MLX's kernels);
+- matmuls: the time of the step's linear maps alone at this batch size (the step's kernels);
 - pipelined step: per-step time of the real generation loop (`Batch.events`, with `mx.async_eval`
   pipelining), over the same prompts;
 - graph nodes: the primitives in one decode step's graph (compiled), by kind. Each costs the host

@@ -5,6 +5,9 @@ row runs no faster than bf16, which reads four times the bytes).
 weights dequantized in registers (`_MMA`); with float32 on CUDA cores (`_SIMT`). The decoder runs
 it only when its caller asks (`llama.hidden(..., fast=True)`, as the steps of `mlxfun.step` do):
 it has no gradient, and the default path is MLX ops.
+
+MLX's 4-bit affine format: w (OUT, IN / 8) uint32, value k of a word in bits [4k, 4k + 4), in input
+order; scales, biases (OUT, IN / GS); a weight is q * scale + bias.
 """
 
 from __future__ import annotations

@@ -89,6 +89,17 @@ def test_emulator_catches_a_wrong_part_index():
     assert not np.allclose(got, want, atol=1e-3)  # (here NaN: row 0's only key is never read)
 
 
+def quantized_case(M: int, OUT: int, IN: int, group_size: int, seed: int):
+    """x (M, IN), the 4-bit (w, scales, biases) of a random (OUT, IN) weight as NumPy inputs, and
+    x @ dequantize(w)^T in float64."""
+    rng = np.random.default_rng(seed)
+    w = mx.array(rng.standard_normal((OUT, IN)).astype(np.float32) * IN**-0.5)
+    q, scales, biases = mx.quantize(w, group_size=group_size, bits=4)
+    x = rng.standard_normal((M, IN)).astype(np.float32)
+    deq = np.array(mx.dequantize(q, scales, biases, group_size=group_size, bits=4)).astype(np.float64)
+    return dict(x=x, w=np.array(q), scales=np.array(scales), biases=np.array(biases)), x.astype(np.float64) @ deq.T
+
+
 def test_qmv_layout_limits():
     assert qmv.fits(1, 4096, 64, 4)
     assert qmv.fits(qmv.MAX_ROWS, 576, 32, 4)
@@ -102,34 +113,27 @@ def test_qmv_layout_limits():
 def test_emulated_qmv_matches_reference(M, OUT, IN, group_size, per_warp):
     """Every nibble position (the upper three are shifted before the mantissa trick), features
     past the end of a warp's share (OUT not a multiple), chunks past the end of a lane's loop."""
-    rng = np.random.default_rng(M * OUT)
-    w = mx.array(rng.standard_normal((OUT, IN)).astype(np.float32) * IN**-0.5)
-    q, scales, biases = mx.quantize(w, group_size=group_size, bits=4)
-    x = rng.standard_normal((M, IN)).astype(np.float32)
+    inputs, want = quantized_case(M, OUT, IN, group_size, seed=M * OUT)
     grid, block = qmv.simt_grid(OUT, per_warp)  # as qmv.simt launches it
-    (got,) = run(qmv._SIMT, dict(x=x, w=np.array(q), scales=np.array(scales), biases=np.array(biases)),
-                 {"y": (M, OUT)}, [("T", 0), ("GS", group_size), ("M", M), ("R", per_warp)], (grid, 1, 1), block)
-    deq = np.array(mx.dequantize(q, scales, biases, group_size=group_size, bits=4)).astype(np.float64)
-    np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T, atol=1e-5)
+    (got,) = run(qmv._SIMT, inputs, {"y": (M, OUT)}, [("T", 0), ("GS", group_size), ("M", M), ("R", per_warp)],
+                 (grid, 1, 1), block)
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 @pytest.mark.parametrize("M,OUT,IN,group_size,warps,in_flight", [(1, 40, 256, 64, 8, 4), (3, 16, 1152, 32, 8, 2),
                                                                  (8, 37, 576, 64, 4, 4), (5, 24, 4096, 128, 8, 4),
-                                                                 (2, 17, 2048, 64, 4, 1)])
+                                                                 (2, 17, 2048, 64, 4, 1),
+                                                                 (2, 17, 4096, 64, qmv.MMA_WARPS, qmv.MMA_IN_FLIGHT)])
 def test_emulated_qmv_mma_matches_reference(M, OUT, IN, group_size, warps, in_flight):
     """The tensor-core product through PTX's fragment layouts: every nibble pair, features past
     OUT (not a multiple of 16), rows past M, inputs not a multiple of 128 (576, 1152) and a
-    block's warps sharing the inputs (4096 = 32 blocks of 128: one round of 8 warps x 4)."""
-    rng = np.random.default_rng(M * OUT + IN)
-    w = mx.array(rng.standard_normal((OUT, IN)).astype(np.float32) * IN**-0.5)
-    q, scales, biases = mx.quantize(w, group_size=group_size, bits=4)
-    x = rng.standard_normal((M, IN)).astype(np.float32)
+    block's warps sharing the inputs (4096 = 32 blocks of 128: one round of 8 warps x 4), and the
+    launch `qmv.mma` uses by default."""
+    inputs, want = quantized_case(M, OUT, IN, group_size, seed=M * OUT + IN)
     grid, block = qmv.mma_grid(OUT, warps)  # as qmv.mma launches it
     template = [("T", 0), ("GS", group_size), ("M", M), ("KW", warps), ("U", in_flight)]
-    (got,) = run(qmv._MMA, dict(x=x, w=np.array(q), scales=np.array(scales), biases=np.array(biases)),
-                 {"y": (M, OUT)}, template, (grid, 1, 1), block, header=QMV_HEADER)
-    deq = np.array(mx.dequantize(q, scales, biases, group_size=group_size, bits=4)).astype(np.float64)
-    np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T, atol=1e-5)
+    (got,) = run(qmv._MMA, inputs, {"y": (M, OUT)}, template, (grid, 1, 1), block, header=QMV_HEADER)
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_kernels_run_in_steps_only(monkeypatch):
