@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu.sh qmv      # kernel checks; the 4-bit product kernel vs MLX's and dense, per rows, 8B
 #   bash benchmarks/gpu.sh qmv-step # 4-bit decode with qmv and with the dense copy, 8B and 1B, batch 1 and 8
 #   bash benchmarks/gpu.sh kernels  # decode-attention kernel vs MLX ops, smoke test, 8B bench beside mlx-lm
+#   bash benchmarks/gpu.sh host     # where a 4-bit step's time goes: profile, node costs, probes, Nsight Compute
+#   bash benchmarks/gpu.sh prompt   # 4-bit prompts: products per rows, 8B prompt 512 (dequantize first)
 set -u
 OUT=${OUT:-/tmp/mlxfun-out}
 mkdir -p "$OUT"
@@ -36,6 +38,21 @@ case "${1:-1B}" in
         --json "$OUT/h200-$shape-q4-dense.json" | tail -4
     done
     timeout 150 python3 benchmarks/smoke.py --json "$OUT/h200-smoke-qmv.json" | tail -4
+    ;;
+  host)
+    timeout 200 python3 -m mlxfun.profile --shape 8B --dtype q4 --strategy quantized --batch-sizes 1,8 \
+      --max-tokens 48 --no-matmuls --json "$OUT/h200-profile-8B-q4.json"
+    timeout 90 python3 benchmarks/host_cost.py --json "$OUT/h200-host-cost.json"
+    timeout 150 python3 benchmarks/qmv_probe.py --shape 8B --json "$OUT/h200-qmv-probe-8B.json"
+    (cd benchmarks && timeout 240 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --section LaunchStats --section MemoryWorkloadAnalysis -k regex:'mlxfun|gemv|gemm' \
+      --log-file "$OUT/h200-ncu-qmv.txt" python3 qmv_ncu.py)
+    ;;
+  prompt)
+    timeout 120 python3 -m mlxfun.bench --shape 1B --batch-sizes 1 --dtypes q4 --gen-tokens 16 --matmul \
+      --json "$OUT/h200-matmul.json" | grep matmul
+    timeout 110 python3 -m mlxfun.bench --shape 8B --batch-sizes 1,8 --prompt-tokens 512 --gen-tokens 16 \
+      --dtypes q4 --strategy quantized --json "$OUT/h200-8B-prompt.json" | tail -3
     ;;
   1B)
     timeout 90 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"

@@ -1,7 +1,8 @@
 """What one graph node costs the host and the device: compiled chains of N view nodes (reshapes),
 N small kernels (RMSNorm), N one-row products with a 4096 x 4096 weight that stays in L2 (bf16
-matmul, MLX's 4-bit product, mlxfun's `qmv.product`), and N trivial `mx.fast.cuda_kernel`s
-(a copy), timed as host time (call + mx.async_eval) and total time per node.
+matmul, MLX's 4-bit product, mlxfun's `qmv.product`), and N trivial `mx.fast.cuda_kernel`s (a
+copy; also with an 8 KB longer source, and with 4 inputs), timed as host time (call +
+mx.async_eval) and total time per node.
 Run: python benchmarks/host_cost.py [--json PATH]
 """
 
@@ -44,7 +45,7 @@ def mlx_q4(x, w, scales, biases):
     return x
 
 
-def qmv(x, w, scales, biases):
+def qmvs(x, w, scales, biases):
     for _ in range(N):
         x = qmv.product(x, w, scales, biases, 64)
     return x
@@ -53,10 +54,14 @@ def qmv(x, w, scales, biases):
 _COPY = "const int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < x_shape[1]) y[i] = x[i];"
 
 
-def copies(x):
-    kernel = mx.fast.cuda_kernel(name="mlxfun_copy", input_names=["x"], output_names=["y"], source=_COPY)
+def copies(x, padding: int = 0, inputs: int = 1):
+    """N copy kernels; `padding` bytes of comment lengthen the source (MLX hashes the whole source
+    at every launch), `inputs` - 1 unused extra inputs (x again)."""
+    names = ["x"] + [f"u{i}" for i in range(1, inputs)]
+    kernel = mx.fast.cuda_kernel(name=f"mlxfun_copy_{padding}_{inputs}", input_names=names, output_names=["y"],
+                                 source=_COPY + "\n//" + "x" * padding)
     for _ in range(N):
-        x = kernel(inputs=[x], grid=(x.shape[1], 1, 1), threadgroup=(256, 1, 1),
+        x = kernel(inputs=[x] * inputs, grid=(x.shape[1], 1, 1), threadgroup=(256, 1, 1),
                    output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
     return x
 
@@ -90,7 +95,9 @@ def main(argv=None) -> int:
         dense = (mx.random.normal((4096, 4096)) / 64).astype(mx.bfloat16)
         q = mx.quantize(dense, group_size=64, bits=4)
         res.update(matmul=timed(mx.compile(matmuls), x, dense), mlx_q4=timed(mx.compile(mlx_q4), x, *q),
-                   qmv=timed(mx.compile(qmv), x, *q), cuda_kernel_copy=timed(mx.compile(copies), x))
+                   qmv=timed(mx.compile(qmvs), x, *q), cuda_kernel_copy=timed(mx.compile(copies), x),
+                   cuda_kernel_copy_8kb_source=timed(mx.compile(lambda x: copies(x, padding=8192)), x),
+                   cuda_kernel_copy_4_inputs=timed(mx.compile(lambda x: copies(x, inputs=4)), x))
     print(json.dumps(res), flush=True)
     if args.json:
         with open(args.json, "w") as f:

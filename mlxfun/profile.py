@@ -6,7 +6,8 @@ For each batch size one generation runs step by step, synchronously, on freshly 
 - compile: first step minus the steady step (the one-off cost of compiling);
 - steady step: median wall time of the later steps, split into host time (the Python call of the
   compiled step plus `mx.async_eval`: building and queuing the graph) and device time (the wait
-  for the result after queuing);
+  for the result after queuing); "call" is the call's share of host time (flattening the inputs,
+  replaying the traced graph), the rest is MLX encoding the step's nodes for the device;
 - held-state step: the same step while the caller still holds the previous state, as a loop that
   keeps it alive does: the cache buffers cannot then be updated in place, so every step copies them;
 - matmuls: the time of the step's linear maps alone at this batch size (the step's kernels);
@@ -53,6 +54,7 @@ class BatchProfile:
     steady_step_s: float
     steady_host_s: float
     steady_device_s: float
+    steady_call_s: float = 0.0  # the Python call of the compiled step, part of steady_host_s
     held_state_step_s: float | None = None
     matmul_s: float | None = None
     pipelined_step_s: float | None = None
@@ -74,7 +76,8 @@ class Report:
     batches: list[BatchProfile] = field(default_factory=list)
 
     def table(self) -> str:
-        head = (f"{'batch':>5s} {'traces':>6s} {'first ms':>9s} {'compile ms':>10s} {'step ms':>8s} {'host ms':>8s} "
+        head = (f"{'batch':>5s} {'traces':>6s} {'first ms':>9s} {'compile ms':>10s} {'step ms':>8s} {'call ms':>8s} "
+                f"{'host ms':>8s} "
                 f"{'device ms':>9s} {'held ms':>8s} {'matmul ms':>9s} {'piped ms':>9s} {'tok/s':>8s} {'nodes':>6s}")
         lines = [f"{self.model} on {self.device}: prompt {self.prompt_tokens}, {self.max_tokens} tokens", head,
                  "-" * len(head)]
@@ -84,7 +87,8 @@ class Report:
 
         for b in self.batches:
             lines.append(f"{b.batch:5d} {b.traces:6d} {ms(b.first_step_s):>9s} {ms(b.compile_s):>10s} "
-                         f"{ms(b.steady_step_s):>8s} {ms(b.steady_host_s):>8s} {ms(b.steady_device_s):>9s} "
+                         f"{ms(b.steady_step_s):>8s} {ms(b.steady_call_s):>8s} {ms(b.steady_host_s):>8s} "
+                         f"{ms(b.steady_device_s):>9s} "
                          f"{ms(b.held_state_step_s):>8s} {ms(b.matmul_s):>9s} {ms(b.pipelined_step_s):>9s} "
                          f"{b.tokens_per_s:8.1f} {sum(b.graph_nodes.values()):6d}")
         return "\n".join(lines)
@@ -145,7 +149,7 @@ def profile_generation(model: Model, prompts: list[list[int]], max_tokens: int, 
     mx.eval(out, state)
     prefill_s = time.perf_counter() - t
     written = max(len(p) for p in prompts)
-    records = []  # (held, host, device)
+    records = []  # (held, host, device, call)
     nodes = {}
     for i in range(max_tokens - 1):
         state = batch._grow(state, written)
@@ -154,6 +158,7 @@ def profile_generation(model: Model, prompts: list[list[int]], max_tokens: int, 
             nodes = graph_nodes(steps.decode(params, state, settings))
         t0 = time.perf_counter()
         out, new_state = steps.decode(params, state, settings)
+        t_call = time.perf_counter()
         kept = state if hold else None
         state = None  # the step's graph is now the cache's only owner: it can be written in place
         mx.async_eval(out, new_state)
@@ -163,7 +168,7 @@ def profile_generation(model: Model, prompts: list[list[int]], max_tokens: int, 
         del kept
         state = new_state
         written += 1
-        records.append((hold, t1 - t0, t2 - t1))
+        records.append((hold, t1 - t0, t2 - t1, t_call - t0))
     first = records[0]
     steady = [r for r in records[1:] if not r[0]] or records[:1]
     held = [r[1] + r[2] for r in records if r[0]]
@@ -172,6 +177,7 @@ def profile_generation(model: Model, prompts: list[list[int]], max_tokens: int, 
         batch=B, steps=len(records), traces=traces[0], first_step_s=first[1] + first[2], first_step_host_s=first[1],
         compile_s=max(0.0, first[1] + first[2] - step_s), steady_step_s=step_s,
         steady_host_s=statistics.median(r[1] for r in steady), steady_device_s=statistics.median(r[2] for r in steady),
+        steady_call_s=statistics.median(r[3] for r in steady),
         held_state_step_s=statistics.median(held) if held else None, prefill_s=prefill_s, graph_nodes=nodes)
     if matmuls:
         profile.matmul_s = matmul_time(model, params, B)

@@ -13,6 +13,7 @@ def test_profile_generation_reports_one_trace_and_the_step_graph():
     assert p.batch == 2 and p.steps == 7
     assert p.traces == 1  # one compiled decode step for the whole generation
     assert p.first_step_s >= p.first_step_host_s > 0 and p.steady_step_s > 0
+    assert 0 < p.steady_call_s <= p.steady_host_s  # the call is part of the host time
     assert p.pipelined_step_s > 0 and p.tokens_per_s > 0
     # Per layer: q/k/v, output, gate/up and down maps plus two attention products; then the head.
     assert p.graph_nodes["Matmul"] == 6 * config.num_layers + 1
