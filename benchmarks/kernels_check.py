@@ -54,7 +54,8 @@ def qmv_case(M: int, OUT: int, IN: int, group_size: int, per_warp: int | None, d
         want = x.astype(mx.float32) @ f32.T
         err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
     tol = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]
-    out = dict(kernel="qmv", M=M, OUT=OUT, IN=IN, group_size=group_size, per_warp=per_warp, dtype=str(dtype), rel_err=err, ok=err < tol)
+    out = dict(kernel="qmv", M=M, OUT=OUT, IN=IN, group_size=group_size, per_warp=per_warp, dtype=str(dtype),
+               rel_err=err, ok=err < tol)
     print(json.dumps(out), flush=True)
     return out
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import sys
 
 import mlx.core as mx
+import qmv_probe
 
 from mlxfun import kernels, qmv
-
-import qmv_probe
 
 SHAPES = {"o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 

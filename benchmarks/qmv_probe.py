@@ -19,10 +19,9 @@ import json
 import sys
 
 import mlx.core as mx
+import qmv_rows
 
 from mlxfun import bench, kernels, qmv
-
-import qmv_rows
 
 _STREAM = kernels.compact(r"""
     const uint4* wv = reinterpret_cast<const uint4*>(w);
@@ -106,7 +105,8 @@ def main(argv=None) -> int:
                 y = fn(xs[q[0].shape[1] * 8] + y[:, :1], q)  # each fed by the one before, as in a step
             return y
 
-        xs = {n: mx.random.normal((1, n)).astype(mx.bfloat16) for n in {q[0].shape[1] * 8 for ws in quantized for q in ws}}
+        widths = {q[0].shape[1] * 8 for ws in quantized for q in ws}
+        xs = {n: mx.random.normal((1, n)).astype(mx.bfloat16) for n in widths}
         ms = qmv_rows.timed_ms(mx.compile(step), xs, args.repeats)
         results.append(dict(probe=name, step_ms=ms, weight_gb=gb, tb_per_s=gb / ms))
         print(json.dumps(results[-1]), flush=True)

@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     quantized = [[mx.quantize(w, group_size=GROUP, bits=4) for w in ws] for ws in layers], \
         mx.quantize(head, group_size=GROUP, bits=4)
     mx.eval(quantized)
-    weight_bytes["q4"] = sum(a.nbytes for ws in quantized[0] for q in ws for a in q) + sum(a.nbytes for a in quantized[1])
+    weight_bytes["q4"] = (sum(a.nbytes for ws in quantized[0] for q in ws for a in q)
+                          + sum(a.nbytes for a in quantized[1]))
     results = []
     for name in names:
         fn = product(name, GROUP)

@@ -77,8 +77,8 @@ class Report:
 
     def table(self) -> str:
         head = (f"{'batch':>5s} {'traces':>6s} {'first ms':>9s} {'compile ms':>10s} {'step ms':>8s} {'call ms':>8s} "
-                f"{'host ms':>8s} "
-                f"{'device ms':>9s} {'held ms':>8s} {'matmul ms':>9s} {'piped ms':>9s} {'tok/s':>8s} {'nodes':>6s}")
+                f"{'host ms':>8s} {'device ms':>9s} {'held ms':>8s} {'matmul ms':>9s} {'piped ms':>9s} {'tok/s':>8s} "
+                f"{'nodes':>6s}")
         lines = [f"{self.model} on {self.device}: prompt {self.prompt_tokens}, {self.max_tokens} tokens", head,
                  "-" * len(head)]
 
@@ -88,8 +88,8 @@ class Report:
         for b in self.batches:
             lines.append(f"{b.batch:5d} {b.traces:6d} {ms(b.first_step_s):>9s} {ms(b.compile_s):>10s} "
                          f"{ms(b.steady_step_s):>8s} {ms(b.steady_call_s):>8s} {ms(b.steady_host_s):>8s} "
-                         f"{ms(b.steady_device_s):>9s} "
-                         f"{ms(b.held_state_step_s):>8s} {ms(b.matmul_s):>9s} {ms(b.pipelined_step_s):>9s} "
+                         f"{ms(b.steady_device_s):>9s} {ms(b.held_state_step_s):>8s} {ms(b.matmul_s):>9s} "
+                         f"{ms(b.pipelined_step_s):>9s} "
                          f"{b.tokens_per_s:8.1f} {sum(b.graph_nodes.values()):6d}")
         return "\n".join(lines)
 

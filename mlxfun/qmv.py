@@ -173,12 +173,14 @@ template <typename T> __device__ inline Pair qmv_dequant(uint32_t word, int p, P
 // c (16 x 8, f32) += a (16 x 16) b (16 x 8): one warp, PTX fragment layouts of m16n8k16.
 template <typename T> __device__ inline void qmv_mma(float* c, const Pair* a, const Pair* b);
 template <> __device__ inline void qmv_mma<__nv_bfloat16>(float* c, const Pair* a, const Pair* b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 template <> __device__ inline void qmv_mma<__half>(float* c, const Pair* a, const Pair* b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
@@ -218,8 +220,10 @@ _MMA = compact(r"""
                 for (int j = 0; j < 4; ++j) xv[u][j] = unsafe_load_vector<8>(xr + k, j);
                 // Through float: scales may have another dtype than x (bf16 <-> fp16 has no implicit cast).
                 const int64_t ga = fa * groups + k / GS, gb = fb * groups + k / GS;
-                const T s0 = static_cast<T>(static_cast<float>(scales[ga])), s1 = static_cast<T>(static_cast<float>(scales[gb]));
-                const T z0 = static_cast<T>(static_cast<float>(biases[ga])), z1 = static_cast<T>(static_cast<float>(biases[gb]));
+                const T s0 = static_cast<T>(static_cast<float>(scales[ga]));
+                const T s1 = static_cast<T>(static_cast<float>(scales[gb]));
+                const T z0 = static_cast<T>(static_cast<float>(biases[ga]));
+                const T z1 = static_cast<T>(static_cast<float>(biases[gb]));
                 sa[u] = qmv_pack<T>(s0, s0); ba[u] = qmv_pack<T>(z0, z0);
                 sb[u] = qmv_pack<T>(s1, s1); bb[u] = qmv_pack<T>(z1, z1);
             } else {  // zero weights times zero inputs
@@ -241,9 +245,12 @@ _MMA = compact(r"""
                 const uint32_t word_b = j == 0 ? qb[u].x : j == 1 ? qb[u].y : j == 2 ? qb[u].z : qb[u].w;
                 #pragma unroll
                 for (int p = 0; p < 4; p += 2) {  // two mma: nibbles (p, p + 4) and (p + 1, p + 5)
-                    Pair a[4] = {qmv_dequant<T>(word_a, p, sa[u], ba[u]), qmv_dequant<T>(word_b, p, sb[u], bb[u]),
-                                 qmv_dequant<T>(word_a, p + 1, sa[u], ba[u]), qmv_dequant<T>(word_b, p + 1, sb[u], bb[u])};
-                    Pair b[2] = {qmv_pack<T>(xv[u][j][p], xv[u][j][p + 4]), qmv_pack<T>(xv[u][j][p + 1], xv[u][j][p + 5])};
+                    Pair a[4] = {qmv_dequant<T>(word_a, p, sa[u], ba[u]),
+                                 qmv_dequant<T>(word_b, p, sb[u], bb[u]),
+                                 qmv_dequant<T>(word_a, p + 1, sa[u], ba[u]),
+                                 qmv_dequant<T>(word_b, p + 1, sb[u], bb[u])};
+                    Pair b[2] = {qmv_pack<T>(xv[u][j][p], xv[u][j][p + 4]),
+                                 qmv_pack<T>(xv[u][j][p + 1], xv[u][j][p + 5])};
                     qmv_mma<T>(c[u], a, b);
                 }
             }

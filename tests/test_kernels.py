@@ -179,8 +179,8 @@ def test_kernels_run_in_steps_only(monkeypatch):
     monkeypatch.setattr(kernels, "available", lambda x: True)
     monkeypatch.setattr(qmv, "product", stand_in("qmv", lambda x, w, s, b, gs: mx.quantized_matmul(
         x, w, s, b, group_size=gs, bits=4)))
-    monkeypatch.setattr(kernels, "decode_attention", stand_in("attention", lambda qk, k, v, m, h: llama.grouped_attention(
-        qk[:, :h], k, v, m, k.shape[-1]**-0.5).reshape(qk.shape[0], -1)))
+    monkeypatch.setattr(kernels, "decode_attention", stand_in("attention", lambda qk, k, v, m, h: (
+        llama.grouped_attention(qk[:, :h], k, v, m, k.shape[-1]**-0.5).reshape(qk.shape[0], -1))))
     tokens, positions = mx.array([[5], [9]]), mx.array([[0], [0]])
     cache = kv.empty(config, 2, 8, mx.float32)
     plain = llama.logits(params, llama.hidden(config, params, tokens, positions, None, cache)[0])
