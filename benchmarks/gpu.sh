@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu.sh qmv-step # 4-bit decode with qmv and with the dense copy, 8B and 1B, batch 1 and 8
 #   bash benchmarks/gpu.sh kernels  # decode-attention kernel vs MLX ops, smoke test, 8B bench beside mlx-lm
 #   bash benchmarks/gpu.sh host     # where a 4-bit step's time goes: profile, node costs, probes, Nsight Compute
-#   bash benchmarks/gpu.sh prompt   # 4-bit prompts: products per rows, 8B prompt 512 (dequantize first)
+#   bash benchmarks/gpu.sh prompt   # 4-bit prompts: products per rows, 8B prompt 512 (dense copy for prefill)
 set -u
 OUT=${OUT:-/tmp/mlxfun-out}
 mkdir -p "$OUT"
@@ -52,7 +52,9 @@ case "${1:-1B}" in
     timeout 120 python3 -m mlxfun.bench --shape 1B --batch-sizes 1 --dtypes q4 --gen-tokens 16 --matmul \
       --json "$OUT/h200-matmul.json" | grep matmul
     timeout 110 python3 -m mlxfun.bench --shape 8B --batch-sizes 1,8 --prompt-tokens 512 --gen-tokens 16 \
-      --dtypes q4 --strategy quantized --json "$OUT/h200-8B-prompt.json" | tail -3
+      --dtypes q4 --json "$OUT/h200-8B-prompt.json" | tail -3  # auto: a dense copy for these prefills
+    timeout 110 python3 -m mlxfun.bench --shape 8B --batch-sizes 1,8 --prompt-tokens 512 --gen-tokens 16 \
+      --dtypes q4 --strategy quantized --json "$OUT/h200-8B-prompt-q4.json" | tail -3  # MLX's 4-bit product
     ;;
   1B)
     timeout 90 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"

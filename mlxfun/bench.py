@@ -230,7 +230,7 @@ def matmul_bench(sizes: list[tuple[int, int]], rows: list[int], dtype: mx.Dtype,
         for M in rows:
             xs = [mx.random.normal((M, n_in)).astype(dtype) for _ in range(per_eval if on_gpu() else 1)]
             mx.eval(xs)
-            # The step's path: qmv.product on CUDA up to 8 rows, dequantize first from 512 rows.
+            # The step's path (qmv.product on CUDA up to 8 rows).
             qmm = timed(lambda x: llama.linear(Quantized(*q), x, fast=True), xs)
             deq = timed(lambda x: x @ mx.dequantize(*q, group_size=group_size, bits=bits).T, xs)
             dense = timed(lambda x: x @ w.T, xs)

@@ -24,7 +24,7 @@ from mlxfun.events import Event, Stats
 from mlxfun.load import Model
 from mlxfun.rows import Row, host_values
 from mlxfun.step import DecodeState, Mode, StepOut, compiled_steps, first_token
-from mlxfun.strategy import WeightStrategy, params_for_batch
+from mlxfun.strategy import WeightStrategy, params_for_batch, params_for_prompts
 
 
 @dataclass
@@ -92,6 +92,7 @@ class Engine:
         self.prefill_step, self.ignore_eos = prefill_step, ignore_eos
         # Quantized weights may run as a dense copy for this many rows (mlxfun.strategy).
         self.params = params_for_batch(model.config, model.params, rows, strategy)
+        self.strategy = strategy
         on_gpu = mx.default_device() == mx.gpu
         # On a GPU a prefill of a few prompts costs about what one of many does (kernel launches),
         # so new requests wait until a quarter of the rows are free (H200, 256 prompts through 64
@@ -204,7 +205,10 @@ class Engine:
         else:
             self._make_room(extra=longest + 1)
         cap = kv.capacity(self.state.cache)
-        params, dtype = self.params, self.params.norm.dtype
+        # Long prompts may run a dense copy of quantized weights, dropped after admission (mlxfun.strategy).
+        chunk_tokens = sum(min(len(r.prompt), self.prefill_step) for r in reqs)
+        params = params_for_prompts(self.config, self.params, chunk_tokens, self.strategy)
+        dtype = params.norm.dtype
         admitted = []
         for group in prefill.plan_groups([len(r.prompt) for r in reqs]):
             rows = [free.pop(0) for _ in group]

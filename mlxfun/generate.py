@@ -24,7 +24,7 @@ from mlxfun.prefill import pad_multiple as prefill_pad_multiple
 from mlxfun.prefill import padded_length, prefill
 from mlxfun.rows import GenerationResult, Row, host_values, result
 from mlxfun.step import DecodeState, Mode, StepOut, Steps, compiled_steps
-from mlxfun.strategy import WeightStrategy, params_for_batch
+from mlxfun.strategy import WeightStrategy, params_for_batch, params_for_prompts
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -92,6 +92,7 @@ class Batch:
         # Many rows run quantized weights faster as a dense copy (mlxfun.strategy; None: the backend's default).
         params = params_for_batch(model.config, model.params, len(prompts), strategy)
         self.model = model if params is model.params else Model(model.config, params, model.tokenizer, model.source)
+        self.strategy = strategy
         self.config = model.config.with_max_kv_size(gen.max_kv_size)
         self.prompts = prompts
         self.gen = gen
@@ -106,7 +107,9 @@ class Batch:
 
     def prefill(self) -> tuple[StepOut, DecodeState]:
         B = len(self.prompts)
-        params = self.model.params
+        # Long prompts may run a dense copy of quantized weights, dropped with this frame (mlxfun.strategy).
+        chunk_tokens = sum(min(len(p), self.gen.prefill_step) for p in self.prompts)
+        params = params_for_prompts(self.config, self.model.params, chunk_tokens, self.strategy)
         # The prompts fill the cache exactly; the first decode step grows it to a bucket. Attending
         # over empty slots made prefill 15% slower (SmolLM2, 128-token prompts in a 256-slot cache).
         width = self.end if self.window is None else min(self.end, self.window)

@@ -62,29 +62,15 @@ def dequantize(q: Quantized, in_features: int) -> mx.array:
     return mx.dequantize(q.weight, q.scales, q.biases, group_size=group_size, bits=bits)
 
 
-# On CUDA (MLX 0.32) the 4-bit product costs about 1 us per row for an 8B-sized map, 14336 x 4096:
-# 0.51 ms at 512 rows and 0.98 at 1024, where dequantizing the map then a bf16 matmul take 0.23 and
-# 0.30 ms (0.14 vs 0.18 at 128 rows; benchmarks/README.md, fifth pass). Prompt chunks of at least
-# this many rows therefore dequantize maps of at least DEQUANTIZE_MIN_WEIGHTS first; a small map
-# (1536 x 576: 0.033 vs 0.028 ms at 1024 rows) gains nothing.
-DEQUANTIZE_FROM_ROWS = 512
-DEQUANTIZE_MIN_WEIGHTS = 1 << 22
-
-
 def linear(p: Linear, x: mx.array, fast: bool = False) -> mx.array:
-    """x (..., in) -> (..., out). `fast`, on CUDA with 4-bit weights: at most `qmv.MAX_ROWS` rows
-    run mlxfun's product (it has no gradient), and large maps at `DEQUANTIZE_FROM_ROWS` rows or
-    more are dequantized, then multiplied densely."""
+    """x (..., in) -> (..., out). `fast`: 4-bit weights and at most `qmv.MAX_ROWS` rows run
+    mlxfun's CUDA product (on CUDA; it has no gradient)."""
     if isinstance(p, Quantized):
         group_size, bits = quant_shape(p, x.shape[-1])
         # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
         rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
-        cuda = fast and kernels.available(x)
-        if cuda and qmv.fits(rows.shape[0], x.shape[-1], group_size, bits):
+        if fast and kernels.available(x) and qmv.fits(rows.shape[0], x.shape[-1], group_size, bits):
             y = qmv.product(rows, p.weight, p.scales, p.biases, group_size)
-        elif cuda and rows.shape[0] >= DEQUANTIZE_FROM_ROWS and \
-                p.weight.shape[0] * x.shape[-1] >= DEQUANTIZE_MIN_WEIGHTS:
-            y = rows @ dequantize(p, x.shape[-1]).astype(x.dtype).T
         else:
             y = mx.quantized_matmul(rows, p.weight, p.scales, p.biases, transpose=True,
                                     group_size=group_size, bits=bits)

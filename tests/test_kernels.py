@@ -136,31 +136,6 @@ def test_emulated_qmv_mma_matches_reference(M, OUT, IN, group_size, warps, in_fl
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_fast_products_of_many_rows_dequantize_large_maps_first(monkeypatch):
-    """On CUDA (a stand-in here) a `fast` product of at least DEQUANTIZE_FROM_ROWS rows with a
-    4-bit map of at least DEQUANTIZE_MIN_WEIGHTS dequantizes the map, then multiplies densely;
-    fewer rows, a smaller map or the default path keep MLX's 4-bit product. Both agree."""
-    from mlxfun import llama
-
-    monkeypatch.setattr(llama, "DEQUANTIZE_FROM_ROWS", 16)  # the mechanism at a CPU-sized scale
-    monkeypatch.setattr(llama, "DEQUANTIZE_MIN_WEIGHTS", 128 * 64)
-    monkeypatch.setattr(kernels, "available", lambda x: True)
-    calls = []
-    real = llama.dequantize
-    monkeypatch.setattr(llama, "dequantize", lambda q, n: calls.append(q.weight.shape[0]) or real(q, n))
-    large = llama.Quantized(*mx.quantize(mx.random.normal((128, 64), key=mx.random.key(1)), group_size=32, bits=4))
-    small = llama.Quantized(*mx.quantize(mx.random.normal((96, 64), key=mx.random.key(2)), group_size=32, bits=4))
-    x = mx.random.normal((4, 4, 64), key=mx.random.key(3))  # 16 rows as (B, T, E), as a prompt chunk
-    for p, rows, fast, dequantized in ((large, 16, True, True), (large, 15, True, False), (small, 16, True, False),
-                                       (large, 16, False, False)):
-        calls.clear()
-        xs = x.reshape(16, 64)[:rows] if rows != 16 else x
-        got = llama.linear(p, xs, fast)
-        want = mx.quantized_matmul(xs, *p[:3], transpose=True, group_size=32, bits=4)
-        assert calls == ([p.weight.shape[0]] if dequantized else []) and got.shape == want.shape
-        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
-
-
 def test_kernels_run_in_steps_only(monkeypatch):
     """With kernels available (stand-ins here), the decoder uses them only when asked (`fast`, as
     mlxfun.step asks): by default a one-token cached pass is MLX ops and differentiable."""

@@ -8,7 +8,7 @@ from helpers import tiny_model
 
 from mlxfun.generate import Batch, make_config
 from mlxfun.llama import Dense, Quantized
-from mlxfun.strategy import QUANTIZED, WeightStrategy, dense_bytes, params_for_batch
+from mlxfun.strategy import QUANTIZED, WeightStrategy, dense_bytes, device_memory, params_for_batch, params_for_prompts
 
 DENSE = WeightStrategy(dense_from=1)
 
@@ -84,3 +84,67 @@ def test_engine_runs_quantized_weights_as_a_dense_copy():
     ids = [engine.add(p, max_tokens=12) for p in PROMPTS]
     list(engine.events())
     assert [engine.requests[i].row.token_ids for i in ids] == run(model, PROMPTS, DENSE).token_ids
+
+
+PROMPT_DENSE = WeightStrategy(dense_from=None, prompt_dense_from=10, prompt_dense_min_weights=0)
+
+
+def test_prompt_copy_from_threshold_for_large_maps_when_memory_allows():
+    model = tiny_model(quant=(4, 32))
+    config, params = model.config, model.params
+    assert params_for_prompts(config, params, 9, PROMPT_DENSE) is params
+    dense = params_for_prompts(config, params, 10, PROMPT_DENSE)
+    assert isinstance(dense.layers[0].gate_up, Dense) and isinstance(dense.embed, Dense)
+    small_maps = WeightStrategy(dense_from=None, prompt_dense_from=10,
+                                prompt_dense_min_weights=config.hidden_size * config.intermediate_size + 1)
+    assert params_for_prompts(config, params, 10, small_maps) is params
+    tight = WeightStrategy(dense_from=None, prompt_dense_from=10, prompt_dense_min_weights=0, memory_fraction=0.0)
+    assert params_for_prompts(config, params, 10, tight) is params
+    assert params_for_prompts(config, params, 10**6, QUANTIZED) is params  # off unless the strategy asks
+    plain = tiny_model()
+    assert params_for_prompts(plain.config, plain.params, 10**6, PROMPT_DENSE) is plain.params
+
+
+def test_long_prompts_prefill_on_a_copy_and_decode_on_the_quantized_weights(monkeypatch):
+    """One copy per prefill whose chunks hold enough prompt tokens (PROMPTS: 14, a batch of the
+    first alone: 4, too few); decode steps read the 4-bit weights; the tokens are the quantized
+    run's."""
+    from mlxfun import strategy as strat
+
+    model = tiny_model(quant=(4, 32))
+    copies = []
+    real = strat.weights.cast
+    monkeypatch.setattr(strat.weights, "cast", lambda *a: copies.append(1) or real(*a))
+    batch = Batch(model, PROMPTS, make_config(len(PROMPTS), max_tokens=12, ignore_eos=True, logprobs=0),
+                  strategy=PROMPT_DENSE)
+    list(batch.events())
+    assert len(copies) == 1 and batch.model.params is model.params
+    assert isinstance(batch.model.params.layers[0].qkv, Quantized)
+    assert batch.result().token_ids == run(model, PROMPTS, QUANTIZED).token_ids
+    copies.clear()
+    run(model, PROMPTS[:1], PROMPT_DENSE)
+    assert copies == []
+
+
+def test_engine_admissions_of_long_prompts_prefill_on_a_copy(monkeypatch):
+    from mlxfun import strategy as strat
+    from mlxfun.engine import Engine
+
+    model = tiny_model(quant=(4, 32))
+    copies = []
+    real = strat.weights.cast
+    monkeypatch.setattr(strat.weights, "cast", lambda *a: copies.append(1) or real(*a))
+    engine = Engine(model, rows=4, ignore_eos=True, strategy=PROMPT_DENSE)
+    assert engine.params is model.params
+    ids = [engine.add(p, max_tokens=12) for p in PROMPTS]
+    list(engine.events())
+    assert copies == [1]  # one admission of all four prompts, 14 tokens
+    assert [engine.requests[i].row.token_ids for i in ids] == run(model, PROMPTS, QUANTIZED).token_ids
+
+
+def test_device_memory_reads_metal_and_cuda_names():
+    """A CUDA GPU reports total_memory (an H200's, as MLX 0.32.4 gave it); without it the copy's
+    memory check would fall back to the host's RAM."""
+    assert device_memory({"memory_size": 68719476736}) == 68719476736  # Metal
+    assert device_memory({"total_memory": 150754820096, "free_memory": 149557477376}) == 150754820096
+    assert device_memory({"device_name": "cpu"}) is None
