@@ -206,8 +206,8 @@ class Engine:
             self._make_room(extra=longest + 1)
         cap = kv.capacity(self.state.cache)
         # Long prompts may run a dense copy of quantized weights, dropped after admission (mlxfun.strategy).
-        chunk_tokens = sum(min(len(r.prompt), self.prefill_step) for r in reqs)
-        params = params_for_prompts(self.config, self.params, chunk_tokens, self.strategy)
+        params = params_for_prompts(self.config, self.params, [len(r.prompt) for r in reqs], self.prefill_step,
+                                    self.strategy)
         dtype = params.norm.dtype
         admitted = []
         for group in prefill.plan_groups([len(r.prompt) for r in reqs]):

@@ -108,8 +108,8 @@ class Batch:
     def prefill(self) -> tuple[StepOut, DecodeState]:
         B = len(self.prompts)
         # Long prompts may run a dense copy of quantized weights, dropped with this frame (mlxfun.strategy).
-        chunk_tokens = sum(min(len(p), self.gen.prefill_step) for p in self.prompts)
-        params = params_for_prompts(self.config, self.model.params, chunk_tokens, self.strategy)
+        params = params_for_prompts(self.config, self.model.params, [len(p) for p in self.prompts],
+                                    self.gen.prefill_step, self.strategy)
         # The prompts fill the cache exactly; the first decode step grows it to a bucket. Attending
         # over empty slots made prefill 15% slower (SmolLM2, 128-token prompts in a 256-slot cache).
         width = self.end if self.window is None else min(self.end, self.window)

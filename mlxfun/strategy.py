@@ -112,12 +112,14 @@ def params_for_batch(config: ModelConfig, params: Params, batch: int, strategy: 
     return dense
 
 
-def params_for_prompts(config: ModelConfig, params: Params, tokens: int, strategy: WeightStrategy | None = None
-                       ) -> Params:
-    """`params`, or a dense copy of them for a prefill whose chunks hold `tokens` prompt tokens,
-    when the strategy picks it. The copy is lazy: the first chunk computes it, and it lives as long
-    as the caller holds it (drop it after prefill: decode steps of few rows read 4-bit weights)."""
+def params_for_prompts(config: ModelConfig, params: Params, lengths: list[int], chunk: int,
+                       strategy: WeightStrategy | None = None) -> Params:
+    """`params`, or a dense copy of them for prefilling prompts of these lengths in chunks of
+    `chunk` tokens, when the strategy picks it for the prompt tokens of one round of chunks. The
+    copy is lazy: the first chunk computes it, and it lives as long as the caller holds it (drop it
+    after prefill: decode steps of few rows read 4-bit weights)."""
     strategy = strategy or default_strategy()
+    tokens = sum(min(n, chunk) for n in lengths)
     if strategy.prompt_dense_from is None or tokens < strategy.prompt_dense_from or not quantized(params) or \
             config.hidden_size * config.intermediate_size < strategy.prompt_dense_min_weights or \
             not dense_fits(config, params, strategy):

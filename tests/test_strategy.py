@@ -92,17 +92,18 @@ PROMPT_DENSE = WeightStrategy(dense_from=None, prompt_dense_from=10, prompt_dens
 def test_prompt_copy_from_threshold_for_large_maps_when_memory_allows():
     model = tiny_model(quant=(4, 32))
     config, params = model.config, model.params
-    assert params_for_prompts(config, params, 9, PROMPT_DENSE) is params
-    dense = params_for_prompts(config, params, 10, PROMPT_DENSE)
+    assert params_for_prompts(config, params, [5, 4], 512, PROMPT_DENSE) is params
+    assert params_for_prompts(config, params, [30], 9, PROMPT_DENSE) is params  # one chunk: 9 tokens
+    dense = params_for_prompts(config, params, [6, 4], 512, PROMPT_DENSE)
     assert isinstance(dense.layers[0].gate_up, Dense) and isinstance(dense.embed, Dense)
     small_maps = WeightStrategy(dense_from=None, prompt_dense_from=10,
                                 prompt_dense_min_weights=config.hidden_size * config.intermediate_size + 1)
-    assert params_for_prompts(config, params, 10, small_maps) is params
+    assert params_for_prompts(config, params, [10], 512, small_maps) is params
     tight = WeightStrategy(dense_from=None, prompt_dense_from=10, prompt_dense_min_weights=0, memory_fraction=0.0)
-    assert params_for_prompts(config, params, 10, tight) is params
-    assert params_for_prompts(config, params, 10**6, QUANTIZED) is params  # off unless the strategy asks
+    assert params_for_prompts(config, params, [10], 512, tight) is params
+    assert params_for_prompts(config, params, [10**6], 512, QUANTIZED) is params  # off unless the strategy asks
     plain = tiny_model()
-    assert params_for_prompts(plain.config, plain.params, 10**6, PROMPT_DENSE) is plain.params
+    assert params_for_prompts(plain.config, plain.params, [10**6], 512, PROMPT_DENSE) is plain.params
 
 
 def test_long_prompts_prefill_on_a_copy_and_decode_on_the_quantized_weights(monkeypatch):
