@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 from mlxfun import bench, kernels, llama
-from mlxfun.generate import Batch, make_config
+from mlxfun.engine import Engine, mode_for
 from mlxfun.llama import Dense
 from mlxfun.step import make_steps
 from mlxfun.strategy import QUANTIZED
@@ -124,11 +124,12 @@ def matmuls_chained(config, params, B):
 def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
     config = model.config
     prompts = bench.random_prompts(config.vocab_size, B, 128)
-    gen = make_config(B, max_tokens=n + 8, ignore_eos=True)
-    batch = Batch(model, prompts, gen, strategy=strategy)
-    params = batch.model.params
-    out, state0 = batch.prefill()
-    mx.eval(out, state0)
+    engine = Engine(model, B, strategy=strategy)
+    for p in prompts:
+        engine.add(p, max_tokens=n + 8, ignore_eos=True)
+    engine.admit()  # prefilled and evaluated: no row was decoding
+    _, (params, state0, settings) = engine.next_decode()
+    mode = mode_for(list(engine.requests.values()))
     real_sdpa = mx.fast.scaled_dot_product_attention
     real_linear = llama.linear
 
@@ -158,12 +159,12 @@ def run(model, B: int, n: int, strategy, only: list[str] | None = None) -> dict:
     for name, patches in variants.items():
         if only is not None and name != "baseline" and name not in only:
             continue
-        steps = make_steps(config, gen.mode)  # fresh: traced under this variant's patches
+        steps = make_steps(config, mode)  # fresh: traced under this variant's patches
         state = state0
         with _all(patches):
-            res[name] = chain_ms(steps.decode, params, state, gen.settings, n)
+            res[name] = chain_ms(steps.decode, params, state, settings, n)
             if name == "baseline":
-                res |= split_ms(steps.decode, params, state0, gen.settings, n)
+                res |= split_ms(steps.decode, params, state0, settings, n)
         print(f"  B={B:4d} {name:13s} {res[name]:8.2f} ms/step", flush=True)
     if only is None or "matmuls-chained" in only:
         res["matmuls-chained"] = matmuls_chained(config, params, B)

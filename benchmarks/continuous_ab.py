@@ -25,9 +25,9 @@ from mlxfun.generate import generate
 
 
 def run_engine(model, prompts, limits, rows, admit_min, pad):
-    engine = Engine(model, rows, ignore_eos=True, admit_min=admit_min, pad_multiple=pad)
+    engine = Engine(model, rows, admit_min=admit_min, pad_multiple=pad)
     for p, m in zip(prompts, limits):
-        engine.add(p, max_tokens=m)
+        engine.add(p, max_tokens=m, ignore_eos=True)
     t0 = time.perf_counter()
     for _ in engine.events():
         pass

@@ -20,8 +20,9 @@ import mlx.core as mx
 
 from mlxfun import bench, weights
 from mlxfun.config import ModelConfig, RopeScaling
-from mlxfun.generate import Batch, make_config
+from mlxfun.engine import Engine
 from mlxfun.load import Model
+from mlxfun.rows import result
 from mlxfun.strategy import QUANTIZED, WeightStrategy
 
 CONFIG = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
@@ -31,11 +32,12 @@ CONFIG = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num
 
 
 def run(model: Model, prompts: list[list[int]], strategy: WeightStrategy | None):
-    batch = Batch(model, prompts, make_config(len(prompts), max_tokens=24, ignore_eos=True, logprobs=0),
-                  strategy=strategy)
-    for _ in batch.events():
+    """A static batch: one engine row per prompt."""
+    engine = Engine(model, len(prompts), strategy=strategy)
+    ids = [engine.add(p, max_tokens=24, ignore_eos=True, logprobs=0) for p in prompts]
+    for _ in engine.events():
         pass
-    return batch.result()
+    return result([engine.take(i).row for i in ids], engine.stats, [], 0)
 
 
 def check(model: Model, name: str, strategy: WeightStrategy | None = None) -> dict:

@@ -2,9 +2,12 @@
 
 from mlxfun import blas  # noqa: F401  (first: loads $MLXFUN_BLAS, if set, before anything imports MLX)
 from mlxfun.errors import InputError, MlxfunError, ModelError
-from mlxfun.generate import Event, GenerationResult, generate, stream_generate
+from mlxfun.events import Event
+from mlxfun.generate import generate, stream_generate
 from mlxfun.load import Model, load, save
+from mlxfun.options import GenerationConfig
+from mlxfun.rows import GenerationResult
 from mlxfun.score import score
 
-__all__ = ["Event", "GenerationResult", "InputError", "MlxfunError", "Model", "ModelError", "generate",
-           "load", "save", "score", "stream_generate"]
+__all__ = ["Event", "GenerationConfig", "GenerationResult", "InputError", "MlxfunError", "Model", "ModelError",
+           "generate", "load", "save", "score", "stream_generate"]

@@ -28,7 +28,7 @@ import numpy as np
 from mlxfun import blas, llama, weights
 from mlxfun import strategy as strat
 from mlxfun.config import ModelConfig, RopeScaling
-from mlxfun.generate import Batch, make_config
+from mlxfun.engine import Engine
 from mlxfun.llama import Params, Quantized
 from mlxfun.load import Model, load, save
 from mlxfun.tokenizer import Tokenizer
@@ -55,7 +55,7 @@ class Row:
     prompt_tps: float
     gen_tps: float
     peak_gb: float
-    setup_s: float = 0.0  # Batch construction: the dense copy of quantized weights, when the strategy makes one
+    setup_s: float = 0.0  # Engine construction: the dense copy of quantized weights, when the strategy makes one
     dense_copy: bool = False
     mlx_lm_prompt_tps: float | None = None
     mlx_lm_gen_tps: float | None = None
@@ -148,14 +148,15 @@ def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0) -> l
 
 
 def run_batch(model: Model, prompts: list[list[int]], max_tokens: int, strategy: strat.WeightStrategy | None):
+    """One static batch (an engine of one row per prompt) -> (stats, setup seconds, dense copy made)."""
     t0 = time.perf_counter()
-    batch = Batch(model, prompts, make_config(len(prompts), max_tokens=max_tokens, ignore_eos=True),
-                  strategy=strategy)
+    engine = Engine(model, len(prompts), strategy=strategy)
     setup = time.perf_counter() - t0
-    for _ in batch.events():
+    for p in prompts:
+        engine.add(p, max_tokens=max_tokens, ignore_eos=True)
+    for _ in engine.events():
         pass
-    dense = batch.model.params is not model.params
-    return batch.stats, setup, dense
+    return engine.stats, setup, engine.params is not model.params
 
 
 def bench_ours(model: Model, name: str, args, strategy) -> list[Row]:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from mlxfun.config import ModelConfig
+from mlxfun.errors import InputError
 
 
 class KVCache(NamedTuple):
@@ -71,25 +72,55 @@ def advance(cache: KVCache, keys: tuple, values: tuple, written: mx.array, count
     return KVCache(keys, values, written, cache.cursor + count)
 
 
-def grow(cache: KVCache, new_capacity: int) -> KVCache:
-    """The cache with room for `new_capacity` slots, every row's data kept. The buffer is first
-    unrolled (oldest slot first) so each row's data stays contiguous and ends at the cursor,
-    which becomes the old capacity. Host-side: reads the cursor."""
+def resize(cache: KVCache, new_capacity: int, cursor: int | None = None) -> KVCache:
+    """The cache with `new_capacity` slots holding its newest min(old, new) slots. The buffer is
+    first unrolled (oldest slot first) so each row's data stays contiguous and ends at the new
+    cursor, min(old, new). `cursor`: the host's copy of the cursor (None reads it: a sync)."""
     old = capacity(cache)
-    extra = new_capacity - old
-    if extra <= 0:
-        return cache
-    shift = -(int(cache.cursor) % old)
-    keys = tuple(mx.roll(k, shift, axis=2) for k in cache.keys)
-    values = tuple(mx.roll(v, shift, axis=2) for v in cache.values)
-    positions = mx.roll(cache.positions, shift, axis=1)
-    pad = [(0, 0), (0, 0), (0, extra), (0, 0)]
-    return KVCache(
-        keys=tuple(mx.pad(k, pad) for k in keys),
-        values=tuple(mx.pad(v, pad) for v in values),
-        positions=mx.pad(positions, [(0, 0), (0, extra)], constant_values=-1),
-        cursor=mx.array(old, mx.int32),
-    )
+    keep = min(old, new_capacity)
+    shift = -((int(cache.cursor) if cursor is None else cursor) % old)
+
+    def fit(a: mx.array, axis: int) -> mx.array:
+        a = mx.roll(a, shift, axis=axis)  # newest slot last
+        a = a[(slice(None),) * axis + (slice(old - keep, None),)]
+        pad = [(0, 0)] * a.ndim
+        pad[axis] = (0, new_capacity - keep)
+        return mx.pad(a, pad, constant_values=-1 if a.dtype == mx.int32 else 0) if new_capacity > keep else a
+
+    return KVCache(tuple(fit(k, 2) for k in cache.keys), tuple(fit(v, 2) for v in cache.values),
+                   fit(cache.positions, 1), mx.array(keep, mx.int32))
+
+
+def grow(cache: KVCache, new_capacity: int) -> KVCache:
+    """The cache with room for `new_capacity` slots, every row's data kept (see `resize`)."""
+    return cache if new_capacity <= capacity(cache) else resize(cache, new_capacity)
+
+
+def slot_bytes(config: ModelConfig, dtype: mx.Dtype) -> int:
+    """Bytes one slot of one row takes: keys and values of every layer, and its position."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.size + 4
+
+
+def check_write(cache: KVCache, tokens: int) -> None:
+    """Raise InputError unless `tokens` new tokens fit the buffer from the next slot on (a chunk
+    never crosses the buffer's end). Host-side; skipped while tracing (the cursor has no value)."""
+    C = capacity(cache)
+    cursor = host_int(cache.cursor)
+    start = None if cursor is None else cursor % C
+    if tokens > C or (start is not None and start + tokens > C):
+        at = "" if start is None else f" at slot {start}"
+        raise InputError(f"a chunk of {tokens} tokens{at} does not fit a cache of {C} slots: write at most "
+                         f"{C - (start or 0)} tokens now, or grow the cache first (cache.grow)")
+
+
+def host_int(a: mx.array) -> int | None:
+    """The value of a scalar array, or None while `mx.compile` traces (arrays have no value then)."""
+    try:
+        return int(a.item())
+    except ValueError as e:
+        if "function transformations" in str(e):
+            return None
+        raise
 
 
 def place_rows(cache: KVCache, cursor: int, rows: list[int], fresh: KVCache, fresh_cursor: int) -> KVCache:

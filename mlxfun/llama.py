@@ -15,6 +15,7 @@ import mlx.core as mx
 from mlxfun import cache as kv
 from mlxfun import kernels, masks, qmv
 from mlxfun.config import ModelConfig
+from mlxfun.errors import InputError
 
 
 class Dense(NamedTuple):
@@ -221,7 +222,7 @@ def silu(x: mx.array) -> mx.array:
 
 def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
            mask: mx.array | None = None, cache: kv.KVCache | None = None, *, wraps: bool = True,
-           fast: bool = False):
+           fast: bool = False, check: bool = True):
     """tokens (B, T), positions (B, T) -> (final hidden states (B, T, E), new cache or None).
 
     `mask` (B, T, S) is the padding/causal visibility over the keys (see `attention` and
@@ -231,8 +232,17 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     writing (S = C) instead of the old cache followed by the chunk (S = C + T). `fast`: on CUDA, run
     mlxfun's kernels where they apply (`kernels`: one-token attention; `qmv`: few-row 4-bit products).
     They have no gradients: the decode and prefill steps of `mlxfun.step` set it, and everything
-    else (scoring, `mx.grad`) runs MLX ops, the same math.
+    else (scoring, `mx.grad`) runs MLX ops, the same math. `check`: raise InputError, before any
+    work, if the chunk does not fit the cache from its next slot on (`cache.check_write`; it reads
+    the cursor, a sync, so the scheduler, which knows the cursor on the host, turns it off).
     """
+    if tokens.ndim != 2 or positions.shape != tokens.shape:
+        raise InputError(f"tokens and positions must both be (B, T), got {tokens.shape} and {positions.shape}")
+    if cache is not None:
+        if cache.positions.shape[0] != tokens.shape[0]:
+            raise InputError(f"{tokens.shape[0]} rows of tokens for a cache of {cache.positions.shape[0]} rows")
+        if check:
+            kv.check_write(cache, tokens.shape[1])
     step = cache is not None and tokens.shape[1] == 1  # one token per row: (B, E) activations
     h = embed(params.embed, tokens[:, 0] if step else tokens, config.hidden_size)
     slot = None if cache is None else kv.next_slot(cache)

@@ -59,25 +59,38 @@ def load(source: str | Path | None = None, *, dtype: str | mx.Dtype | None = Non
             path = _hub_snapshot(str(source))
         else:
             raise ModelError(f"no such model file or folder: {source}")
-    if path.is_file():
+    gguf_file = path.is_file()
+    if gguf_file:
         if path.suffix != ".gguf":
             raise ModelError(f"{path} is a file but not a .gguf; pass a GGUF file or a Hugging Face folder")
         config, params, tokenizer = _load_gguf(path)
     else:
         config, params, tokenizer = _load_folder(path)
-    if dt is None and mx.default_device() == mx.cpu:
-        # MLX's CPU backend computes half precision very slowly (about 50x float32 here): keep
-        # quantized weights as they are, with float32 scales, and compute in float32.
-        params = weights.map_linears(config, params, lambda p, _: _scales_as(p, mx.float32))
-        dt = None if weights.compute_dtype(params) == mx.float32 else mx.float32
+    if dt is None:
+        compute = default_compute_dtype(weights.compute_dtype(params), mx.default_device(), gguf_file)
+        if compute is not None:  # keep quantized weights quantized, with scales in the compute dtype
+            params = weights.map_linears(config, params, lambda p, _: _computing_in(p, compute))
     params = weights.cast(config, params, dt)
     return Model(config, params, tokenizer, str(path))
 
 
-def _scales_as(p, dtype: mx.Dtype):
+def default_compute_dtype(stored: mx.Dtype, device: mx.Device, gguf_file: bool) -> mx.Dtype | None:
+    """The activation dtype when none is asked for, or None to keep the checkpoint's. MLX's CPU
+    backend computes half precision very slowly (about 50x float32 here): float32. On a GPU, GGUF
+    scales and tensors are float16, whose range overflows on models with large activations:
+    bfloat16 (a safetensors checkpoint's dtype is its authors' choice, and kept)."""
+    if device == mx.cpu:
+        return None if stored == mx.float32 else mx.float32
+    if gguf_file and stored == mx.float16:
+        return mx.bfloat16
+    return None
+
+
+def _computing_in(p, dtype: mx.Dtype):
+    """A linear map whose products compute in `dtype`: quantized scales and biases, or the dense weight."""
     if isinstance(p, Quantized):
         return p._replace(scales=p.scales.astype(dtype), biases=p.biases.astype(dtype))
-    return p
+    return p._replace(weight=p.weight.astype(dtype))
 
 
 def _looks_like_repo_id(s: str) -> bool:
@@ -118,23 +131,37 @@ def _gguf_config(metadata: dict, vocab_size: int, tied: bool) -> ModelConfig:
     def m(key, default=None):
         return _meta(metadata, f"{arch}.{key}", default)
 
-    hidden, heads = int(m("embedding_length")), int(m("attention.head_count"))
+    hidden, heads, layers = int(m("embedding_length")), int(m("attention.head_count")), int(m("block_count"))
+    window = metadata.get(f"{arch}.attention.sliding_window")
     return ModelConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=int(m("feed_forward_length")),
-        num_layers=int(m("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(m("attention.head_count_kv", heads)),
         head_dim=int(m("attention.key_length", hidden // heads)),
         rms_norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(m("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(metadata, arch),
         max_position_embeddings=int(m("context_length", 4096)),
+        layer_windows=(None if window is None else int(m("attention.sliding_window")),) * layers,
         tie_word_embeddings=tied,
         attention_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
         model_type=arch,
     )
+
+
+def _gguf_rope_scaling(metadata: dict, arch: str) -> cfg.RopeScaling | None:
+    """llama.cpp's `rope.scaling.*` keys (llama3 scaling travels as the rope_freqs tensor instead)."""
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    kind = None if kind is None else str(_meta(metadata, f"{arch}.rope.scaling.type"))
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return cfg.RopeScaling("linear", float(_meta(metadata, f"{arch}.rope.scaling.factor")))
+    raise ModelError(f"unsupported GGUF rope scaling type {kind!r} (supported: none, linear)")
 
 
 def _load_gguf(path: Path):

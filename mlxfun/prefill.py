@@ -1,6 +1,6 @@
 """Chunked prefill of many prompts into one cache, grouped by length so padding costs little.
 
-Every prompt ends at the same cache cursor `end` (its last token in slot (end - 1) % capacity),
+Every prompt of a group ends at the same cache cursor `end` (its last token in slot (end - 1) % capacity),
 so after prefill all rows decode in lockstep. Rows of similar length are prefilled together,
 each group left-padded only to its own longest prompt.
 """
@@ -84,26 +84,3 @@ def concat_rows(caches: list[KVCache]) -> KVCache:
         positions=mx.concatenate([c.positions for c in caches]),
         cursor=caches[0].cursor,
     )
-
-
-def take_rows(cache: KVCache, rows: mx.array) -> KVCache:
-    """The cache's rows in the order `rows` (B,) gives."""
-    return KVCache(tuple(k[rows] for k in cache.keys), tuple(v[rows] for v in cache.values),
-                   cache.positions[rows], cache.cursor)
-
-
-def prefill(config: ModelConfig, steps: Steps, params: Params, prompts: list[list[int]], capacity: int,
-            chunk: int, dtype: mx.Dtype, multiple: int = 1) -> tuple[mx.array, KVCache]:
-    """All prompts into one cache whose cursor ends at `padded_length(prompts, multiple)`.
-    -> (last hidden state per row (B, E), cache), rows in the prompts' order."""
-    end = padded_length(prompts, multiple)
-    groups = plan_groups([len(p) for p in prompts])
-    parts = [prefill_group(config, steps, params, [prompts[i] for i in g], end, capacity, chunk, dtype, multiple)
-             for g in groups]
-    order = [i for g in groups for i in g]
-    h = mx.concatenate([p[0] for p in parts])
-    cache = concat_rows([p[1] for p in parts])
-    if order != list(range(len(prompts))):
-        inverse = mx.array(sorted(range(len(order)), key=lambda k: order[k]), dtype=mx.int32)
-        h, cache = h[inverse], take_rows(cache, inverse)
-    return h, cache

@@ -11,7 +11,7 @@ For each batch size one generation runs step by step, synchronously, on freshly 
 - held-state step: the same step while the caller still holds the previous state, as a loop that
   keeps it alive does: the cache buffers cannot then be updated in place, so every step copies them;
 - matmuls: the time of the step's linear maps alone at this batch size (the step's kernels);
-- pipelined step: per-step time of the real generation loop (`Batch.events`, with `mx.async_eval`
+- pipelined step: per-step time of the real generation loop (`Engine.events`, with `mx.async_eval`
   pipelining), over the same prompts;
 - graph nodes: the primitives in one decode step's graph (compiled), by kind. Each costs the host
   time to encode (on an H200 host ~3 us per kernel node, ~1 us per view: benchmarks/host_cost.py).
@@ -37,9 +37,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxfun import bench, llama
-from mlxfun.generate import Batch, make_config
+from mlxfun.engine import Engine
 from mlxfun.load import Model, load
-from mlxfun.step import make_steps
+from mlxfun.step import Steps, make_steps
 from mlxfun.strategy import QUANTIZED, WeightStrategy
 
 
@@ -133,42 +133,53 @@ def matmul_time(model: Model, params: llama.Params, batch: int) -> float:
 def profile_generation(model: Model, prompts: list[list[int]], max_tokens: int, *, held_state: bool = True,
                        matmuls: bool = True, pipelined: bool = True,
                        strategy: WeightStrategy | None = None) -> BatchProfile:
-    """Profile one greedy generation of `max_tokens` tokens per prompt (EOS ignored)."""
+    """Profile one greedy generation of `max_tokens` tokens per prompt (EOS ignored), driving the
+    scheduler (`mlxfun.engine.Engine`) one round at a time, synchronously."""
     B = len(prompts)
-    gen = make_config(B, max_tokens=max_tokens, ignore_eos=True)
-    traces = [0]
+    traces, calls = [0], []
+    made: dict = {}
 
     def count():
         traces[0] += 1
 
-    steps = make_steps(model.config, gen.mode, on_trace=count)
-    batch = Batch(model, prompts, gen, steps=steps, strategy=strategy)
-    params, settings = batch.model.params, gen.settings
+    def steps(config, mode) -> Steps:
+        """Fresh compiled steps (one per mode), their calls timed."""
+        if mode not in made:
+            fresh = make_steps(config, mode, on_trace=count)
+
+            def decode(*args):
+                t = time.perf_counter()
+                out = fresh.decode(*args)
+                calls.append(time.perf_counter() - t)
+                return out
+
+            made[mode] = fresh._replace(decode=decode)
+        return made[mode]
+
+    engine = Engine(model, B, strategy=strategy, steps=steps)
+    for p in prompts:
+        engine.add(p, max_tokens=max_tokens, ignore_eos=True)
     t = time.perf_counter()
-    out, state = batch.prefill()
-    mx.eval(out, state)
+    engine.admit()  # evaluated before it returns: no row is decoding
     prefill_s = time.perf_counter() - t
-    written = max(len(p) for p in prompts)
     records = []  # (held, host, device, call)
     nodes = {}
     for i in range(max_tokens - 1):
-        state = batch._grow(state, written)
         hold = held_state and i % 2 == 1 and i > 1  # every other step, after the first two
         if i == 1:  # compiled by now: count the nodes of an extra, untimed call
-            nodes = graph_nodes(steps.decode(params, state, settings))
+            fn, args = engine.next_decode()
+            nodes = graph_nodes(fn(*args))
+            calls.clear()
+        kept = engine.state if hold else None  # else the step's graph owns the cache: written in place
         t0 = time.perf_counter()
-        out, new_state = steps.decode(params, state, settings)
-        t_call = time.perf_counter()
-        kept = state if hold else None
-        state = None  # the step's graph is now the cache's only owner: it can be written in place
-        mx.async_eval(out, new_state)
+        out = engine.decode()
         t1 = time.perf_counter()
-        mx.eval(out, new_state)
+        mx.eval(out, engine.state)
         t2 = time.perf_counter()
         del kept
-        state = new_state
-        written += 1
-        records.append((hold, t1 - t0, t2 - t1, t_call - t0))
+        engine.collect(keep=out)
+        records.append((hold, t1 - t0, t2 - t1, calls.pop()))
+    engine.collect()
     first = records[0]
     steady = [r for r in records[1:] if not r[0]] or records[:1]
     held = [r[1] + r[2] for r in records if r[0]]
@@ -180,9 +191,11 @@ def profile_generation(model: Model, prompts: list[list[int]], max_tokens: int, 
         steady_call_s=statistics.median(r[3] for r in steady),
         held_state_step_s=statistics.median(held) if held else None, prefill_s=prefill_s, graph_nodes=nodes)
     if matmuls:
-        profile.matmul_s = matmul_time(model, params, B)
+        profile.matmul_s = matmul_time(model, engine.params, B)
     if pipelined:
-        run = Batch(model, prompts, gen, steps=steps, strategy=strategy)
+        run = Engine(model, B, strategy=strategy, steps=steps)
+        for p in prompts:
+            run.add(p, max_tokens=max_tokens, ignore_eos=True)
         for _ in run.events():
             pass
         profile.pipelined_step_s = run.stats.generation_time / max(1, max_tokens)

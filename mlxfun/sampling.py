@@ -109,6 +109,11 @@ def make_settings(batch: int, *, temperature=0.0, top_p=1.0, min_p=0.0, top_k=0,
     )
 
 
+def row(settings: Settings, i: int) -> Settings:
+    """Row i of `settings`, as one row's Settings."""
+    return Settings(*(f[i:i + 1] for f in settings))
+
+
 def seeds(settings: Settings) -> list[int]:
     """The per-row seeds, to report with a result."""
     return [int(s) for s in np.array(settings.seed)]

@@ -64,7 +64,7 @@ def decode_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeSt
                 settings: sampling.Settings) -> tuple[StepOut, DecodeState]:
     """One token for every row: decoder, sampling and cache update."""
     h, cache = llama.hidden(config, params, state.tokens[:, None], state.positions[:, None], None, state.cache,
-                            fast=True)  # (B, 1, E)
+                            fast=True, check=False)  # (B, 1, E)
     out = choose(mode, llama.logits(params, h[:, -1], fast=True), settings, state.steps, state.counts)
     counts = None if state.counts is None else sampling.update_counts(state.counts, out.tokens)
     return out, DecodeState(cache, out.tokens, state.positions + 1, state.steps + 1, counts)
@@ -74,7 +74,7 @@ def prefill_chunk(config: ModelConfig, params: Params, tokens: mx.array, positio
                   cache: KVCache, wraps: bool = True) -> tuple[mx.array, KVCache]:
     """tokens (B, T) into the cache -> (hidden state of the last token (B, E), cache).
     `wraps`: whether the chunk may overwrite slots its queries see (see `llama.hidden`)."""
-    h, cache = llama.hidden(config, params, tokens, positions, None, cache, wraps=wraps, fast=True)
+    h, cache = llama.hidden(config, params, tokens, positions, None, cache, wraps=wraps, fast=True, check=False)
     return h[:, -1], cache
 
 
@@ -87,9 +87,8 @@ def first_token(config: ModelConfig, mode: Mode, params: Params, h: mx.array, se
 class Steps(NamedTuple):
     """The functions a generation loop calls; `compiled_steps` caches them per config and mode."""
 
-    decode: Callable
-    prefill: Callable
-    first: Callable
+    decode: Callable  # compiled: (params, state, settings) -> (StepOut, state)
+    prefill: Callable  # (params, tokens, positions, cache, wraps) -> (last hidden state, cache)
 
 
 def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | None = None) -> Steps:
@@ -100,13 +99,10 @@ def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | N
             on_trace()
         return decode_step(config, mode, params, state, settings)
 
-    def first(params, h, settings, steps, counts):
-        return first_token(config, mode, params, h, settings, steps, counts)
-
     def prefill(params, tokens, positions, cache, wraps=True):
         return prefill_chunk(config, params, tokens, positions, cache, wraps)
 
-    return Steps(mx.compile(decode), prefill, mx.compile(first))
+    return Steps(mx.compile(decode), prefill)
 
 
 @lru_cache(maxsize=32)

@@ -97,9 +97,14 @@ def from_gguf(metadata: dict) -> Tokenizer:
     kind = metadata.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ModelError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE, 'gpt2', is supported)")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+        if key not in metadata:
+            raise ModelError(f"GGUF metadata lacks {key!r}: the file carries no usable tokenizer")
     tokens = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
     types = [int(t) for t in metadata["tokenizer.ggml.token_type"].tolist()]
+    if len(types) != len(tokens):
+        raise ModelError(f"GGUF metadata has {len(tokens)} tokens but {len(types)} token types")
     backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                      fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))

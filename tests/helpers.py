@@ -145,3 +145,24 @@ def rel_error(actual, expected) -> float:
     """max |actual - expected| / max |expected|, in float64."""
     a, e = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
     return float(np.max(np.abs(a - e)) / np.max(np.abs(e)))
+
+
+def run_engine(model: Model, prompts, *, rows: int | None = None, steps=None, strategy=None, pad_multiple=None,
+               **options):
+    """Prompts through one `Engine` (a static batch unless `rows` is fewer), as `generate` runs
+    them but with the scheduler's own knobs -> (GenerationResult, engine)."""
+    from mlxfun import sampling
+    from mlxfun.engine import Engine
+    from mlxfun.options import GenerationConfig, requests
+    from mlxfun.rows import result
+    from mlxfun.step import compiled_steps
+
+    reqs = requests(model, prompts, GenerationConfig(**options))
+    engine = Engine(model, rows or len(reqs), steps=steps or compiled_steps, strategy=strategy,
+                    pad_multiple=pad_multiple, prefill_step=options.get("prefill_step", 512),
+                    max_kv_size=options.get("max_kv_size"))
+    ids = [engine.submit(r) for r in reqs]
+    for _ in engine.events():
+        pass
+    seeds = [s for r in reqs for s in sampling.seeds(r.settings)]
+    return result([engine.take(i).row for i in ids], engine.stats, seeds, max(r.logprobs for r in reqs)), engine

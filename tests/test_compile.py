@@ -6,33 +6,31 @@ from __future__ import annotations
 from functools import partial
 
 import mlx.core as mx
-from helpers import tiny_config, tiny_model
+from helpers import run_engine, tiny_config, tiny_model
 
 from mlxfun import cache as kv
-from mlxfun.generate import Batch, make_config
-from mlxfun.step import Steps, decode_step, first_token, make_steps, prefill_chunk
+from mlxfun.step import Steps, decode_step, make_steps, prefill_chunk
 
 
-def counting_steps(model, gen) -> tuple[Steps, list[int]]:
-    traces = [0]
+def counting_steps():
+    """A steps factory for the engine (fresh compiled steps per mode) and its trace count."""
+    traces, made = [0], {}
 
     def count():
         traces[0] += 1
 
-    return make_steps(model.config, gen.mode, on_trace=count), traces
+    def steps(config, mode) -> Steps:
+        return made.setdefault(mode, make_steps(config, mode, on_trace=count))
+
+    return steps, traces
 
 
-def uncompiled_steps(model, gen) -> Steps:
-    config, mode = model.config, gen.mode
-    return Steps(partial(decode_step, config, mode), partial(prefill_chunk, config), partial(first_token, config, mode))
+def uncompiled_steps(config, mode) -> Steps:
+    return Steps(partial(decode_step, config, mode), partial(prefill_chunk, config))
 
 
-def run(model, prompts, steps: Steps, **options):
-    gen = make_config(len(prompts), ignore_eos=True, **options)
-    batch = Batch(model, prompts, gen, steps=steps)
-    for _ in batch.events():
-        pass
-    return batch.result()
+def run(model, prompts, steps, **options):
+    return run_engine(model, prompts, steps=steps, ignore_eos=True, **options)[0]
 
 
 def prompts_of(lengths: list[int], vocab: int) -> list[list[int]]:
@@ -42,8 +40,7 @@ def prompts_of(lengths: list[int], vocab: int) -> list[list[int]]:
 def test_decode_traced_once_over_64_tokens():
     model = tiny_model()
     prompts = prompts_of([7, 3, 12, 1], model.config.vocab_size)
-    gen = make_config(len(prompts), max_tokens=64, ignore_eos=True)
-    steps, traces = counting_steps(model, gen)
+    steps, traces = counting_steps()
     result = run(model, prompts, steps, max_tokens=64)
     assert all(len(ids) == 64 for ids in result.token_ids)
     assert traces[0] == 1
@@ -54,8 +51,7 @@ def test_retrace_once_per_capacity_bucket():
     block = kv.bucket(1)
     # The prompt fills all but 3 slots of the first bucket: the next 20 tokens cross into the second.
     prompts = prompts_of([block - 3, block - 10], model.config.vocab_size)
-    gen = make_config(len(prompts), max_tokens=20, ignore_eos=True)
-    steps, traces = counting_steps(model, gen)
+    steps, traces = counting_steps()
     run(model, prompts, steps, max_tokens=20)
     assert traces[0] == 2
     # The same steps at the same batch size and buckets: nothing new to trace.
@@ -65,8 +61,7 @@ def test_retrace_once_per_capacity_bucket():
 
 def test_new_batch_size_traces_once_more():
     model = tiny_model()
-    gen = make_config(2, max_tokens=8, ignore_eos=True)
-    steps, traces = counting_steps(model, gen)
+    steps, traces = counting_steps()
     run(model, prompts_of([4, 6], model.config.vocab_size), steps, max_tokens=8)
     run(model, prompts_of([5, 2], model.config.vocab_size), steps, max_tokens=8)
     assert traces[0] == 1
@@ -78,9 +73,8 @@ def test_compiled_equals_uncompiled():
     model = tiny_model()
     prompts = prompts_of([9, 2, 15], model.config.vocab_size)
     options = dict(max_tokens=16, logprobs=3)
-    gen = make_config(len(prompts), ignore_eos=True, **options)
-    compiled = run(model, prompts, make_steps(model.config, gen.mode), **options)
-    plain = run(model, prompts, uncompiled_steps(model, gen), **options)
+    compiled = run(model, prompts, counting_steps()[0], **options)
+    plain = run(model, prompts, uncompiled_steps, **options)
     assert compiled.token_ids == plain.token_ids
     for a, b in zip(compiled.logprobs, plain.logprobs):
         assert mx.allclose(mx.array(a), mx.array(b), atol=1e-4).item()
@@ -89,7 +83,6 @@ def test_compiled_equals_uncompiled():
 def test_compiled_equals_uncompiled_quantized():
     model = tiny_model(quant=(4, 32))
     prompts = prompts_of([6, 11], model.config.vocab_size)
-    gen = make_config(len(prompts), ignore_eos=True, max_tokens=12)
-    compiled = run(model, prompts, make_steps(model.config, gen.mode), max_tokens=12)
-    plain = run(model, prompts, uncompiled_steps(model, gen), max_tokens=12)
+    compiled = run(model, prompts, counting_steps()[0], max_tokens=12)
+    plain = run(model, prompts, uncompiled_steps, max_tokens=12)
     assert compiled.token_ids == plain.token_ids

@@ -11,7 +11,7 @@ from helpers import tiny_config, tiny_model
 import mlxfun
 from mlxfun import sampling
 from mlxfun.engine import Engine
-from mlxfun.generate import Batch, generate, make_config
+from mlxfun.generate import generate
 from mlxfun.load import Model
 from mlxfun.tokenizer import Tokenizer
 
@@ -45,7 +45,7 @@ def test_hundred_prompts_through_eight_rows_equal_alone(tiny):
     assert any(r == "stop" for r in out.finish_reasons) and any(r == "length" for r in out.finish_reasons)
     stats = out.stats
     assert stats.rows == 8 and 0.5 < stats.occupancy <= 1.0
-    assert len(stats.ttft) == 100 and all(t >= 0 for t in stats.ttft.values())
+    assert len(stats.ttft) == 100 and all(t >= 0 for t in stats.ttft)
     assert stats.generation_tokens == sum(len(t) for t in out.token_ids)  # closing EOS tokens not counted
     assert f"Requests: 100, prompts {sum(map(len, prompts))} tokens, generated {stats.generation_tokens}" \
         in stats.summary() and stats.generation_tps > 0 and stats.admissions >= 100 // 8
@@ -63,24 +63,29 @@ def test_sampled_outputs_equal_alone_with_seeds(tiny):
 
 
 def test_add_while_running_and_cancel(tiny):
-    engine = Engine(tiny, rows=2, ignore_eos=True)
-    a = engine.add([5, 6, 7], max_tokens=30)
-    b = engine.add([8, 9], max_tokens=30)
-    c = engine.add([10], max_tokens=30)
+    engine = Engine(tiny, rows=2)
+    a = engine.add([5, 6, 7], max_tokens=30, ignore_eos=True)
+    b = engine.add([8, 9], max_tokens=30, ignore_eos=True)
+    c = engine.add([10], max_tokens=30, ignore_eos=True)
     late = None
-    seen = {a: 0, b: 0, c: 0}
+    seen = {a: 0, b: 0, c: 0}  # generated tokens
     after_cancel = []
+    closing = {}
     for event in engine.events():
-        seen[event.index] = seen.get(event.index, 0) + 1
-        if late is not None and event.index in (b, c):
+        seen[event.index] = seen.get(event.index, 0) + (event.token >= 0)
+        if event.finish_reason is not None:
+            assert event.index not in closing, "a second closing event"
+            closing[event.index] = event.finish_reason
+        if late is not None and event.index in (b, c) and event.token >= 0:
             after_cancel.append(event)
         if event.index == a and seen[a] == 5:
             engine.cancel(b)  # running
             engine.cancel(c)  # still queued
-            late = engine.add([11, 12, 13, 14], max_tokens=6)
+            late = engine.add([11, 12, 13, 14], max_tokens=6, ignore_eos=True)
     assert engine.requests[a].finish_reason == "length" and seen[a] == 30
     assert engine.requests[b].finish_reason == "cancelled" and 4 <= seen[b] <= 5 and not after_cancel
     assert engine.requests[c].finish_reason == "cancelled" and seen[c] == 0
+    assert closing == {a: "length", b: "cancelled", c: "cancelled", late: "length"}
     assert engine.requests[late].finish_reason == "length"
     assert engine.requests[late].text.tokens == generate(tiny, [[11, 12, 13, 14]], max_tokens=6,
                                                           ignore_eos=True).token_ids[0]
@@ -124,8 +129,8 @@ def test_gpu_admission_settings_keep_outputs_equal_alone(tiny, admit_min, pad_mu
     """Admitting in groups and rounding prompt lengths up (the GPU defaults, run here on the CPU)
     change shapes and timing, never the tokens."""
     prompts, max_tokens = workload(30, seed=3)
-    engine = Engine(tiny, rows=5, ignore_eos=True, admit_min=admit_min, pad_multiple=pad_multiple)
-    ids = [engine.add(p, max_tokens=m) for p, m in zip(prompts, max_tokens)]
+    engine = Engine(tiny, rows=5, admit_min=admit_min, pad_multiple=pad_multiple)
+    ids = [engine.add(p, max_tokens=m, ignore_eos=True) for p, m in zip(prompts, max_tokens)]
     list(engine.events())
     alone = generate(tiny, prompts, max_tokens=max_tokens, ignore_eos=True).token_ids
     assert [engine.requests[i].row.token_ids for i in ids] == alone
@@ -135,19 +140,21 @@ def test_gpu_admission_settings_keep_outputs_equal_alone(tiny, admit_min, pad_mu
 
 def test_static_batch_with_rounded_shapes_equals_alone(tiny):
     prompts, max_tokens = workload(9, seed=4)
-    gen = make_config(len(prompts), max_tokens=max_tokens, ignore_eos=True)
-    batch = Batch(tiny, prompts, gen, pad_multiple=32)
-    list(batch.events())
-    assert batch.end % 32 == 0
-    assert batch.result().token_ids == generate(tiny, prompts, max_tokens=max_tokens, ignore_eos=True).token_ids
+    engine = Engine(tiny, rows=len(prompts), pad_multiple=32)
+    ids = [engine.add(p, max_tokens=m, ignore_eos=True) for p, m in zip(prompts, max_tokens)]
+    engine.admit()  # every prompt at once: a static batch
+    assert engine.cursor % 32 == 0 and engine.cursor >= max(map(len, prompts)) and not engine.pending
+    list(engine.events())
+    assert [engine.take(i).row.token_ids for i in ids] == \
+        generate(tiny, prompts, max_tokens=max_tokens, ignore_eos=True).token_ids
 
 
 def test_rounded_prompts_wider_than_the_ring(tiny):
     """Prompts padded past a ring of 8 slots (GPU rounding on the CPU): the fresh cache is itself a
     ring, and only its newest slots are placed; outputs still equal each prompt alone."""
     prompts, max_tokens = workload(12, seed=5)
-    engine = Engine(tiny, rows=3, ignore_eos=True, max_kv_size=8, admit_min=2, pad_multiple=32)
-    ids = [engine.add(p, max_tokens=m) for p, m in zip(prompts, max_tokens)]
+    engine = Engine(tiny, rows=3, max_kv_size=8, admit_min=2, pad_multiple=32)
+    ids = [engine.add(p, max_tokens=m, ignore_eos=True) for p, m in zip(prompts, max_tokens)]
     list(engine.events())
     for p, m, i in zip(prompts, max_tokens, ids):
         assert engine.requests[i].row.token_ids == \

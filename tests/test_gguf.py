@@ -12,6 +12,8 @@ from test_reference import random_tokens, reference_forward
 
 import mlxfun
 from mlxfun import llama
+from mlxfun.config import RopeScaling
+from mlxfun.load import default_compute_dtype
 
 GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -121,3 +123,48 @@ def test_llama3_gguf_rope_freq_factors(tmp_path):
     logits, _ = llama.forward(model.config, model.params, mx.array(tokens), mx.array(positions))
     assert rel_error(np.array(logits), reference_forward(config, w, tokens, positions)) < 1e-4
     assert rel_error(np.array(logits), reference_forward(plain_config, w, tokens, positions)) > 1e-2
+
+
+def test_gguf_rope_scaling_and_sliding_window_metadata(tmp_path):
+    """llama.cpp's `rope.scaling.*` and `attention.sliding_window` keys reach the config, and the
+    logits follow them (the NumPy reference with the same scaling and window)."""
+    config = tiny_config(rope_scaling=RopeScaling("linear", 4.0), layer_windows=(6, 6), max_position_embeddings=256)
+    _, w = tiny_params(config, seed=7)
+    path = write_gguf(tmp_path / "scaled.gguf", config, w, **{
+        "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": mx.array(4.0, dtype=mx.float32),
+        "llama.attention.sliding_window": mx.array(6, dtype=mx.uint32)})
+    model = mlxfun.load(path)
+    assert model.config.rope_scaling == RopeScaling("linear", 4.0) and model.config.layer_windows == (6, 6)
+    tokens = random_tokens(config, (1, 20))
+    positions = np.arange(20)[None]
+    logits, _ = llama.forward(model.config, model.params, mx.array(tokens), mx.array(positions))
+    assert rel_error(np.array(logits), reference_forward(config, w, tokens, positions)) < 1e-4
+    none = write_gguf(tmp_path / "none.gguf", config, w, **{"llama.rope.scaling.type": "none"})
+    assert mlxfun.load(none).config.rope_scaling is None
+    yarn = write_gguf(tmp_path / "yarn.gguf", config, w, **{"llama.rope.scaling.type": "yarn"})
+    with pytest.raises(mlxfun.ModelError, match="'yarn'"):
+        mlxfun.load(yarn)
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"])
+def test_gguf_without_tokenizer_tables(tmp_path, key):
+    config = tiny_config()
+    _, w = tiny_params(config)
+    with pytest.raises(mlxfun.ModelError, match=key):
+        mlxfun.load(write_gguf(tmp_path / "notok.gguf", config, w, **{key: None}))
+
+
+def test_gguf_half_precision_computes_in_bfloat16_on_a_gpu():
+    """GGUF scales are float16, whose range overflows on models with large activations: on a GPU
+    they compute in bfloat16; on the CPU in float32; a safetensors checkpoint keeps its dtype."""
+    assert default_compute_dtype(mx.float16, mx.gpu, gguf_file=True) == mx.bfloat16
+    assert default_compute_dtype(mx.float16, mx.gpu, gguf_file=False) is None
+    assert default_compute_dtype(mx.float32, mx.gpu, gguf_file=True) is None
+    assert default_compute_dtype(mx.float16, mx.cpu, gguf_file=True) == mx.float32
+    assert default_compute_dtype(mx.bfloat16, mx.cpu, gguf_file=False) == mx.float32
+    assert default_compute_dtype(mx.float32, mx.cpu, gguf_file=True) is None
+
+
+def test_real_gguf_scales_follow_the_compute_dtype(model_q4):
+    q = model_q4.params.layers[0].qkv
+    assert isinstance(q, llama.Quantized) and q.scales.dtype == mx.float32  # this CPU computes in float32

@@ -4,9 +4,8 @@ large batch gives the quantized kernel's results up to rounding, and batched sti
 from __future__ import annotations
 
 import mlx.core as mx
-from helpers import tiny_model
+from helpers import run_engine, tiny_model
 
-from mlxfun.generate import Batch, make_config
 from mlxfun.llama import Dense, Quantized
 from mlxfun.strategy import QUANTIZED, WeightStrategy, dense_bytes, device_memory, params_for_batch, params_for_prompts
 
@@ -14,11 +13,7 @@ DENSE = WeightStrategy(dense_from=1)
 
 
 def run(model, prompts, strategy):
-    batch = Batch(model, prompts, make_config(len(prompts), max_tokens=12, ignore_eos=True, logprobs=0),
-                  strategy=strategy)
-    for _ in batch.events():
-        pass
-    return batch.result()
+    return run_engine(model, prompts, strategy=strategy, max_tokens=12, ignore_eos=True, logprobs=0)[0]
 
 
 PROMPTS = [[3, 14, 15, 92], [65], [35, 89, 79, 32, 38, 46, 26], [43, 38]]
@@ -78,10 +73,10 @@ def test_engine_runs_quantized_weights_as_a_dense_copy():
     from mlxfun.engine import Engine
 
     model = tiny_model(quant=(4, 32))
-    engine = Engine(model, rows=2, ignore_eos=True, strategy=DENSE)
+    engine = Engine(model, rows=2, strategy=DENSE)
     assert isinstance(engine.params.layers[0].qkv, Dense)
     assert Engine(model, rows=2, strategy=QUANTIZED).params is model.params
-    ids = [engine.add(p, max_tokens=12) for p in PROMPTS]
+    ids = [engine.add(p, max_tokens=12, ignore_eos=True) for p in PROMPTS]
     list(engine.events())
     assert [engine.requests[i].row.token_ids for i in ids] == run(model, PROMPTS, DENSE).token_ids
 
@@ -116,12 +111,10 @@ def test_long_prompts_prefill_on_a_copy_and_decode_on_the_quantized_weights(monk
     copies = []
     real = strat.weights.cast
     monkeypatch.setattr(strat.weights, "cast", lambda *a: copies.append(1) or real(*a))
-    batch = Batch(model, PROMPTS, make_config(len(PROMPTS), max_tokens=12, ignore_eos=True, logprobs=0),
-                  strategy=PROMPT_DENSE)
-    list(batch.events())
-    assert len(copies) == 1 and batch.model.params is model.params
-    assert isinstance(batch.model.params.layers[0].qkv, Quantized)
-    assert batch.result().token_ids == run(model, PROMPTS, QUANTIZED).token_ids
+    out, engine = run_engine(model, PROMPTS, strategy=PROMPT_DENSE, max_tokens=12, ignore_eos=True, logprobs=0)
+    assert len(copies) == 1 and engine.params is model.params
+    assert isinstance(engine.params.layers[0].qkv, Quantized)
+    assert out.token_ids == run(model, PROMPTS, QUANTIZED).token_ids
     copies.clear()
     run(model, PROMPTS[:1], PROMPT_DENSE)
     assert copies == []
@@ -135,9 +128,9 @@ def test_engine_admissions_of_long_prompts_prefill_on_a_copy(monkeypatch):
     copies = []
     real = strat.weights.cast
     monkeypatch.setattr(strat.weights, "cast", lambda *a: copies.append(1) or real(*a))
-    engine = Engine(model, rows=4, ignore_eos=True, strategy=PROMPT_DENSE)
+    engine = Engine(model, rows=4, strategy=PROMPT_DENSE)
     assert engine.params is model.params
-    ids = [engine.add(p, max_tokens=12) for p in PROMPTS]
+    ids = [engine.add(p, max_tokens=12, ignore_eos=True) for p in PROMPTS]
     list(engine.events())
     assert copies == [1]  # one admission of all four prompts, 14 tokens
     assert [engine.requests[i].row.token_ids for i in ids] == run(model, PROMPTS, QUANTIZED).token_ids

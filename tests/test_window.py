@@ -6,12 +6,12 @@ import random
 
 import mlx.core as mx
 import pytest
-from helpers import tiny_config, tiny_model
+from helpers import run_engine, tiny_config, tiny_model
 
 from mlxfun import cache as kv
 from mlxfun import config as cfg
 from mlxfun import llama
-from mlxfun.generate import Batch, generate, make_config
+from mlxfun.generate import generate
 
 
 def greedy_by_full_forward(model, config, prompt: list[int], n: int) -> list[int]:
@@ -43,10 +43,8 @@ def test_windowed_model_matches_full_attention_with_window_mask(prefill_step):
 
 def test_ring_cache_capacity_is_the_window():
     model = tiny_model(tiny_config(layer_windows=(8, 8)))
-    batch = Batch(model, prompts_around(8), make_config(6, max_tokens=20, ignore_eos=True))
-    for _ in batch.events():
-        pass
-    assert kv.capacity(batch.state.cache) == 8
+    _, engine = run_engine(model, prompts_around(8), max_tokens=20, ignore_eos=True)
+    assert engine.stats.max_capacity == 8 == kv.capacity_for(10**6, model.config.max_window)
 
 
 def test_mixed_windows_use_a_linear_cache():

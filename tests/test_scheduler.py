@@ -1,0 +1,301 @@
+"""The scheduler under load: many threads adding and cancelling, thousands of requests in one
+process, memory budgets, and every boundary checked before any work."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import defaultdict
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import tiny_config, tiny_model
+
+import mlxfun
+from mlxfun import cache as kv
+from mlxfun import llama, prefill, sampling
+from mlxfun.engine import WINDOW, Engine
+from mlxfun.generate import generate
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(tiny_config(max_position_embeddings=1024))
+
+
+def test_eight_threads_add_and_cancel_against_a_running_engine(tiny):
+    """8 threads submit 400 requests (greedy and seeded sampled) to an engine that one thread runs,
+    and cancel some at random. Each request ends exactly once; the others equal their output alone."""
+    rng = random.Random(0)
+    kinds = [([rng.randrange(1, 97) for _ in range(rng.choice([1, 3, 8, 20, 45]))], rng.randrange(1, 24),
+              rng.choice([0.0, 0.0, 0.8]), rng.randrange(1000)) for _ in range(24)]
+    alone = [generate(tiny, [p], max_tokens=m, temperature=t, seed=s, ignore_eos=True).token_ids[0]
+             for p, m, t, s in kinds]
+    engine = Engine(tiny, rows=6)
+    stop = threading.Event()
+    tokens, closing, closed_at = defaultdict(list), {}, {}
+
+    def run_engine():
+        for e in engine.serve(stop):
+            if e.token >= 0 and e.finish_reason != "stop":
+                tokens[e.index].append(e.token)
+            if e.finish_reason is not None:
+                assert e.index not in closing, "a second closing event"
+                closing[e.index] = e.finish_reason
+                closed_at[e.index] = engine.stats.steps
+                engine.take(e.index)
+
+    submitted, cancelled, lock = {}, {}, threading.Lock()
+
+    def client(seed: int):
+        r = random.Random(seed)
+        mine = []
+        for _ in range(50):
+            k = r.randrange(len(kinds))
+            p, m, t, s = kinds[k]
+            rid = engine.add(p, max_tokens=m, settings=sampling.make_settings(1, temperature=t, seed=s),
+                             ignore_eos=True)
+            mine.append(rid)
+            with lock:
+                submitted[rid] = k
+            if r.random() < 0.25:
+                time.sleep(r.random() * 0.01)
+                victim = r.choice(mine)
+                steps = engine.stats.steps
+                engine.cancel(victim)
+                with lock:
+                    cancelled.setdefault(victim, steps)
+
+    runner = threading.Thread(target=run_engine)
+    runner.start()
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join(timeout=300)
+    stop.set()
+    runner.join(timeout=300)
+    assert not runner.is_alive() and len(submitted) == 400
+    assert sorted(closing) == sorted(submitted)  # every request ended, exactly once
+    assert not engine.requests and not engine.pending and engine.idle
+    n_cancelled = 0
+    for rid, k in submitted.items():
+        if closing[rid] == "cancelled":
+            n_cancelled += 1
+            assert rid in cancelled
+            assert tokens[rid] == alone[k][: len(tokens[rid])]  # right up to where it stopped
+            assert closed_at[rid] - cancelled[rid] <= 2  # left its row within a step of the cancel
+        else:
+            assert closing[rid] == "length" and tokens[rid] == alone[k], rid
+    assert n_cancelled > 20  # the test exercised cancellation (some victims had finished already)
+
+
+def test_two_thousand_requests_keep_memory_and_records_flat(tiny):
+    """A long request early grows the cache; it shrinks back once that request leaves. After a
+    warm-up, active memory and the engine's records stay flat while 2,000 requests pass."""
+    rng = random.Random(1)
+    engine = Engine(tiny, rows=8)
+    queue = [([rng.randrange(1, 97) for _ in range(900)], 12)]  # the long one, early
+    queue += [([rng.randrange(1, 97) for _ in range(rng.randrange(1, 60))], rng.randrange(1, 8))
+              for _ in range(1999)]
+    queue.reverse()
+    done, capacities = 0, []
+    memory, records = defaultdict(int), defaultdict(int)  # per window of 250 requests: the largest seen
+    while done < 2000:
+        while queue and 2000 - len(queue) - done < 12:  # 12 requests in the engine at a time
+            p, m = queue.pop()
+            engine.add(p, max_tokens=m, ignore_eos=True)
+        for e in engine.step():
+            if e.finish_reason is not None:
+                assert len(engine.take(e.index).row.text.tokens) >= 1
+                done += 1
+        window = done // 250
+        memory[window] = max(memory[window], mx.get_active_memory())
+        records[window] = max(records[window], len(engine.requests) + len(engine.pending) + len(engine._inflight))
+        capacities.append(engine.stats.capacity)
+    assert max(capacities) >= 1024 and capacities[-1] <= 256  # grew for the long request, then shrank
+    memory = [memory[w] for w in range(2, 8)]  # after a warm-up of 500 requests
+    records = [records[w] for w in range(2, 8)]
+    print(f"largest active memory per 250 requests after 500: {memory}; records: {records}")
+    assert max(memory) <= 1.1 * min(memory)
+    assert max(records) <= 1.1 * min(records)
+    assert len(engine.stats.ttft) == min(WINDOW, 2000) and len(engine.stats.itl) == WINDOW
+    assert engine.stats.requests == 2000
+
+
+def test_memory_budget_refuses_what_never_fits_and_delays_what_fits_alone(tiny):
+    slot = kv.slot_bytes(tiny.config, mx.float32)
+    engine = Engine(tiny, rows=2, kv_memory=2 * 512 * slot)  # 512 slots per row
+    with pytest.raises(mlxfun.InputError, match=r"needs 0.79 MB of KV cache in 2 rows; 0.53 MB are available"):
+        engine.add([1] * 10, max_tokens=600)
+    a = engine.add([3] * 10, max_tokens=450, ignore_eos=True)  # fits alone
+    b = engine.add([4] * 450, max_tokens=10, ignore_eos=True)  # fits alone; not beside a at first
+    order = [e.index for e in engine.events()]
+    # Rows share the cursor: a spans stream indices [0, 460); b, admitted at cursor c, spans
+    # [c - 450, c + 10). Together they fit 512 slots once c >= 399, after about 390 of a's tokens.
+    assert order.index(b) >= 380 and engine.stats.max_capacity == 512
+    assert engine.take(b).row.token_ids == generate(tiny, [[4] * 450], max_tokens=10, ignore_eos=True).token_ids[0]
+    assert engine.take(a).row.token_ids == generate(tiny, [[3] * 10], max_tokens=450, ignore_eos=True).token_ids[0]
+
+
+def test_static_batch_that_does_not_fit_runs_in_waves(tiny, monkeypatch):
+    """generate() admits what fits the budget and queues the rest: outputs still equal alone."""
+    slot = kv.slot_bytes(tiny.config, mx.float32)
+    monkeypatch.setattr("mlxfun.engine.memory_limit", lambda: int((mx.get_active_memory() + 4 * 700 * slot) / 0.75))
+    # Each fits 512 slots alone; rows share the cursor, so together they would span 300 + 300.
+    prompts, max_tokens = [[5] * 300, [6] * 290, [7] * 10, [8] * 12], [20, 30, 300, 250]
+    out = generate(tiny, prompts, max_tokens=max_tokens, ignore_eos=True)
+    assert out.stats.admissions >= 2 and out.stats.max_capacity == 512
+    for p, m, ids in zip(prompts, max_tokens, out.token_ids):
+        assert ids == generate(tiny, [p], max_tokens=m, ignore_eos=True).token_ids[0]
+
+
+def test_released_records_and_dropped_cache():
+    model = tiny_model()
+    engine = Engine(model, rows=3)
+    ids = [engine.add([i + 1] * (i + 2), max_tokens=5, ignore_eos=True) for i in range(7)]
+    list(engine.events())
+    assert sorted(engine.requests) == ids and engine.state is None and engine.stats.capacity == 0
+    assert engine.stats.max_capacity >= kv.bucket(1)
+    for i in ids:
+        assert len(engine.take(i).row.token_ids) == 5
+    assert not engine.requests
+    with pytest.raises(KeyError):
+        engine.take(ids[0])
+
+
+def test_forward_refuses_a_chunk_past_the_end_of_the_cache():
+    config = tiny_config()
+    model = tiny_model(config)
+    cache = kv.empty(config, 1, 8, mx.float32)
+    tokens = mx.array([[1, 2, 3, 4, 5, 6]])
+    _, cache = llama.forward(config, model.params, tokens, mx.arange(6)[None], cache=cache)
+    with pytest.raises(mlxfun.InputError, match="a chunk of 4 tokens at slot 6 does not fit a cache of 8 slots"):
+        llama.forward(config, model.params, tokens[:, :4], mx.arange(6, 10)[None], cache=cache)
+    with pytest.raises(mlxfun.InputError, match="a chunk of 9 tokens"):
+        llama.forward(config, model.params, mx.zeros((1, 9), mx.int32), mx.arange(9)[None],
+                      cache=kv.empty(config, 1, 8, mx.float32))
+    with pytest.raises(mlxfun.InputError, match="2 rows of tokens for a cache of 1 rows"):
+        llama.hidden(config, model.params, mx.zeros((2, 1), mx.int32), mx.zeros((2, 1), mx.int32), cache=cache)
+    # Two tokens fit, then the grown cache takes the rest: the same logits as one pass.
+    first, cache2 = llama.forward(config, model.params, tokens[:, :2], mx.arange(6, 8)[None], cache=cache)
+    more, _ = llama.forward(config, model.params, tokens[:, 2:4], mx.arange(8, 10)[None], cache=kv.grow(cache2, 16))
+    whole, _ = llama.forward(config, model.params, mx.concatenate([tokens, tokens[:, :4]], axis=1),
+                             mx.arange(10)[None])
+    assert np.allclose(np.array(mx.concatenate([first, more], axis=1)), np.array(whole[:, 6:]), atol=1e-4)
+
+
+def test_overflowing_write_is_an_error_not_a_crash():
+    """6 then 4 tokens into 8 slots once dropped two tokens and aborted the process (heap
+    corruption); run in a subprocess so that an abort fails this test instead of the suite."""
+    code = textwrap.dedent("""
+        import mlx.core as mx
+        from helpers import tiny_config, tiny_model
+        import mlxfun
+        from mlxfun import cache as kv, llama
+        config = tiny_config()
+        model = tiny_model(config)
+        cache = kv.empty(config, 1, 8, mx.float32)
+        _, cache = llama.forward(config, model.params, mx.array([[1, 2, 3, 4, 5, 6]]), mx.arange(6)[None], cache=cache)
+        try:
+            llama.forward(config, model.params, mx.array([[1, 2, 3, 4]]), mx.arange(6, 10)[None], cache=cache)
+        except mlxfun.InputError as e:
+            print("refused:", e)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=str(__import__("pathlib").Path(__file__).parent))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "refused: a chunk of 4 tokens at slot 6 does not fit a cache of 8 slots" in run.stdout
+
+
+# ---- bad values: clear errors before any work ----
+
+
+@pytest.fixture
+def no_prefill(monkeypatch):
+    """Fails the test if any prompt reaches prefill."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("prefill ran before the bad value was caught")
+
+    monkeypatch.setattr(prefill, "prefill_group", forbidden)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(logprobs=500), r"logprobs must be None or an integer in \[0, 97\]"),
+    (dict(logprobs=True), "logprobs"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(max_tokens=True), "max_tokens must be a positive integer, got True"),
+    (dict(max_tokens=2.0), "max_tokens must be a positive integer"),
+    (dict(max_tokens=[4, True]), "max_tokens must be a positive integer, got True"),
+    (dict(batch_size=True), "batch_size must be a positive integer"),
+    (dict(batch_size=0), "batch_size"),
+    (dict(prefill_step=0), "prefill_step"),
+    (dict(max_kv_size=-4), "max_kv_size"),
+    (dict(ignore_eos="yes"), "ignore_eos must be True or False"),
+    (dict(temperature=[0.5]), "temperature has 1 values for 2 prompts"),
+    (dict(seed=True), "seed"),
+    (dict(top_k=1.5), "top_k"),
+    (dict(stop=[["a"], [3]]), "stop strings must be strings"),
+    (dict(temp=0.7), "unknown generation option 'temp' \\(did you mean 'temperature'\\?\\)"),
+])
+def test_bad_options_are_named_before_prefill(no_prefill, options, message):
+    with pytest.raises(mlxfun.InputError, match=message):
+        generate(tiny_model(), [[1, 2], [3]], **options)
+
+
+@pytest.mark.parametrize("prompts,message", [
+    (np.array([[1.0, 2.0]]), "token-id arrays must hold integers, got dtype float64"),
+    (np.array([True, False]), "must hold integers"),
+    (np.zeros((1, 2, 3), np.int32), "must be 1-D .* or 2-D"),
+    ([[1, True]], "prompt 0 must be a string, a list of token ids or a list of messages"),
+    ([[{"role": "wizard", "content": "hi"}]], "unknown role 'wizard'"),
+    ([[1, 2], []], "prompt 1 is empty"),
+    (42, "prompts must be a string, token ids, messages or a list of them, got int"),
+    ([], "no prompts given"),
+])
+def test_bad_prompts_are_named_before_prefill(no_prefill, prompts, message):
+    with pytest.raises(mlxfun.InputError, match=message):
+        generate(tiny_model(), prompts)
+
+
+def test_numpy_and_mlx_token_arrays_are_prompts():
+    model = tiny_model()
+    lists = [[5, 6, 7], [8, 9, 10]]
+    expected = generate(model, lists, max_tokens=4, ignore_eos=True).token_ids
+    assert generate(model, np.array(lists, np.int64), max_tokens=4, ignore_eos=True).token_ids == expected
+    assert generate(model, mx.array(lists), max_tokens=4, ignore_eos=True).token_ids == expected
+    assert generate(model, [np.array(p, np.int32) for p in lists], max_tokens=4, ignore_eos=True).token_ids == expected
+    assert generate(model, np.array(lists[0]), max_tokens=4, ignore_eos=True).token_ids == expected[:1]
+
+
+def test_engine_add_checks_settings_and_prompt(no_prefill):
+    engine = Engine(tiny_model(), rows=2)
+    with pytest.raises(mlxfun.InputError, match=r"one row's sampling.Settings .* got \(2,\)"):
+        engine.add([1, 2], settings=sampling.make_settings(2))
+    with pytest.raises(mlxfun.InputError, match="max_tokens"):
+        engine.add([1, 2], max_tokens=True)
+    with pytest.raises(mlxfun.InputError, match="outside"):
+        engine.add([1, 200])
+    with pytest.raises(mlxfun.InputError, match="submit takes an mlxfun Request"):
+        engine.submit([1, 2])
+    assert engine.idle and not engine.requests
+
+
+def test_options_keep_mlx_lm_names_and_one_config_value():
+    model = tiny_model()
+    config = mlxfun.GenerationConfig(max_tokens=3, ignore_eos=True)
+    a = generate(model, [[4, 5]], config)
+    b = generate(model, [[4, 5]], max_tokens=3, ignore_eos=True)
+    c = generate(model, [[4, 5]], config, max_tokens=5)  # keywords win over the config
+    assert a.token_ids == b.token_ids and len(c.token_ids[0]) == 5 and c.token_ids[0][:3] == a.token_ids[0]
+    import inspect
+
+    params = inspect.signature(mlxfun.generate).parameters
+    assert {"max_tokens", "temperature", "top_p", "min_p", "top_k", "seed", "stop", "logprobs",
+            "batch_size"} <= set(params)
+    assert params["max_tokens"].default == 256
