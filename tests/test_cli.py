@@ -33,7 +33,7 @@ def test_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("mlxfun: error: no such model file or folder") and "Traceback" not in err
     assert main(["generate", "--prompt", "x", "--top-p", "1.5"]) == 2
-    assert "top_p" in capsys.readouterr().err
+    assert "--top-p must be in (0, 1], got 1.5" in capsys.readouterr().err
     assert main(["generate"]) == 2
     assert "--prompt" in capsys.readouterr().err
 
