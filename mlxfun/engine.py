@@ -62,6 +62,7 @@ class Record:
     submitted: float
     first_token_time: float | None = None
     last_token_time: float | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed
 
     @property
     def finish_reason(self) -> str | None:
