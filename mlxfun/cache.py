@@ -1,9 +1,21 @@
-"""The KV cache as an immutable value: preallocated buffers plus array-valued cursors.
+"""The KV cache as an immutable value: a pool of fixed-size blocks and a block table per row.
 
-Every row writes the same slot, `cursor % capacity`; each slot records the position it holds
-(negative: empty or padding), so masks come from positions alone and the buffer may be a ring.
-The host never lets a chunk cross the buffer's end and grows the buffer (in buckets) before a row
-would overwrite a slot it still sees; a bounded cache is a ring as wide as the attention window.
+`keys[i]` / `values[i]` (N, bs, Hkv, D) hold N blocks of bs slots for layer i, and `positions`
+(N, bs) the position each slot holds (< 0: empty). `table` (B, W) lists each row's blocks: the
+positions [j * bs, (j + 1) * bs) of row b live in block `table[b, j % W]`, so where a row is meant
+to outrun W * bs slots (windowed layers, `max_kv_size`) its columns are reused as a ring.
+
+A token's slot follows from its position (`slots`), so there is no cursor, and rows advance at
+their own pace. Block 0 is scratch: padding tokens (negative positions) are written there with
+position -1, and columns without a block of their own point to it, so it is never visible. Masks
+come from the positions of the slots a row reads (`gather_positions`), so padding, causality,
+windows and blocks shared between rows (a common prefix) are one formula. A freshly allocated
+block is not cleared: a slot counts only if the position it holds maps to that slot, so what a
+previous owner left is never seen. A row reads its keys through its table: gathered here, or by
+the CUDA decode kernel directly.
+
+Who owns which block is the host's business (`mlxfun.blocks`); `empty` gives each row blocks of
+its own, which is what a single forward pass or a research loop needs.
 """
 
 from __future__ import annotations
@@ -15,102 +27,104 @@ import mlx.core as mx
 from mlxfun.config import ModelConfig
 from mlxfun.errors import InputError
 
+BLOCK = 16  # slots per block in the scheduler's pool
+
 
 class KVCache(NamedTuple):
-    keys: tuple[mx.array, ...]  # per layer (B, Hkv, C, D)
-    values: tuple[mx.array, ...]  # per layer (B, Hkv, C, D)
-    positions: mx.array  # (B, C) int32: position held by each slot, < 0 for empty or padding
-    cursor: mx.array  # () int32: tokens written so far; the next write starts at cursor % C
+    keys: tuple[mx.array, ...]  # per layer (N, bs, Hkv, D): a pool of N blocks of bs slots
+    values: tuple[mx.array, ...]  # per layer (N, bs, Hkv, D)
+    positions: mx.array  # (N, bs) int32: position held by each slot, < 0 for empty or scratch
+    table: mx.array  # (B, W) int32: row b's j-th block of positions is table[b, j % W]
 
 
-def empty(config: ModelConfig, batch: int, capacity: int, dtype: mx.Dtype) -> KVCache:
-    shape = (batch, config.num_kv_heads, capacity, config.head_dim)
-    return KVCache(
-        keys=tuple(mx.zeros(shape, dtype) for _ in range(config.num_layers)),
-        values=tuple(mx.zeros(shape, dtype) for _ in range(config.num_layers)),
-        positions=mx.full((batch, capacity), -1, mx.int32),
-        cursor=mx.array(0, mx.int32),
-    )
+def pool(config: ModelConfig, blocks: int, block_size: int, dtype: mx.Dtype
+         ) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...], mx.array]:
+    """Empty pool arrays: (keys, values, positions) of `blocks` blocks (block 0: scratch)."""
+    shape = (blocks, block_size, config.num_kv_heads, config.head_dim)
+    return (tuple(mx.zeros(shape, dtype) for _ in range(config.num_layers)),
+            tuple(mx.zeros(shape, dtype) for _ in range(config.num_layers)),
+            mx.full((blocks, block_size), -1, mx.int32))
 
 
-def capacity(cache: KVCache) -> int:
+def empty(config: ModelConfig, batch: int, capacity: int, dtype: mx.Dtype, block_size: int = BLOCK) -> KVCache:
+    """A cache of `capacity` slots per row (rounded up to whole blocks of min(block_size,
+    capacity)), each row with blocks of its own."""
+    bs = min(block_size, capacity)
+    W = -(-capacity // bs)
+    keys, values, positions = pool(config, 1 + batch * W, bs, dtype)
+    return KVCache(keys, values, positions, 1 + mx.arange(batch * W, dtype=mx.int32).reshape(batch, W))
+
+
+def block_size(cache: KVCache) -> int:
     return cache.positions.shape[1]
 
 
-def next_slot(cache: KVCache) -> mx.array:
-    """() int32: the slot the next write starts at."""
-    return cache.cursor % cache.positions.shape[1]
+def capacity(cache: KVCache) -> int:
+    """Slots each row reads: its table's width in slots."""
+    return cache.table.shape[1] * cache.positions.shape[1]
 
 
-def write(buf: mx.array, new: mx.array, slot: mx.array) -> mx.array:
-    """buf (B, H, C, D) with new (B, H, T, D) written at slots [slot, slot + T)."""
-    if new.shape[2] == 1:
-        # A one-token scatter: on CUDA a slice_update at an array-valued start copies the whole
-        # buffer every step (measured 12 of 30 ms per step, 8B at batch 128); a scatter does not.
-        return mx.put_along_axis(buf, mx.broadcast_to(slot.reshape(1, 1, 1, 1), new.shape), new, axis=2)
-    return mx.slice_update(buf, new, slot[None], axes=(2,))
+def slots(table: mx.array, positions: mx.array, block_size: int) -> mx.array:
+    """table (B, W), positions (B, T) -> (B, T) int32 flat slot of each token in the pool
+    (block * bs + offset); 0, in the scratch block, for padding (negative positions)."""
+    p = mx.maximum(positions, 0)
+    column = (p // block_size) % table.shape[1]  # (B, T)
+    block = mx.take_along_axis(table, column, axis=1)  # (B, T)
+    return mx.where(positions >= 0, block * block_size + p % block_size, 0)
 
 
-def write_positions(positions: mx.array, new: mx.array, slot: mx.array) -> mx.array:
-    """positions (B, C) with new (B, T) written at slots [slot, slot + T)."""
-    if new.shape[1] == 1:
-        return mx.put_along_axis(positions, mx.broadcast_to(slot.reshape(1, 1), new.shape), new, axis=1)
-    return mx.slice_update(positions, new, slot[None], axes=(1,))
+def write(buf: mx.array, new: mx.array, slots: mx.array) -> mx.array:
+    """buf (N, bs, H, D) with new (B, H, T, D) written at flat slots (B, T)."""
+    N, bs, H, D = buf.shape
+    B, T = slots.shape
+    flat = buf.reshape(N * bs, H, D)
+    # One token per row: (B, H, 1, D) is already (B, H, D); a chunk goes token-major.
+    rows = new.reshape(B, H, D) if T == 1 else new.transpose(0, 2, 1, 3).reshape(B * T, H, D)
+    index = mx.broadcast_to(slots.reshape(B * T, 1, 1), rows.shape)
+    return mx.put_along_axis(flat, index, rows, axis=0).reshape(N, bs, H, D)
 
 
-def key_positions(cache: KVCache, new: mx.array, written: mx.array, wraps: bool = True) -> mx.array:
-    """Positions of the keys a step attends over, for new tokens at positions new (B, T) whose
-    write gives slot positions `written` (B, C): those for one token or a chunk that cannot
-    overwrite a slot it sees (`wraps` False), else the slots before the write then the chunk (B, C + T)."""
-    if new.shape[1] == 1 or not wraps:
-        return written
-    return mx.concatenate([cache.positions, new], axis=1)
+def write_positions(positions: mx.array, slots: mx.array, new: mx.array) -> mx.array:
+    """positions (N, bs) with new (B, T) written at flat slots (B, T); padding writes -1."""
+    N, bs = positions.shape
+    held = mx.where(new >= 0, new, -1).reshape(-1)
+    return mx.put_along_axis(positions.reshape(N * bs), slots.reshape(-1), held, axis=0).reshape(N, bs)
 
 
-def advance(cache: KVCache, keys: tuple, values: tuple, written: mx.array, count: int) -> KVCache:
-    """The cache after a step wrote `keys`/`values` and slot positions `written` (B, C) for `count` tokens."""
-    return KVCache(keys, values, written, cache.cursor + count)
+def gather(buf: mx.array, table: mx.array) -> mx.array:
+    """buf (N, bs, H, D), table (B, W) -> (B, H, W * bs, D): each row's keys (or values)."""
+    B, W = table.shape
+    _, bs, H, D = buf.shape
+    return buf[table].reshape(B, W * bs, H, D).transpose(0, 2, 1, 3)
 
 
-def resize(cache: KVCache, new_capacity: int, cursor: int | None = None) -> KVCache:
-    """The cache with `new_capacity` slots holding its newest min(old, new) slots. The buffer is
-    first unrolled (oldest slot first) so each row's data stays contiguous and ends at the new
-    cursor, min(old, new). `cursor`: the host's copy of the cursor (None reads it: a sync)."""
-    old = capacity(cache)
-    keep = min(old, new_capacity)
-    shift = -((int(cache.cursor) if cursor is None else cursor) % old)
-
-    def fit(a: mx.array, axis: int) -> mx.array:
-        a = mx.roll(a, shift, axis=axis)  # newest slot last
-        a = a[(slice(None),) * axis + (slice(old - keep, None),)]
-        pad = [(0, 0)] * a.ndim
-        pad[axis] = (0, new_capacity - keep)
-        return mx.pad(a, pad, constant_values=-1 if a.dtype == mx.int32 else 0) if new_capacity > keep else a
-
-    return KVCache(tuple(fit(k, 2) for k in cache.keys), tuple(fit(v, 2) for v in cache.values),
-                   fit(cache.positions, 1), mx.array(keep, mx.int32))
-
-
-def grow(cache: KVCache, new_capacity: int) -> KVCache:
-    """The cache with room for `new_capacity` slots, every row's data kept (see `resize`)."""
-    return cache if new_capacity <= capacity(cache) else resize(cache, new_capacity)
+def gather_positions(positions: mx.array, table: mx.array) -> mx.array:
+    """positions (N, bs), table (B, W) -> (B, C = W * bs): the position each slot a row reads
+    holds, or -1 where the slot holds a position that is not its own (p mod C names the slot a
+    position belongs to: what a block's previous owner left behind is never seen)."""
+    held = positions[table].reshape(table.shape[0], -1)  # (B, C)
+    return mx.where(held % held.shape[1] == mx.arange(held.shape[1], dtype=mx.int32), held, -1)
 
 
 def slot_bytes(config: ModelConfig, dtype: mx.Dtype) -> int:
-    """Bytes one slot of one row takes: keys and values of every layer, and its position."""
+    """Bytes one slot takes: keys and values of every layer, and its position."""
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.size + 4
 
 
-def check_write(cache: KVCache, tokens: int) -> None:
-    """Raise InputError unless `tokens` new tokens fit the buffer from the next slot on (a chunk
-    never crosses the buffer's end). Host-side; skipped while tracing (the cursor has no value)."""
-    C = capacity(cache)
-    cursor = host_int(cache.cursor)
-    start = None if cursor is None else cursor % C
-    if tokens > C or (start is not None and start + tokens > C):
-        at = "" if start is None else f" at slot {start}"
-        raise InputError(f"a chunk of {tokens} tokens{at} does not fit a cache of {C} slots: write at most "
-                         f"{C - (start or 0)} tokens now, or grow the cache first (cache.grow)")
+def check_write(cache: KVCache, positions: mx.array, full_attention: bool) -> None:
+    """Raise InputError unless tokens at `positions` (B, T) fit the cache: at most one token per
+    slot, and (if some layer attends to everything) every position within the row's slots, which
+    would otherwise overwrite keys still seen. Host-side; the position check reads the positions
+    (skipped while tracing)."""
+    T, C = positions.shape[1], capacity(cache)
+    if positions.shape[0] != cache.table.shape[0]:
+        raise InputError(f"{positions.shape[0]} rows of tokens for a cache of {cache.table.shape[0]} rows")
+    if T > C:
+        raise InputError(f"a chunk of {T} tokens does not fit a cache of {C} slots per row")
+    top = host_int(positions.max()) if full_attention else None
+    if top is not None and top >= C:
+        raise InputError(f"position {top} does not fit a cache of {C} slots per row: grow it first "
+                         f"(cache.grow), or bound the attention with a window (max_kv_size)")
 
 
 def host_int(a: mx.array) -> int | None:
@@ -123,24 +137,38 @@ def host_int(a: mx.array) -> int | None:
         raise
 
 
-def place_rows(cache: KVCache, cursor: int, rows: list[int], fresh: KVCache, fresh_cursor: int) -> KVCache:
-    """`cache` (at cursor `cursor`) with rows `rows` replaced by the rows of `fresh` (at
-    `fresh_cursor`), aligned at their cursors: fresh's newest token lands where cache's newest
-    token is. The rest of those rows is emptied; other rows are untouched. Only the placed slots
-    are written, with a scatter, so admitting a row never copies the whole cache. Host-side
-    cursors; at most `capacity(cache)` of fresh's newest tokens are kept."""
-    C, F = capacity(cache), capacity(fresh)
-    n = min(F, fresh_cursor, C)
-    ts = range(fresh_cursor - n, fresh_cursor)  # stream indices of the tokens kept
-    src = [t % F for t in ts]
-    dst = mx.array([(cursor - fresh_cursor + t) % C for t in ts], dtype=mx.int32)  # (n,)
-    take = slice(None) if src == list(range(F)) else mx.array(src, dtype=mx.int32)
-    r = mx.array(rows, dtype=mx.int32)
-    index = (r[:, None, None], mx.arange(cache.keys[0].shape[1])[None, :, None], dst[None, None, :])
-    positions = updated(mx.full((len(rows), C), -1, mx.int32), (slice(None), dst), fresh.positions[:, take])
-    return KVCache(tuple(updated(a, index, b[:, :, take]) for a, b in zip(cache.keys, fresh.keys)),
-                   tuple(updated(a, index, b[:, :, take]) for a, b in zip(cache.values, fresh.values)),
-                   updated(cache.positions, r, positions), cache.cursor)
+def grow(cache: KVCache, new_capacity: int) -> KVCache:
+    """The cache with room for `new_capacity` slots per row, each row's data kept: new blocks of
+    their own are appended to every row's table. Only for rows that have not wrapped around
+    their columns (their blocks keep their place)."""
+    bs, (B, W) = block_size(cache), cache.table.shape
+    extra = -(-new_capacity // bs) - W
+    if extra <= 0:
+        return cache
+    N = cache.positions.shape[0]
+    cache = with_blocks(cache, N + B * extra)
+    more = N + mx.arange(B * extra, dtype=mx.int32).reshape(B, extra)
+    return cache._replace(table=mx.concatenate([cache.table, more], axis=1))
+
+
+def with_blocks(cache: KVCache, blocks: int) -> KVCache:
+    """The pool grown to `blocks` blocks (empty ones appended); the table is unchanged."""
+    extra = blocks - cache.positions.shape[0]
+    if extra <= 0:
+        return cache
+
+    def pad(a: mx.array, value) -> mx.array:
+        return mx.pad(a, [(0, extra)] + [(0, 0)] * (a.ndim - 1), constant_values=value)
+
+    return KVCache(tuple(pad(k, 0) for k in cache.keys), tuple(pad(v, 0) for v in cache.values),
+                   pad(cache.positions, -1), cache.table)
+
+
+def take_blocks(cache: KVCache, blocks: mx.array) -> KVCache:
+    """A pool of the given blocks (B',) in that order (a compaction: block 0 first, kept as
+    scratch); the caller renumbers its tables."""
+    return KVCache(tuple(k[blocks] for k in cache.keys), tuple(v[blocks] for v in cache.values),
+                   cache.positions[blocks], cache.table)
 
 
 def updated(a: mx.array, index, values: mx.array) -> mx.array:
@@ -151,12 +179,17 @@ def updated(a: mx.array, index, values: mx.array) -> mx.array:
 
 
 def bucket(length: int, block: int = 256) -> int:
-    """Capacity for `length` tokens: the next multiple of `block`, so attention cost follows
-    the real context and a compiled step retraces once per bucket, not per token."""
+    """Slots for `length` tokens: the next multiple of `block`, so attention cost follows the
+    real context and a compiled step retraces once per bucket, not per token."""
     return max(block, -(-length // block) * block)
 
 
-def capacity_for(length: int, window: int | None) -> int:
-    """Slots for `length` tokens per row: a bucket, or the attention window when that is smaller
-    (a ring of the window's width then holds everything a query sees)."""
-    return bucket(length) if window is None else min(bucket(length), window)
+def ring_columns(window: int, block_size: int = BLOCK) -> int:
+    """Columns of a ring row: every position of the window, plus the block being filled."""
+    return -(-window // block_size) + 1
+
+
+def columns_for(length: int, window: int | None, block_size: int = BLOCK) -> int:
+    """Table columns for rows of up to `length` tokens: a bucket, or the ring when smaller."""
+    linear = bucket(length) // block_size
+    return linear if window is None else min(linear, ring_columns(window, block_size))

@@ -1,12 +1,12 @@
 """The scheduler: a fixed number of rows decoding together, each refilled with the next request.
 
 One engine serves static and continuous batches: a static batch is an engine with one row per
-prompt that admits them all at once. All rows share one cache cursor. New requests are prefilled
-(grouped by length, so padding costs little) into a fresh cache that ends at the current cursor
-and placed into free rows, so the rows that keep decoding never wait for the slowest. Each row's
-data stays contiguous and ends at the cursor; the buffer is a ring that grows (unrolled) before
-any live row would lose a slot, and shrinks back when long requests leave, so a request sees
-exactly what it would see alone.
+prompt that admits them all at once. Each row holds blocks of a shared KV pool (`cache`,
+`paging`): new requests are prefilled (grouped by length, so padding costs little) into blocks of
+their own, starting after the longest prefix already cached (`blocks`: full blocks keyed by their
+tokens, refcounted, evicted least recently used first), while the rows that keep decoding never
+wait for the slowest. Each row advances at its own position, so a request sees exactly what it
+would see alone, and KV memory follows the tokens the live rows hold.
 
 Threads. One thread runs the engine: it calls `events`, `serve` or `step` (and `admit`,
 `decode`, `collect`, `take`, and reads `requests`). Any thread may call `submit`, `add` and
@@ -16,9 +16,11 @@ from any thread (a snapshot that may be one step old).
 
 Memory. Every request gets exactly one closing event (its finish reason: "stop", "length" or
 "cancelled"); its record then waits in `requests` until `take` releases it. Statistics keep
-counts and bounded windows. The cache is dropped when the engine is idle. A request whose cache
-could never fit the memory budget is refused by `submit`; one that fits alone but not beside the
-live rows waits for them.
+counts and bounded windows. The pool grows as rows need blocks and is compacted when long
+requests have left; the prefix cache keeps at most `prefix_cache_bytes` of blocks no row uses.
+Each admitted request reserves the blocks it may come to need, so a request whose KV could never
+fit the memory budget is refused by `submit`, and one that fits alone but not beside the live
+rows waits for them.
 """
 
 from __future__ import annotations
@@ -35,20 +37,22 @@ import mlx.core as mx
 
 from mlxfun import cache as kv
 from mlxfun import prefill, sampling
+from mlxfun.blocks import Pool, chain
 from mlxfun.config import ModelConfig
 from mlxfun.detok import RowText
 from mlxfun.errors import InputError
 from mlxfun.events import Event, Stats
 from mlxfun.load import Model
-from mlxfun.options import Request, check_positive_int, make_request
+from mlxfun.options import Request, check_bool, check_positive_int, make_request
+from mlxfun.paging import Pages
 from mlxfun.rows import Row, host_values
 from mlxfun.step import DecodeState, Mode, StepOut, Steps, compiled_steps, first_token
 from mlxfun.strategy import WeightStrategy, default_strategy, memory_limit, params_for_batch, params_for_prompts
 
 # Recent samples kept for latency percentiles.
 WINDOW = 1024
-# The cursor counts decode steps; a busy engine rebases it (an unroll) long before int32 overflows.
-CURSOR_LIMIT = 1 << 30
+# The pool never shrinks below this many blocks (a compaction's floor).
+MIN_BLOCKS = 64
 
 
 @dataclass
@@ -85,9 +89,14 @@ class EngineStats(Stats):
     requests: int = 0  # requests finished (any reason)
     queued: int = 0  # waiting for a row, at the last step
     running: int = 0  # holding a row, at the last step
-    capacity: int = 0  # cache slots per row now (0 when idle)
+    capacity: int = 0  # slots a row's table spans now
     max_capacity: int = 0
-    kv_bytes: int = 0  # bytes of the cache now
+    kv_bytes: int = 0  # bytes of the KV pool now (0 when dropped)
+    kv_used_bytes: int = 0  # bytes of the blocks live rows hold
+    peak_kv_bytes: int = 0
+    peak_kv_used_bytes: int = 0
+    cached_blocks: int = 0  # blocks the prefix cache holds (used by rows or not)
+    prefix_hits: int = 0  # prompt blocks found in the prefix cache
     ttft: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # recent times to first token, s
     itl: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # recent gaps between a row's tokens, s
 
@@ -126,15 +135,19 @@ class Engine:
 
     def __init__(self, model: Model, rows: int = 8, *, prefill_step: int = 512, max_kv_size: int | None = None,
                  admit_min: int | None = None, pad_multiple: int | None = None,
-                 strategy: WeightStrategy | None = None, kv_memory: int | None = None,
+                 strategy: WeightStrategy | None = None, kv_memory: int | None = None, prefix_cache: bool = True,
+                 prefix_cache_bytes: int | None = None, block_size: int = kv.BLOCK,
                  steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps):
-        check_positive_int("rows", rows)
-        check_positive_int("prefill_step", prefill_step)
-        check_positive_int("max_kv_size", max_kv_size, allow_none=True)
-        check_positive_int("admit_min", admit_min, allow_none=True)
-        check_positive_int("pad_multiple", pad_multiple, allow_none=True)
-        check_positive_int("kv_memory", kv_memory, allow_none=True)
-        # With max_kv_size every query sees at most that many positions, so the ring stops there.
+        for name, value in (("rows", rows), ("prefill_step", prefill_step), ("block_size", block_size)):
+            check_positive_int(name, value)
+        for name, value in (("max_kv_size", max_kv_size), ("admit_min", admit_min), ("pad_multiple", pad_multiple),
+                            ("kv_memory", kv_memory)):
+            check_positive_int(name, value, allow_none=True)
+        check_bool("prefix_cache", prefix_cache)
+        if prefix_cache_bytes is not None and (isinstance(prefix_cache_bytes, bool) or
+                                               not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0):
+            raise InputError(f"prefix_cache_bytes must be a non-negative integer, got {prefix_cache_bytes!r}")
+        # With max_kv_size every query sees at most that many positions: rows become rings.
         self.model, self.config, self.rows = model, model.config.with_max_kv_size(max_kv_size), rows
         self.prefill_step = prefill_step
         self.strategy = strategy or default_strategy()
@@ -148,22 +161,28 @@ class Engine:
         # rows of an 8B, two runs: 1.45 / 1.32x static batches; at an eighth 1.28 / 1.32x; at one
         # row 1.08 / 1.12x). On the CPU every token costs, so each free row is refilled at once.
         self.admit_min = admit_min or (max(1, rows // 4) if on_gpu else 1)
-        # Prompt lengths rounded up on a GPU, so attention kernels are built for few shapes.
+        # Chunk lengths rounded up on a GPU, so attention kernels are built for few shapes.
         self.pad_multiple = pad_multiple or prefill.pad_multiple()
         # Bytes the cache may take: a share of the device's memory beside what is in use now (weights).
         self.kv_memory = kv_memory or max(0, int(self.strategy.memory_fraction * memory_limit())
                                           - mx.get_active_memory())
         self.slot_bytes = kv.slot_bytes(self.config, self.dtype)
+        self.block_bytes = block_size * self.slot_bytes
+        self.max_blocks = max(2, self.kv_memory // self.block_bytes)
+        cached = (self.kv_memory // 8 if prefix_cache_bytes is None else prefix_cache_bytes) // self.block_bytes
+        self.pool = Pool(1, block_size, cached if prefix_cache else 0)
+        self.pages = Pages(rows, self.pool, self.config.max_window, self.max_blocks)
         self.requests: dict[int, Record] = {}
         self.stats = EngineStats(rows=rows)
         # Engine-thread state.
         self.pending: deque[int] = deque()
         self.owner: list[int | None] = [None] * rows  # request id per row
-        self.start = [0] * rows  # stream index of each row's first prompt token (see _make_room)
+        self.pos = [-1] * rows  # the position each row's next decode step feeds (-1: no request)
+        self.need = [0] * rows  # blocks reserved for each row's request
         self.state: DecodeState | None = None
-        self.cursor = 0  # host copy of the cache cursor
         self._settings: sampling.Settings | None = None  # per-row settings of the live rows
         self._inflight: list[tuple[StepOut, list]] = []  # outputs queued, not yet handed out
+        self._vacated: list[int] = []  # rows released since the last step: their positions go to -1
         # Any thread.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
@@ -178,11 +197,11 @@ class Engine:
         InputError, before any work, if its cache could never fit the memory budget."""
         if not isinstance(request, Request):
             raise InputError(f"submit takes an mlxfun Request, got {type(request).__name__}")
-        need = self._kv_bytes(self._extent(len(request.prompt), request.max_tokens))
-        if need > self.kv_memory:
+        need = self._blocks_needed(request)
+        if need > self.max_blocks:
             raise InputError(f"a prompt of {len(request.prompt)} tokens with max_tokens={request.max_tokens} needs "
-                             f"{_size(need)} of KV cache in {self.rows} rows; {_size(self.kv_memory)} are available "
-                             "(lower max_tokens, the rows, or max_kv_size)")
+                             f"{_size(need * self.block_bytes)} of KV cache; {_size(self.kv_memory)} are available "
+                             "(lower max_tokens, or bound the cache with max_kv_size)")
         with self._id_lock:
             rid = next(self._ids)
         record = Record(rid, request, request_mode(request),
@@ -272,7 +291,14 @@ class Engine:
             return events
         t0 = time.perf_counter()
         self.stats.admissions += 1
-        outs = self._place(records, free) if self.state is not None else self._first(records)
+        if self.state is None:
+            self.state = self._empty_state()
+        # Long prompts may run a dense copy of quantized weights, dropped after admission (mlxfun.strategy).
+        params = params_for_prompts(self.config, self.params, [len(r.request.prompt) for r in records],
+                                    self.prefill_step, self.strategy)
+        outs = []
+        for wave in self._waves(records):
+            outs += self._prefill(params, wave, free)
         self._inflight += outs
         self._settings = _stack([self.requests[o].request.settings if o is not None else _IDLE for o in self.owner])
         self.stats.prompt_tokens += sum(len(r.request.prompt) for r in records)
@@ -283,8 +309,13 @@ class Engine:
 
     def next_decode(self) -> tuple[Callable, tuple]:
         """The compiled decode step for the live rows and its arguments, not run (profiling)."""
-        self._make_room()
-        mode = mode_for([self.requests[o] for o in self.owner if o is not None])
+        live = [r for r, o in enumerate(self.owner) if o is not None]
+        self.pages.prepare(len(live))
+        for r in live:  # a block for each row's next position; a ring drops the one it displaces
+            self.pages.ensure(r, self.pos[r], self.pos[r] + 1)
+            self.pages.drop_behind(r, self.pos[r])
+        self._sync()
+        mode = mode_for([self.requests[self.owner[r]] for r in live])
         state = self.state if mode.penalties else self.state._replace(counts=None)
         return self.steps(self.config, mode).decode, (self.params, state, self._settings)
 
@@ -295,7 +326,9 @@ class Engine:
         # Steps without penalties neither read nor update the counts: keep them.
         self.state = state if state.counts is not None else state._replace(counts=self.state.counts)
         mx.async_eval(out, self.state)
-        self.cursor += 1
+        for r, o in enumerate(self.owner):
+            if o is not None:
+                self.pos[r] += 1
         self.stats.steps += 1
         self.stats.busy_row_steps += self._live()
         self._inflight.append((out, list(self.owner)))
@@ -323,19 +356,19 @@ class Engine:
             if kind == "submit":
                 self.requests[item.id] = item
                 self.pending.append(item.id)
-            else:
-                record = self.requests.get(item)
-                if record is None:  # unknown, or already taken
-                    self._cancelling.discard(item)
-                if record is None or record.finish_reason is not None:
-                    continue
-                record.row.finish_reason = "cancelled"
-                if item in self.pending:
-                    self.pending.remove(item)
-                if item in self.owner:
-                    self.owner[self.owner.index(item)] = None
-                self.stats.requests += 1
-                events.append(Event(item, -1, "", "cancelled"))
+                continue
+            record = self.requests.get(item)
+            if record is None:  # unknown, or already taken
+                self._cancelling.discard(item)
+            if record is None or record.finish_reason is not None:
+                continue
+            record.row.finish_reason = "cancelled"
+            if item in self.pending:
+                self.pending.remove(item)
+            if item in self.owner:
+                self._release(self.owner.index(item), record)
+            self.stats.requests += 1
+            events.append(Event(item, -1, "", "cancelled"))
 
     def _live(self) -> int:
         return sum(o is not None for o in self.owner)
@@ -343,104 +376,85 @@ class Engine:
     def _free_rows(self) -> list[int]:
         return [r for r, o in enumerate(self.owner) if o is None]
 
-    def _limit(self, record: Record) -> int:
+    def _limit(self, request: Request) -> int:
         """Tokens the request may generate: max_tokens, within the model's context."""
-        return min(record.request.max_tokens, self.config.max_position_embeddings - len(record.request.prompt))
+        return min(request.max_tokens, self.config.max_position_embeddings - len(request.prompt))
 
     def _needs_decode(self) -> bool:
         """Whether some live row may still need a token after the one in flight (every live row
         has exactly one in flight here: its first token, or the last step's)."""
-        return any(len(self.requests[o].row.text.tokens) + 1 < self._limit(self.requests[o])
+        return any(len(self.requests[o].row.text.tokens) + 1 < self._limit(self.requests[o].request)
                    for o in self.owner if o is not None)
 
-    def _extent(self, prompt: int, max_tokens: int) -> int:
-        """Cache slots a row of this request needs at most (ring: at most the window)."""
-        limit = min(prompt + max_tokens, self.config.max_position_embeddings)
-        return kv.capacity_for(-(-limit // self.pad_multiple) * self.pad_multiple + 1, self.config.max_window)
-
-    def _kv_bytes(self, capacity: int) -> int:
-        return self.rows * capacity * self.slot_bytes
+    def _blocks_needed(self, request: Request) -> int:
+        """Blocks a request may hold at once: its prompt and every token it may generate (a ring:
+        its window, and one prefill chunk's blocks)."""
+        return self.pages.blocks_for(len(request.prompt) + self._limit(request),
+                                     min(self.prefill_step, len(request.prompt)))
 
     def _admissible(self, free: int) -> list[Record]:
-        """Queued requests to admit now, in order: at most `free`, while the cache that the live
-        rows and they may reach fits the memory budget."""
-        live = [(self.start[r], self.requests[o]) for r, o in enumerate(self.owner) if o is not None]
-        # Stream extents [start, end) the live rows may reach; admitted rows start at the cursor.
-        lo = min([s for s, _ in live], default=None)
-        hi = max([s + len(r.request.prompt) + self._limit(r) for s, r in live], default=0)
+        """Queued requests to admit now, in order: at most `free`, while the blocks the live rows
+        hold or have reserved and theirs fit the memory budget."""
+        live = [r for r, o in enumerate(self.owner) if o is not None]
+        committed = self.pool.used + sum(max(0, self.need[r] - len(self.pages.held[r])) for r in live)
         out = []
         for rid in list(self.pending)[:free]:
             record = self.requests[rid]
-            n = len(record.request.prompt)
-            start = self.cursor if self.state is not None else 0
-            lo_, hi_ = min(lo if lo is not None else start, start - n), max(hi, start + self._limit(record))
-            if out or live:  # the first request alone was checked by submit
-                if self._kv_bytes(kv.capacity_for(hi_ - lo_ + self.pad_multiple, self.config.max_window)) > \
-                        self.kv_memory:
-                    break
-            lo, hi = lo_, hi_
+            need = self._blocks_needed(record.request)
+            if (out or live) and committed + need > self.max_blocks:
+                break  # the first request alone was checked by submit
+            committed += need
             out.append(record)
         for record in out:
             self.pending.remove(record.id)
         return out
 
-    def _first(self, records: list[Record]) -> list[tuple[StepOut, list]]:
-        """Admission into an empty engine: every group prefills into a cache just as wide as the
-        padded prompts (attending over empty slots made prefill 15% slower: SmolLM2, 128-token
-        prompts in a 256-slot cache), and the groups are stacked as the rows. The first decode
-        step grows the cache to a bucket."""
-        prompts = [list(r.request.prompt) for r in records]
-        end = prefill.padded_length(prompts, self.pad_multiple)
-        width = end if self.config.max_window is None else min(end, self.config.max_window)
-        params = params_for_prompts(self.config, self.params, [len(p) for p in prompts], self.prefill_step,
-                                    self.strategy)
-        groups = prefill.plan_groups([len(p) for p in prompts])
-        order = [records[i] for g in groups for i in g]  # rows, in the order the groups stack
-        caches, outs = [], []
-        for group in groups:
-            h, cache = prefill.prefill_group(self.config, self._prefill_steps(), params, [prompts[i] for i in group],
-                                             end, width, self.prefill_step, self.dtype, self.pad_multiple)
-            caches.append(cache)
-            outs.append((self._first_token(params, h, [records[i] for i in group]), [records[i].id for i in group]))
-        idle = self.rows - len(order)
-        if idle:
-            caches.append(kv.empty(self.config, idle, width, self.dtype)._replace(cursor=mx.array(end, mx.int32)))
-        self.cursor = end
-        for row, r in enumerate(order):
-            self.owner[row], self.start[row] = r.id, end - len(r.request.prompt)
-        first = mx.concatenate([o.tokens for o, _ in outs] + [mx.zeros((idle,), mx.int32)])
-        counts = sampling.update_counts(mx.zeros((self.rows, self.config.vocab_size), mx.int32), first)
-        self.state = DecodeState(prefill.concat_rows(caches), first,
-                                 positions=mx.array([len(r.request.prompt) for r in order] + [0] * idle, mx.int32),
-                                 steps=mx.array([1] * len(order) + [0] * idle, mx.int32), counts=counts)
-        return outs
+    def _waves(self, records: list[Record]) -> list[list[Record]]:
+        """Requests in prefill rounds: one that shares an uncached prefix with an earlier one
+        waits for it (a second round), then finds that prefix cached: computed once."""
+        if self.pool.max_cached <= 0:
+            return [records]
+        first, second, seen = [], [], set()
+        for r in records:
+            prompt = r.request.prompt
+            limit = (len(prompt) - 1) // self.pool.block_size
+            keys = [k for k, _ in chain(prompt[:limit * self.pool.block_size], self.pool.block_size)]
+            cached = len(self.pool.peek(prompt, limit))
+            if cached < len(keys) and keys[cached] in seen:
+                second.append(r)
+            else:
+                first.append(r)
+                seen.update(keys[cached:])
+        return [w for w in (first, second) if w]
 
-    def _place(self, records: list[Record], free: list[int]) -> list[tuple[StepOut, list]]:
-        """Admission beside live rows: each length group prefills into a fresh cache ending at the
-        current cursor, whose rows replace the free rows (`kv.place_rows`)."""
-        longest = max(len(r.request.prompt) for r in records)
-        self._make_room(extra=longest + 1)
-        cap = kv.capacity(self.state.cache)
-        params = params_for_prompts(self.config, self.params, [len(r.request.prompt) for r in records],
-                                    self.prefill_step, self.strategy)
+    def _prefill(self, params, records: list[Record], free: list[int]) -> list[tuple[StepOut, list]]:
+        """Prefill requests into free rows, each after the longest prefix the cache holds (at
+        least its last prompt token is computed: its hidden state gives the first token)."""
+        starts = []
+        for r in records:
+            prompt = r.request.prompt
+            blocks = self.pool.match(prompt, (len(prompt) - 1) // self.pool.block_size)
+            r.cached_tokens = len(blocks) * self.pool.block_size
+            starts.append((r, blocks))
         outs = []
-        for group in prefill.plan_groups([len(r.request.prompt) for r in records]):
+        for group in prefill.plan_groups([len(r.request.prompt) - r.cached_tokens for r, _ in starts]):
             rows = [free.pop(0) for _ in group]
-            group_records = [records[i] for i in group]
-            prompts = [list(r.request.prompt) for r in group_records]
-            # A fresh cache just wide enough for the (padded) prompts, placed into the rows after.
-            padded = prefill.padded_length(prompts, self.pad_multiple)
-            h, cache = prefill.prefill_group(self.config, self._prefill_steps(), params, prompts, padded,
-                                             min(padded, cap), self.prefill_step, self.dtype, self.pad_multiple)
-            out = self._first_token(params, h, group_records)
-            for row, r in zip(rows, group_records):
-                self.owner[row], self.start[row] = r.id, self.cursor - len(r.request.prompt)
-            self._merge(rows, cache, padded, out.tokens, [len(p) for p in prompts])
-            outs.append((out, [r.id for r in group_records]))
+            chosen = [starts[i] for i in group]
+            for row, (r, blocks) in zip(rows, chosen):
+                if row in self._vacated:  # refilled before its position went to -1
+                    self._vacated.remove(row)
+                self.owner[row], self.pos[row] = r.id, len(r.request.prompt)
+                self.need[row] = self._blocks_needed(r.request)
+                self.pages.attach(row, blocks)
+            h, cache = prefill.prefill_rows(self.steps(self.config, Mode()), params, self.state.cache, self.pages, rows,
+                                            [list(r.request.prompt) for r, _ in chosen],
+                                            [r.cached_tokens for r, _ in chosen], self.prefill_step,
+                                            self.pad_multiple)
+            self.state = self.state._replace(cache=cache)
+            out = self._first_token(params, h, [r for r, _ in chosen])
+            self._merge(rows, out.tokens, [len(r.request.prompt) for r, _ in chosen])
+            outs.append((out, [r.id for r, _ in chosen]))
         return outs
-
-    def _prefill_steps(self) -> Steps:
-        return self.steps(self.config, Mode())
 
     def _first_token(self, params, h: mx.array, records: list[Record]) -> StepOut:
         """Not compiled: group sizes vary, and each new shape would trace and build kernels again."""
@@ -448,49 +462,66 @@ class Engine:
         settings = _stack([r.request.settings for r in records])
         return first_token(self.config, mode, params, h, settings, mx.zeros((len(records),), mx.int32), None)
 
-    def _merge(self, rows: list[int], cache: kv.KVCache, fresh_cursor: int, first: mx.array,
-               lengths: list[int]) -> None:
+    def _empty_state(self) -> DecodeState:
+        keys, values, positions = kv.pool(self.config, self.pool.size, self.pool.block_size, self.dtype)
+        B = self.rows
+        return DecodeState(kv.KVCache(keys, values, positions, mx.array(self.pages.table)),
+                           tokens=mx.zeros((B,), mx.int32), positions=mx.full((B,), -1, mx.int32),
+                           steps=mx.zeros((B,), mx.int32), counts=mx.zeros((B, self.config.vocab_size), mx.int32))
+
+    def _merge(self, rows: list[int], first: mx.array, lengths: list[int]) -> None:
         s = self.state
         r = mx.array(rows, dtype=mx.int32)
         fresh = sampling.update_counts(mx.zeros((len(rows), s.counts.shape[1]), mx.int32), first)
-        self.state = DecodeState(
-            kv.place_rows(s.cache, self.cursor, rows, cache, fresh_cursor),
-            tokens=kv.updated(s.tokens, r, first),
-            positions=kv.updated(s.positions, r, mx.array(lengths, mx.int32)),
-            steps=kv.updated(s.steps, r, mx.ones((len(rows),), mx.int32)),
-            counts=kv.updated(s.counts, r, fresh),
-        )
+        self.state = s._replace(tokens=kv.updated(s.tokens, r, first),
+                                positions=kv.updated(s.positions, r, mx.array(lengths, mx.int32)),
+                                steps=kv.updated(s.steps, r, mx.ones((len(rows),), mx.int32)),
+                                counts=kv.updated(s.counts, r, fresh))
 
-    def _need(self) -> int:
-        """Slots the live rows hold, the next write included: row r holds stream indices
-        [start[r], cursor) and the next write is at `cursor`."""
-        return max([self.cursor + 1 - self.start[r] for r, o in enumerate(self.owner) if o is not None], default=1)
+    def _sync(self) -> None:
+        """The device state caught up with the host: pool size, table, vacated rows."""
+        cache = prefill.ensure_pool(self.state.cache, self.pool.size)
+        if self.pages.dirty:
+            cache = cache._replace(table=mx.array(self.pages.table))
+            self.pages.dirty = False
+        positions = self.state.positions
+        if self._vacated:
+            positions = kv.updated(positions, mx.array(self._vacated, mx.int32), mx.full((len(self._vacated),), -1,
+                                                                                        mx.int32))
+            self._vacated = []
+        self.state = self.state._replace(cache=cache, positions=positions)
 
-    def _resize(self, capacity: int) -> None:
-        """Unroll the ring into `capacity` slots (kv.resize), moving the host's stream indices along."""
-        cache = kv.resize(self.state.cache, capacity, self.cursor)
-        cursor = min(kv.capacity(self.state.cache), capacity)
-        self.start = [s - self.cursor + cursor for s in self.start]
-        self.cursor = cursor
-        self.state = self.state._replace(cache=cache)
-
-    def _make_room(self, extra: int = 1) -> None:
-        """Grow the ring before any live row would overwrite a slot it still sees."""
-        need = kv.capacity_for(max(extra, self._need()), self.config.max_window)
-        if need > kv.capacity(self.state.cache):
-            self._resize(need)
+    def _release(self, row: int, record: Record) -> None:
+        """Free a row: the blocks of every position whose KV it computed go to the prefix cache
+        (a ring row's generated blocks are gone already), then back to the pool."""
+        if self.pages.ring is None:
+            tokens = list(record.request.prompt) + record.row.text.tokens
+            valid = min(self.pos[row], len(tokens))
+            self.pool.register(tokens[:valid], self.pages.blocks(row, valid // self.pool.block_size))
+        self.pages.release(row)
+        self.owner[row], self.pos[row], self.need[row] = None, -1, 0
+        self._vacated.append(row)
 
     def _fit_cache(self) -> None:
-        """Drop the cache when idle; shrink it to half or less once long requests have left."""
-        if self.state is not None and self.idle:
-            self.state, self.cursor, self._settings = None, 0, None
-        elif self.state is not None and self._live():
-            need = kv.capacity_for(self._need(), self.config.max_window)
-            if 2 * need <= kv.capacity(self.state.cache) or self.cursor >= CURSOR_LIMIT:
-                self._resize(need)  # unrolling also brings the (int32) cursor back to the capacity
-        cap = 0 if self.state is None else kv.capacity(self.state.cache)
-        self.stats.capacity, self.stats.max_capacity = cap, max(self.stats.max_capacity, cap)
-        self.stats.kv_bytes = self._kv_bytes(cap)
+        """Drop the pool when idle and nothing is cached; compact it once long requests have left."""
+        if self.state is not None and self.idle and self.pool.cached == 0:
+            self.state, self._settings = None, None
+            self.pages.remap(self.pool.renumber(self.pool.compaction(), 1))  # only the scratch block is left
+        elif self.state is not None:
+            self.pages.fit_width()
+            keep = self.pool.compaction()
+            if self.pool.size > MIN_BLOCKS and 4 * len(keep) <= self.pool.size:
+                size = max(MIN_BLOCKS, -(-2 * len(keep) // 64) * 64)
+                cache = kv.take_blocks(self.state.cache, mx.array(keep))
+                self.pages.remap(self.pool.renumber(keep, size))
+                self.state = self.state._replace(cache=prefill.ensure_pool(cache, size))
+        self.stats.capacity = self.pages.width * self.pool.block_size if self.state else 0
+        self.stats.max_capacity = max(self.stats.max_capacity, self.stats.capacity)
+        self.stats.kv_bytes = (self.pool.size if self.state else 0) * self.block_bytes
+        self.stats.kv_used_bytes = self.pool.used * self.block_bytes
+        self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self.stats.kv_bytes)
+        self.stats.peak_kv_used_bytes = max(self.stats.peak_kv_used_bytes, self.stats.kv_used_bytes)
+        self.stats.cached_blocks, self.stats.prefix_hits = self.pool.cached, self.pool.hits
 
     def _take(self, out: StepOut, owners: list) -> list[Event]:
         """Hand out one step's tokens: `owners[i]` is the request that row i held when it ran."""
@@ -514,7 +545,7 @@ class Engine:
             if event.finish_reason is not None:
                 self.stats.requests += 1
                 if rid in self.owner:
-                    self.owner[self.owner.index(rid)] = None
+                    self._release(self.owner.index(rid), record)
             events.append(event)
         return events
 

@@ -3,8 +3,9 @@ in `mlxfun.qmv`), and what they share.
 
 `decode_attention`: masked attention of one query per row over the cache in one pass (scores,
 mask, softmax and the weighted sum; MLX's fused kernel takes no mask, so MLX ops take five
-kernels and a dozen graph nodes per layer). One block per (row, key head) serves every query
-head of its group, so each key is read once. Off CUDA, `llama` runs MLX ops instead.
+kernels and a dozen graph nodes per layer). It reads the keys through the row's block table, so
+nothing is gathered first. One block per (row, key head) serves every query head of its group,
+so each key is read once. Off CUDA, `llama` runs MLX ops instead.
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ _ATTENTION = compact(r"""
     // the group share each key read. A warp takes KPW keys at once (LPK lanes per key, PER
     // elements per lane, 16-byte loads), U rounds of them per iteration so loads overlap.
     constexpr int LPK = D / PER, KPW = 32 / LPK, U = 2;
-    const int K = keys_shape[1], S = keys_shape[2], HK = qk_shape[1], H = HK - K;
+    // Keys and values are a pool of blocks (N, BS, K, D); row b's s-th slot is in block
+    // table[b][s / BS], so rows that share a prefix read the same blocks.
+    const int K = keys_shape[2], W = table_shape[1], S = W * BS, HK = qk_shape[1], H = HK - K;
     const int P = gridDim.y / K;  // a runtime value: one compiled kernel serves every cache size
     const int b = blockIdx.z, kh = blockIdx.y / P, p = blockIdx.y % P;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % LPK, grp = lane / LPK;
     const T* qp = qk + ((int64_t)b * HK + kh * G) * D;
-    const T* kp = keys + ((int64_t)b * K + kh) * S * D;
-    const T* vp = values + ((int64_t)b * K + kh) * S * D;
+    const T* kp = keys + kh * D;
+    const T* vp = values + kh * D;
+    const int32_t* tp = table + (int64_t)b * W;
     const bool* mp = mask + (int64_t)b * S;
     const int chunk = (S + P - 1) / P, first = p * chunk, end = min(S, first + chunk);
 
@@ -52,8 +56,9 @@ _ATTENTION = compact(r"""
             const int s = first + ((r0 + u) * NW + warp) * KPW + grp;
             seen[u] = s < end && mp[s];
             if (seen[u]) {
-                kv[u] = unsafe_load_vector<PER>(kp + (int64_t)s * D, sub);
-                vv[u] = unsafe_load_vector<PER>(vp + (int64_t)s * D, sub);
+                const int64_t at = ((int64_t)tp[s / BS] * BS + s % BS) * K * D;
+                kv[u] = unsafe_load_vector<PER>(kp + at, sub);
+                vv[u] = unsafe_load_vector<PER>(vp + at, sub);
             }
         }
         #pragma unroll
@@ -198,15 +203,18 @@ def launch(batch: int, num_kv_heads: int, keys: int, head_dim: int, group: int, 
     return per, warps, parts_for(batch * num_kv_heads, keys, keys_per_round)
 
 
-def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, mask: mx.array, num_heads: int) -> mx.array:
-    """qk (B, H + K, 1, D) rotated queries then keys, keys/values (B, K, S, D) after this step's
-    write, mask (B, 1, S) bool -> (B, H * D): softmax(q k^T / sqrt(D)) v over visible keys."""
+def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, table: mx.array, mask: mx.array,
+                     num_heads: int) -> mx.array:
+    """qk (B, H + K, 1, D) rotated queries then keys, keys/values (N, bs, K, D) pools after this
+    step's write, table (B, W) int32 each row's blocks, mask (B, 1, W * bs) bool -> (B, H * D):
+    softmax(q k^T / sqrt(D)) v over the visible keys."""
     B, _, _, D = qk.shape
-    K, S = keys.shape[1], keys.shape[2]
+    bs, K = keys.shape[1], keys.shape[2]
+    S = table.shape[1] * bs
     G = num_heads // K
     per, warps, P = launch(B, K, S, D, G, qk.dtype)
-    template = [("T", qk.dtype), ("D", D), ("G", G), ("PER", per), ("NW", warps)]
-    inputs, names = [qk, keys, values, mask], ["qk", "keys", "values", "mask"]
+    template = [("T", qk.dtype), ("D", D), ("G", G), ("PER", per), ("NW", warps), ("BS", bs)]
+    inputs, names = [qk, keys, values, table, mask], ["qk", "keys", "values", "table", "mask"]
     grid, block = (32 * warps, K * P, B), (32 * warps, 1, 1)
     if P == 1:  # MLX caches each compiled module by name and source
         kernel = mx.fast.cuda_kernel(name="mlxfun_decode_attention", input_names=names, output_names=["out"],

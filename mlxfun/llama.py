@@ -127,17 +127,26 @@ def rope(config: ModelConfig, x: mx.array, offset: mx.array) -> mx.array:
                         scale=scale, offset=offset, freqs=freqs)
 
 
-def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, mask: mx.array,
-              cache_kv: tuple[mx.array, mx.array] | None, slot: mx.array | None, wraps: bool = True,
-              fast: bool = False):
-    """x (B, T, E), or (B, E) for one token per row, mask (B, T, S) -> (output shaped as x, this
-    layer's new (keys, values) or None).
+class LayerCache(NamedTuple):
+    """One layer's view of the cache in a forward pass (see `hidden`)."""
 
-    Keys are the T new tokens without a cache; with one, the cache after writing them when T == 1
-    or the chunk cannot overwrite a slot its own queries see (`wraps` False), else the cache
-    before the write followed by the chunk (a chunk may overwrite ring slots its earlier queries
-    still see). `fast`: mlxfun's CUDA kernels may run (see `hidden`); attention is one kernel in a
-    one-token step.
+    keys: mx.array  # (N, bs, K, D) the pool before this pass's write
+    values: mx.array  # (N, bs, K, D)
+    table: mx.array  # (B, W) each row's blocks
+    slots: mx.array  # (B, T) where this pass's tokens are written
+    wraps: bool  # the write may overwrite slots the chunk's own queries see
+
+
+def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, mask: mx.array,
+              cache: LayerCache | None, fast: bool = False) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
+    """x (B, T, E), or (B, E) for one token per row, mask (B, T, S) -> (output shaped as x, this
+    layer's pools after the write, or None without a cache).
+
+    Keys are the T new tokens without a cache. With one, the new keys are written at their slots
+    and a row's keys are read through its table: after the write (S = W * bs), unless the chunk
+    `wraps` (it may overwrite ring slots its earlier queries still see): then the slots before the
+    write followed by the chunk (S = W * bs + T). `fast`: mlxfun's CUDA kernels may run (see
+    `hidden`); attention is one kernel in a one-token step, reading the pools through the table.
     A (B, E) x takes fewer graph nodes (no flatten/unflatten around each product, no transposes):
     decode steps are host-bound on a GPU, and each node costs the host about 1-3 us."""
     B, T = x.shape[0], 1 if x.ndim == 2 else x.shape[1]
@@ -155,25 +164,26 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
         q = rope(config, mx.fast.rms_norm(qkv[:, :H], layer.q_norm, config.rms_norm_eps), offset)
         k = rope(config, mx.fast.rms_norm(qkv[:, H:H + K], layer.k_norm, config.rms_norm_eps), offset)
 
-    new_kv = None
-    if cache_kv is None:
+    written = None
+    if cache is None:
         keys, values = k, v
     else:
-        new_kv = (kv.write(cache_kv[0], k, slot), kv.write(cache_kv[1], v, slot))
-        if T == 1 or not wraps:
-            keys, values = new_kv
+        written = (kv.write(cache.keys, k, cache.slots), kv.write(cache.values, v, cache.slots))  # (N, bs, K, D)
+        if fast and x.ndim == 2 and layer.q_norm is None and kernels.available(x) and \
+                kernels.attention_fits(B, K, D, H // K, x.dtype):
+            out = kernels.decode_attention(qk, *written, cache.table, mask, H)  # (B, H * D)
+            return linear(layer.o, out, fast), written
+        if T == 1 or not cache.wraps:
+            keys, values = kv.gather(written[0], cache.table), kv.gather(written[1], cache.table)  # (B, K, S, D)
         else:
-            keys = mx.concatenate([cache_kv[0], k], axis=2)  # (B, K, C + T, D)
-            values = mx.concatenate([cache_kv[1], v], axis=2)
-    if fast and x.ndim == 2 and layer.q_norm is None and kernels.available(x) and \
-            kernels.attention_fits(B, K, D, H // K, x.dtype):
-        return linear(layer.o, kernels.decode_attention(qk, keys, values, mask, H), fast), new_kv
+            keys = mx.concatenate([kv.gather(cache.keys, cache.table), k], axis=2)  # (B, K, S + T, D)
+            values = mx.concatenate([kv.gather(cache.values, cache.table), v], axis=2)
     if not fused_masked_attention() and (T == 1 or B * H * T * keys.shape[2] <= GROUPED_MAX_SCORES):
         out = grouped_attention(q, keys, values, mask, D**-0.5)
     else:
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask[:, None])
     out = out.reshape(B, H * D) if x.ndim == 2 else out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
-    return linear(layer.o, out, fast), new_kv
+    return linear(layer.o, out, fast), written
 
 
 # Off Metal, attention up to this many scores runs as `grouped_attention`: on CUDA a one-token step
@@ -221,40 +231,46 @@ def silu(x: mx.array) -> mx.array:
 
 
 def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
-           mask: mx.array | None = None, cache: kv.KVCache | None = None, *, wraps: bool = True,
-           fast: bool = False, check: bool = True):
+           mask: mx.array | None = None, cache: kv.KVCache | None = None, *, slots: mx.array | None = None,
+           wraps: bool = True, fast: bool = False, check: bool = True):
     """tokens (B, T), positions (B, T) -> (final hidden states (B, T, E), new cache or None).
 
-    `mask` (B, T, S) is the padding/causal visibility over the keys (see `attention` and
-    `cache.key_positions` for their order); None derives it from positions (`masks.causal`).
-    Layer windows are applied on top. `wraps=False` promises that the chunk writes only slots none
-    of its queries can see (a cache's first pass: empty slots), so it attends over the cache after
-    writing (S = C) instead of the old cache followed by the chunk (S = C + T). `fast`: on CUDA, run
-    mlxfun's kernels where they apply (`kernels`: one-token attention; `qmv`: few-row 4-bit products).
-    They have no gradients: the decode and prefill steps of `mlxfun.step` set it, and everything
-    else (scoring, `mx.grad`) runs MLX ops, the same math. `check`: raise InputError, before any
-    work, if the chunk does not fit the cache from its next slot on (`cache.check_write`; it reads
-    the cursor, a sync, so the scheduler, which knows the cursor on the host, turns it off).
+    With a cache, each token's keys and values are written at the slot its position maps to
+    through the row's table (`cache.slots`; `slots` (B, T) overrides it), and the row reads its
+    keys through the table. `mask` (B, T, S) is the padding/causal visibility over those keys (see
+    `attention` for their order); None derives it from positions (`masks.causal`). Layer windows
+    are applied on top. `wraps=False` promises that the write overwrites no slot the chunk's own
+    queries see (no ring wraps within it), so it attends after writing (S = W * bs) instead of
+    over the slots before the write followed by the chunk (S = W * bs + T). `fast`: on CUDA, run
+    mlxfun's kernels where they apply (`kernels`: one-token attention; `qmv`: few-row 4-bit
+    products). They have no gradients: the decode and prefill steps of `mlxfun.step` set it, and
+    everything else (scoring, `mx.grad`) runs MLX ops, the same math. `check`: raise InputError,
+    before any work, if the tokens do not fit the cache (`cache.check_write`; it reads the
+    positions, so the scheduler, which knows them on the host, turns it off).
     """
     if tokens.ndim != 2 or positions.shape != tokens.shape:
         raise InputError(f"tokens and positions must both be (B, T), got {tokens.shape} and {positions.shape}")
-    if cache is not None:
-        if cache.positions.shape[0] != tokens.shape[0]:
-            raise InputError(f"{tokens.shape[0]} rows of tokens for a cache of {cache.positions.shape[0]} rows")
-        if check:
-            kv.check_write(cache, tokens.shape[1])
+    if cache is not None and check:
+        kv.check_write(cache, positions, full_attention=config.max_window is None)
     step = cache is not None and tokens.shape[1] == 1  # one token per row: (B, E) activations
     h = embed(params.embed, tokens[:, 0] if step else tokens, config.hidden_size)
-    slot = None if cache is None else kv.next_slot(cache)
-    slot_pos = None if cache is None else kv.write_positions(cache.positions, positions, slot)  # (B, C)
-    key_pos = positions if cache is None else kv.key_positions(cache, positions, slot_pos, wraps)  # (B, S)
+    if cache is None:
+        key_pos = positions  # (B, T)
+    else:
+        bs = kv.block_size(cache)
+        slots = kv.slots(cache.table, positions, bs) if slots is None else slots  # (B, T)
+        held = kv.write_positions(cache.positions, slots, positions)  # (N, bs)
+        if tokens.shape[1] == 1 or not wraps:
+            key_pos = kv.gather_positions(held, cache.table)  # (B, S)
+        else:
+            key_pos = mx.concatenate([kv.gather_positions(cache.positions, cache.table), positions], axis=1)
     layer_mask = layer_masks(config, positions, key_pos, mask)
     offset = positions[:, 0]  # (B,) RoPE starts here in each row
     new_keys, new_values = [], []
     for i, layer in enumerate(params.layers):
-        layer_kv = None if cache is None else (cache.keys[i], cache.values[i])
+        layer_cache = None if cache is None else LayerCache(cache.keys[i], cache.values[i], cache.table, slots, wraps)
         a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
-                               offset, layer_mask[config.layer_windows[i]], layer_kv, slot, wraps, fast)
+                               offset, layer_mask[config.layer_windows[i]], layer_cache, fast)
         h = h + a
         h = h + mlp(layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps), fast)
         if written is not None:
@@ -264,7 +280,7 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     h = h[:, None] if step else h  # (B, T, E)
     if cache is None:
         return h, None
-    return h, kv.advance(cache, tuple(new_keys), tuple(new_values), slot_pos, tokens.shape[1])
+    return h, kv.KVCache(tuple(new_keys), tuple(new_values), held, cache.table)
 
 
 def logits(params: Params, h: mx.array, fast: bool = False) -> mx.array:

@@ -1,8 +1,8 @@
 """The compiled steps of generation: chunked prefill and the one-token decode step.
 
 `decode` is one `mx.compile`d function (decoder, sampling and cache update together). Everything
-that varies per token (cache cursor, positions, step counters, sampling settings) is an array
-argument, so it traces once per (batch size, cache capacity) and never per token.
+that varies per token (block tables, positions, step counters, sampling settings) is an array
+argument, so it traces once per (batch size, table width, pool size) and never per token.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class DecodeState(NamedTuple):
 
     cache: KVCache
     tokens: mx.array  # (B,) int32: the last token of each row
-    positions: mx.array  # (B,) int32: the position of `tokens`
+    positions: mx.array  # (B,) int32: the position of `tokens`; -1 for a row without a request
     steps: mx.array  # (B,) int32: tokens generated so far per row (the sampler's counter)
     counts: mx.array | None  # (B, V) int32: each row's generated-token counts (penalties only)
 
@@ -67,15 +67,19 @@ def decode_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeSt
                             fast=True, check=False)  # (B, 1, E)
     out = choose(mode, llama.logits(params, h[:, -1], fast=True), settings, state.steps, state.counts)
     counts = None if state.counts is None else sampling.update_counts(state.counts, out.tokens)
-    return out, DecodeState(cache, out.tokens, state.positions + 1, state.steps + 1, counts)
+    # Rows without a request stay at -1: their writes go to the scratch block.
+    positions = mx.where(state.positions >= 0, state.positions + 1, state.positions)
+    return out, DecodeState(cache, out.tokens, positions, state.steps + 1, counts)
 
 
 def prefill_chunk(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
-                  cache: KVCache, wraps: bool = True) -> tuple[mx.array, KVCache]:
-    """tokens (B, T) into the cache -> (hidden state of the last token (B, E), cache).
-    `wraps`: whether the chunk may overwrite slots its queries see (see `llama.hidden`)."""
-    h, cache = llama.hidden(config, params, tokens, positions, None, cache, wraps=wraps, fast=True, check=False)
-    return h[:, -1], cache
+                  cache: KVCache, slots: mx.array, last: mx.array, wraps: bool = True) -> tuple[mx.array, KVCache]:
+    """tokens (B, T) into the cache at `slots` (B, T) -> (hidden state at index last[b] of each
+    row (B, E), cache). `wraps`: whether the chunk may overwrite slots its queries see (see
+    `llama.hidden`)."""
+    h, cache = llama.hidden(config, params, tokens, positions, None, cache, slots=slots, wraps=wraps, fast=True,
+                            check=False)  # (B, T, E)
+    return mx.take_along_axis(h, last[:, None, None], axis=1)[:, 0], cache
 
 
 def first_token(config: ModelConfig, mode: Mode, params: Params, h: mx.array, settings: sampling.Settings,
@@ -88,7 +92,7 @@ class Steps(NamedTuple):
     """The functions a generation loop calls; `compiled_steps` caches them per config and mode."""
 
     decode: Callable  # compiled: (params, state, settings) -> (StepOut, state)
-    prefill: Callable  # (params, tokens, positions, cache, wraps) -> (last hidden state, cache)
+    prefill: Callable  # (params, tokens, positions, cache, slots, last, wraps) -> (hidden states at last, cache)
 
 
 def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | None = None) -> Steps:
@@ -99,8 +103,8 @@ def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | N
             on_trace()
         return decode_step(config, mode, params, state, settings)
 
-    def prefill(params, tokens, positions, cache, wraps=True):
-        return prefill_chunk(config, params, tokens, positions, cache, wraps)
+    def prefill(params, tokens, positions, cache, slots, last, wraps=True):
+        return prefill_chunk(config, params, tokens, positions, cache, slots, last, wraps)
 
     return Steps(mx.compile(decode), prefill)
 

@@ -109,7 +109,8 @@ template <typename T> void qmv_mma(float* c, const Pair* a, const Pair* b) {
 }
 """
 
-CTYPES = {np.dtype(np.float32): "float", np.dtype(np.bool_): "bool", np.dtype(np.uint32): "uint32_t"}
+CTYPES = {np.dtype(np.float32): "float", np.dtype(np.bool_): "bool", np.dtype(np.uint32): "uint32_t",
+          np.dtype(np.int32): "int32_t"}
 
 
 def run(source: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple], template: list,

@@ -33,7 +33,8 @@ def decode_in_chunks(config, params, tokens: np.ndarray, chunks: list[int], capa
         logits, cache = llama.forward(config, params, mx.array(tokens[:, t:t + n]), positions, cache=cache)
         out.append(np.array(logits))
         t += n
-    assert int(cache.cursor.item()) == T
+    held = np.array(kv.gather_positions(cache.positions, cache.table))  # (B, slots)
+    assert (held.max(axis=1) == start + T - 1).all()  # each row's newest position, at its own slot
     return np.concatenate(out, axis=1), cache
 
 
@@ -84,7 +85,7 @@ def test_sliding_window_ring_cache(chunks):
     expected = reference_forward(config, w, tokens, np.broadcast_to(np.arange(14), (2, 14)))
     logits, cache = decode_in_chunks(config, params, tokens, chunks, capacity=config.max_window)
     assert rel_error(logits, expected) < 1e-4
-    assert sorted(np.array(cache.positions)[0].tolist()) == [10, 11, 12, 13]
+    assert sorted(np.array(kv.gather_positions(cache.positions, cache.table))[0].tolist()) == [10, 11, 12, 13]
 
 
 def test_max_kv_size_is_a_window():
@@ -110,33 +111,37 @@ def test_grow_keeps_contents():
     assert rel_error(np.concatenate([np.array(first), np.array(rest)], axis=1), np.array(full)) < 1e-4
 
 
-@pytest.mark.parametrize("fresh_capacity,fresh_cursor", [(4, 4), (3, 7), (5, 5)])
-def test_place_rows_aligns_cursors_and_touches_only_its_rows(fresh_capacity, fresh_cursor):
-    """Row r of the result holds fresh's newest tokens ending at the cache's cursor (wrapping the
-    ring), emptied elsewhere; other rows and the input cache are unchanged."""
-    config = tiny_config(num_layers=1)
-    rng = np.random.default_rng(0)
-    B, C, K, D = 4, 6, config.num_kv_heads, config.head_dim
-    cache = kv.KVCache((mx.array(rng.standard_normal((B, K, C, D)), mx.float32),),
-                       (mx.array(rng.standard_normal((B, K, C, D)), mx.float32),),
-                       mx.array(rng.integers(0, 50, (B, C)), mx.int32), mx.array(9, mx.int32))
-    before = [np.array(a) for a in (cache.keys[0], cache.values[0], cache.positions)]
-    F = fresh_capacity
-    fresh = kv.KVCache((mx.array(rng.standard_normal((2, K, F, D)), mx.float32),),
-                       (mx.array(rng.standard_normal((2, K, F, D)), mx.float32),),
-                       mx.array(rng.integers(-3, 50, (2, F)), mx.int32), mx.array(fresh_cursor, mx.int32))
-    out = kv.place_rows(cache, 9, [3, 1], fresh, fresh_cursor)
-    keys, values, positions = (np.array(a) for a in (out.keys[0], out.values[0], out.positions))
-    fk, fv, fp = (np.array(a) for a in (fresh.keys[0], fresh.values[0], fresh.positions))
-    for j, row in enumerate([3, 1]):
-        expected = np.full(C, -1)
-        for t in range(fresh_cursor - min(F, fresh_cursor), fresh_cursor):  # stream index in fresh
-            slot = (9 - fresh_cursor + t) % C
-            assert np.array_equal(keys[row, :, slot], fk[j, :, t % F])
-            assert np.array_equal(values[row, :, slot], fv[j, :, t % F])
-            expected[slot] = fp[j, t % F]
-        assert np.array_equal(positions[row], expected)
-    for row in (0, 2):
-        assert np.array_equal(keys[row], before[0][row]) and np.array_equal(positions[row], before[2][row])
-    assert all(np.array_equal(np.array(a), b) for a, b in zip((cache.keys[0], cache.values[0], cache.positions),
-                                                               before))
+def test_rows_sharing_prefix_blocks_equal_full_forward():
+    """Row b reads row a's first two blocks (a shared prefix) and writes only blocks of its own:
+    both rows' logits equal a full forward pass of their tokens, and a's blocks stay as they were."""
+    config = tiny_config()
+    params, w = tiny_params(config, seed=11)
+    prefix, a_rest, b_rest = (random_tokens(config, (n,), seed=s) for n, s in ((8, 1), (4, 2), (4, 3)))
+    keys, values, positions = kv.pool(config, 5, 4, mx.float32)  # scratch + 4 blocks of 4 slots
+    a = kv.KVCache(keys, values, positions, mx.array([[1, 2, 3]], mx.int32))
+    a_tokens = np.concatenate([prefix, a_rest])[None]
+    a_logits, a = llama.forward(config, params, mx.array(a_tokens), mx.arange(12)[None], cache=a)
+    before = [np.array(x) for x in (a.keys[0], a.positions)]
+    b = a._replace(table=mx.array([[1, 2, 4]], mx.int32))
+    b_logits, b = llama.forward(config, params, mx.array(b_rest[None]), mx.arange(8, 12)[None], cache=b)
+    b_tokens = np.concatenate([prefix, b_rest])[None]
+    assert rel_error(a_logits, reference_forward(config, w, a_tokens, np.arange(12)[None])) < 1e-4
+    assert rel_error(b_logits, reference_forward(config, w, b_tokens, np.arange(12)[None])[:, 8:]) < 1e-4
+    after = [np.array(x) for x in (b.keys[0], b.positions)]
+    for block in (1, 2, 3):
+        assert np.array_equal(after[0][block], before[0][block]) and np.array_equal(after[1][block], before[1][block])
+    assert np.array(b.positions)[4].tolist() == [8, 9, 10, 11]
+
+
+def test_padding_is_written_to_the_scratch_block_unseen():
+    """Left padding (negative positions) lands in block 0 with position -1; no row's keys include it."""
+    config = tiny_config()
+    params, _ = tiny_params(config, seed=12)
+    cache = kv.empty(config, 2, 8, mx.float32)
+    tokens = mx.array([[7, 7, 5, 6], [1, 2, 3, 4]])
+    positions = mx.array([[-2, -1, 0, 1], [0, 1, 2, 3]])
+    _, cache = llama.forward(config, params, tokens, positions, cache=cache)
+    assert (np.array(cache.positions)[0] == -1).all()
+    held = np.array(kv.gather_positions(cache.positions, cache.table))
+    assert sorted(held[0][held[0] >= 0].tolist()) == [0, 1] and sorted(held[1][held[1] >= 0].tolist()) == [0, 1, 2, 3]
+    assert kv.slots(cache.table, positions, kv.block_size(cache)).tolist() == [[0, 0, 8, 9], [16, 17, 18, 19]]

@@ -139,11 +139,23 @@ def test_gpu_admission_settings_keep_outputs_equal_alone(tiny, admit_min, pad_mu
 
 
 def test_static_batch_with_rounded_shapes_equals_alone(tiny):
+    """Chunk lengths rounded up to 32 (the GPU's default, here on the CPU): every prefill chunk
+    the static batch runs is a multiple of 32 long, and the tokens are each prompt's alone."""
+    from mlxfun.step import compiled_steps
+
     prompts, max_tokens = workload(9, seed=4)
-    engine = Engine(tiny, rows=len(prompts), pad_multiple=32)
+    shapes = []
+
+    def steps(config, mode):
+        real = compiled_steps(config, mode)
+        return real._replace(prefill=lambda params, tokens, *rest: shapes.append(tokens.shape) or
+                             real.prefill(params, tokens, *rest))
+
+    engine = Engine(tiny, rows=len(prompts), pad_multiple=32, steps=steps)
     ids = [engine.add(p, max_tokens=m, ignore_eos=True) for p, m in zip(prompts, max_tokens)]
     engine.admit()  # every prompt at once: a static batch
-    assert engine.cursor % 32 == 0 and engine.cursor >= max(map(len, prompts)) and not engine.pending
+    assert not engine.pending and sum(s[0] for s in shapes) >= len(prompts)
+    assert shapes and all(T % 32 == 0 for _, T in shapes), shapes
     list(engine.events())
     assert [engine.take(i).row.token_ids for i in ids] == \
         generate(tiny, prompts, max_tokens=max_tokens, ignore_eos=True).token_ids

@@ -34,15 +34,33 @@ def test_keys_split_into_parts_of_at_most_four_rounds():
     assert kernels.parts_for(4096, 1024, 32) == 1
 
 
-def emulated_attention(qk, keys, values, mask, num_heads, source=None):
-    """`kernels.decode_attention`'s launches (one kernel, or parts then merge), emulated."""
+def paged(keys, values, mask, block_size, seed=0):
+    """keys/values (B, K, S, D) and mask (B, 1, S) as a shuffled pool of blocks (N, bs, K, D),
+    a table (B, W) and a mask padded to W * bs slots."""
+    B, K, S, D = keys.shape
+    W = -(-S // block_size)
+    pad = W * block_size - S
+    keys, values = (np.pad(a, [(0, 0), (0, 0), (0, pad), (0, 0)]) for a in (keys, values))
+    table = (1 + np.random.default_rng(seed).permutation(B * W)).reshape(B, W).astype(np.int32)
+    pools = [np.zeros((1 + B * W, block_size, K, D), np.float32) for _ in range(2)]
+    for b in range(B):
+        for w in range(W):
+            for pool, a in zip(pools, (keys, values)):
+                pool[table[b, w]] = a[b, :, w * block_size:(w + 1) * block_size].transpose(1, 0, 2)
+    return pools[0], pools[1], table, np.pad(mask, [(0, 0), (0, 0), (0, pad)])
+
+
+def emulated_attention(qk, keys, values, mask, num_heads, source=None, block_size=16):
+    """`kernels.decode_attention`'s launches (one kernel, or parts then merge), emulated, over
+    the keys and values laid out as a shuffled pool of blocks."""
     B, _, _, D = qk.shape
-    K, S = keys.shape[1], keys.shape[2]
+    keys, values, table, mask = paged(keys, values, mask, block_size, seed=B)
+    K, S = keys.shape[2], table.shape[1] * block_size
     G = num_heads // K
     per, warps, P = kernels.launch(B, K, S, D, G, mx.float32)
     body = source or kernels._ATTENTION
-    template = [("T", 0), ("D", D), ("G", G), ("PER", per), ("NW", warps)]
-    grid, inputs = (32 * warps, K * P, B), dict(qk=qk, keys=keys, values=values, mask=mask)
+    template = [("T", 0), ("D", D), ("G", G), ("PER", per), ("NW", warps), ("BS", block_size)]
+    grid, inputs = (32 * warps, K * P, B), dict(qk=qk, keys=keys, values=values, table=table, mask=mask)
     if P == 1:
         return run(body + kernels._WHOLE, inputs, {"out": (B, 1, num_heads * D)}, template, grid, 32 * warps)[0], P
     po, pm, pl = run(body + kernels._PART, inputs, {"po": (B, K, P, G, D), "pm": (B, K, P, G), "pl": (B, K, P, G)},
@@ -154,8 +172,9 @@ def test_kernels_run_in_steps_only(monkeypatch):
     monkeypatch.setattr(kernels, "available", lambda x: True)
     monkeypatch.setattr(qmv, "product", stand_in("qmv", lambda x, w, s, b, gs: mx.quantized_matmul(
         x, w, s, b, group_size=gs, bits=4)))
-    monkeypatch.setattr(kernels, "decode_attention", stand_in("attention", lambda qk, k, v, m, h: (
-        llama.grouped_attention(qk[:, :h], k, v, m, k.shape[-1]**-0.5).reshape(qk.shape[0], -1))))
+    monkeypatch.setattr(kernels, "decode_attention", stand_in("attention", lambda qk, k, v, t, m, h: (
+        llama.grouped_attention(qk[:, :h], kv.gather(k, t), kv.gather(v, t), m, k.shape[-1]**-0.5)
+        .reshape(qk.shape[0], -1))))
     tokens, positions = mx.array([[5], [9]]), mx.array([[0], [0]])
     cache = kv.empty(config, 2, 8, mx.float32)
     plain = llama.logits(params, llama.hidden(config, params, tokens, positions, None, cache)[0])

@@ -10,6 +10,7 @@ import textwrap
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -129,28 +130,28 @@ def test_two_thousand_requests_keep_memory_and_records_flat(tiny):
 
 
 def test_memory_budget_refuses_what_never_fits_and_delays_what_fits_alone(tiny):
-    slot = kv.slot_bytes(tiny.config, mx.float32)
-    engine = Engine(tiny, rows=2, kv_memory=2 * 512 * slot)  # 512 slots per row
-    with pytest.raises(mlxfun.InputError, match=r"needs 0.79 MB of KV cache in 2 rows; 0.53 MB are available"):
-        engine.add([1] * 10, max_tokens=600)
-    a = engine.add([3] * 10, max_tokens=450, ignore_eos=True)  # fits alone
-    b = engine.add([4] * 450, max_tokens=10, ignore_eos=True)  # fits alone; not beside a at first
-    order = [e.index for e in engine.events()]
-    # Rows share the cursor: a spans stream indices [0, 460); b, admitted at cursor c, spans
-    # [c - 450, c + 10). Together they fit 512 slots once c >= 399, after about 390 of a's tokens.
-    assert order.index(b) >= 380 and engine.stats.max_capacity == 512
+    block = kv.BLOCK * kv.slot_bytes(tiny.config, mx.float32)
+    engine = Engine(tiny, rows=2, kv_memory=40 * block)  # 40 blocks of 16 slots
+    with pytest.raises(mlxfun.InputError, match=r"needs 0.37 MB of KV cache; 0.33 MB are available"):
+        engine.add([1] * 10, max_tokens=700)  # 710 slots: 45 blocks
+    a = engine.add([3] * 10, max_tokens=450, ignore_eos=True)  # 29 blocks: fits alone
+    b = engine.add([4] * 450, max_tokens=10, ignore_eos=True)  # 29 blocks: fits alone, not beside a
+    order = [(e.index, e.finish_reason) for e in engine.events()]
+    first_b = next(i for i, (rid, _) in enumerate(order) if rid == b)
+    assert (a, "length") in order[:first_b]  # b waited for a to leave
+    assert engine.stats.peak_kv_used_bytes <= 40 * block
     assert engine.take(b).row.token_ids == generate(tiny, [[4] * 450], max_tokens=10, ignore_eos=True).token_ids[0]
     assert engine.take(a).row.token_ids == generate(tiny, [[3] * 10], max_tokens=450, ignore_eos=True).token_ids[0]
 
 
 def test_static_batch_that_does_not_fit_runs_in_waves(tiny, monkeypatch):
     """generate() admits what fits the budget and queues the rest: outputs still equal alone."""
-    slot = kv.slot_bytes(tiny.config, mx.float32)
-    monkeypatch.setattr("mlxfun.engine.memory_limit", lambda: int((mx.get_active_memory() + 4 * 700 * slot) / 0.75))
-    # Each fits 512 slots alone; rows share the cursor, so together they would span 300 + 300.
+    block = kv.BLOCK * kv.slot_bytes(tiny.config, mx.float32)
+    monkeypatch.setattr("mlxfun.engine.memory_limit", lambda: int((mx.get_active_memory() + 45.5 * block) / 0.75))
+    # 20, 20, 20 and 17 blocks: two at a time fit 45 blocks.
     prompts, max_tokens = [[5] * 300, [6] * 290, [7] * 10, [8] * 12], [20, 30, 300, 250]
     out = generate(tiny, prompts, max_tokens=max_tokens, ignore_eos=True)
-    assert out.stats.admissions >= 2 and out.stats.max_capacity == 512
+    assert out.stats.admissions >= 2 and out.stats.peak_kv_used_bytes <= 45 * block
     for p, m, ids in zip(prompts, max_tokens, out.token_ids):
         assert ids == generate(tiny, [p], max_tokens=m, ignore_eos=True).token_ids[0]
 
@@ -175,7 +176,7 @@ def test_forward_refuses_a_chunk_past_the_end_of_the_cache():
     cache = kv.empty(config, 1, 8, mx.float32)
     tokens = mx.array([[1, 2, 3, 4, 5, 6]])
     _, cache = llama.forward(config, model.params, tokens, mx.arange(6)[None], cache=cache)
-    with pytest.raises(mlxfun.InputError, match="a chunk of 4 tokens at slot 6 does not fit a cache of 8 slots"):
+    with pytest.raises(mlxfun.InputError, match="position 9 does not fit a cache of 8 slots per row"):
         llama.forward(config, model.params, tokens[:, :4], mx.arange(6, 10)[None], cache=cache)
     with pytest.raises(mlxfun.InputError, match="a chunk of 9 tokens"):
         llama.forward(config, model.params, mx.zeros((1, 9), mx.int32), mx.arange(9)[None],
@@ -194,6 +195,8 @@ def test_overflowing_write_is_an_error_not_a_crash():
     """6 then 4 tokens into 8 slots once dropped two tokens and aborted the process (heap
     corruption); run in a subprocess so that an abort fails this test instead of the suite."""
     code = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, "tests")
         import mlx.core as mx
         from helpers import tiny_config, tiny_model
         import mlxfun
@@ -207,10 +210,10 @@ def test_overflowing_write_is_an_error_not_a_crash():
         except mlxfun.InputError as e:
             print("refused:", e)
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=str(__import__("pathlib").Path(__file__).parent))
+    root = Path(__file__).resolve().parent.parent  # this checkout's mlxfun, not an installed one
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "refused: a chunk of 4 tokens at slot 6 does not fit a cache of 8 slots" in run.stdout
+    assert "refused: position 9 does not fit a cache of 8 slots per row" in run.stdout
 
 
 # ---- bad values: clear errors before any work ----
@@ -222,7 +225,7 @@ def no_prefill(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("prefill ran before the bad value was caught")
 
-    monkeypatch.setattr(prefill, "prefill_group", forbidden)
+    monkeypatch.setattr(prefill, "prefill_rows", forbidden)
 
 
 @pytest.mark.parametrize("options,message", [

@@ -1,0 +1,130 @@
+"""Which blocks each row of the scheduler holds: the host's side of the block tables.
+
+Row r holds a block per logical block j of its positions (j * bs ... (j + 1) * bs - 1), in
+`held[r]`; the device table puts block j in column j % W. A linear row's table is as wide as its
+longest live row needs (in buckets, so the compiled step retraces per bucket), so a column is a
+logical block. A ring row (every layer windowed, or `max_kv_size`) keeps `ring_columns(window)`
+columns: each new block displaces the one W columns behind it, which no query can see any more.
+Blocks come from a `blocks.Pool`, which grows (up to `max_blocks`) when none is free; the engine
+sizes the device pool to match. Pure bookkeeping over integers: no arrays but the host table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mlxfun import cache as kv
+from mlxfun.blocks import Pool
+
+
+class Pages:
+    def __init__(self, rows: int, pool: Pool, window: int | None, max_blocks: int):
+        self.pool, self.bs, self.window, self.max_blocks = pool, pool.block_size, window, max_blocks
+        self.ring = None if window is None else kv.ring_columns(window, self.bs)
+        self.held: list[dict[int, int]] = [{} for _ in range(rows)]
+        self.table = np.zeros((rows, self.ring or kv.columns_for(1, None, self.bs)), np.int32)
+        self.dirty = True  # the device table is out of date
+
+    # ---- sizes ----
+
+    def blocks_for(self, positions: int, transient: int = 0) -> int:
+        """Blocks a row of `positions` positions may hold at once; `transient`: prompt tokens one
+        prefill chunk writes (a ring row holds that chunk's blocks too, until it is queued)."""
+        linear = -(-positions // self.bs)
+        return linear if self.ring is None else min(linear, self.ring + -(-transient // self.bs) + 1)
+
+    @property
+    def width(self) -> int:
+        return self.table.shape[1]
+
+    def fit_width(self) -> None:
+        """Size the table to what the rows hold: a linear table to the bucket of the furthest
+        logical block any row holds (it shrinks when long rows have left)."""
+        if self.ring is not None:
+            return
+        last = max((max(h) for h in self.held if h), default=0)
+        width = kv.columns_for((last + 1) * self.bs, None, self.bs)
+        if width != self.width:
+            self.table = np.zeros((len(self.held), width), np.int32)
+            for r in range(len(self.held)):
+                self._fill(r)
+            self.dirty = True
+
+    # ---- rows ----
+
+    def attach(self, row: int, blocks: list[int]) -> None:
+        """Give an empty row cached blocks (already referenced) as its logical blocks 0, 1, ..."""
+        assert not self.held[row]
+        self.held[row] = dict(enumerate(blocks))
+        self._settle(row)
+
+    def ensure(self, row: int, start: int, end: int) -> None:
+        """Blocks for positions [start, end) of a row, allocated where it holds none."""
+        for j in range(start // self.bs, -(-end // self.bs)):
+            if j not in self.held[row]:
+                self.held[row][j] = self._allocate()
+        self._settle(row)
+
+    def drop_behind(self, row: int, position: int) -> None:
+        """A ring row releases the blocks a query at `position` can no longer see."""
+        if self.ring is None:
+            return
+        first = position // self.bs - self.ring + 1
+        old = sorted(j for j in self.held[row] if j < first)
+        if old:
+            self.pool.release([self.held[row].pop(j) for j in reversed(old)])
+            self._settle(row)
+
+    def release(self, row: int) -> None:
+        """A row gives back every block it holds (deepest first: cached leaves evict first)."""
+        held = self.held[row]
+        self.pool.release([held[j] for j in sorted(held, reverse=True)])
+        self.held[row] = {}
+        self.table[row] = 0
+        self.dirty = True
+
+    def slots(self, row: int, positions: np.ndarray) -> np.ndarray:
+        """Flat pool slots of a row's positions (0, the scratch slot, for negative positions)."""
+        held = self.held[row]
+        blocks = np.array([held[p // self.bs] if p >= 0 else 0 for p in positions.tolist()], np.int32)
+        return np.where(positions >= 0, blocks * self.bs + positions % self.bs, 0).astype(np.int32)
+
+    def blocks(self, row: int, count: int) -> list[int]:
+        """A row's blocks for logical blocks 0 .. count-1 (0 where it no longer holds one)."""
+        return [self.held[row].get(j, 0) for j in range(count)]
+
+    def prepare(self, blocks: int) -> None:
+        """Make `blocks` allocations possible without growing the pool again soon: grow it (up to
+        `max_blocks`) by a quarter at least, in multiples of 64 blocks, so the compiled step
+        retraces for few pool sizes."""
+        if self.pool.available() >= blocks:
+            return
+        want = max(self.pool.size * 5 // 4, self.pool.size + blocks - self.pool.available())
+        size = min(self.max_blocks, -(-want // 64) * 64)
+        if size - self.pool.size + self.pool.available() < blocks:
+            raise MemoryError(f"the KV pool is full ({self.pool.size} blocks)")  # reservations prevent this
+        self.pool.grow(size)
+
+    # ---- internals ----
+
+    def _allocate(self) -> int:
+        self.prepare(1)
+        return self.pool.allocate()
+
+    def _settle(self, row: int) -> None:
+        """The row's table columns from what it holds (a linear table widens when it must)."""
+        if self.ring is None and self.held[row] and max(self.held[row]) >= self.width:
+            self.fit_width()
+        self._fill(row)
+        self.dirty = True
+
+    def _fill(self, row: int) -> None:
+        self.table[row] = 0
+        for j in sorted(self.held[row]):
+            self.table[row, j % self.width] = self.held[row][j]
+
+    def remap(self, new: np.ndarray) -> None:
+        """Block ids renumbered by a compaction (`Pool.renumber`'s map)."""
+        self.held = [{j: int(new[b]) for j, b in h.items()} for h in self.held]
+        self.table = new[self.table]
+        self.dirty = True
