@@ -6,8 +6,10 @@ from mlxfun.events import Event
 from mlxfun.generate import generate, stream_generate
 from mlxfun.load import Model, load, save
 from mlxfun.options import GenerationConfig
+from mlxfun.prompt_cache import PromptCache, cache_prompt, load_prompt_cache
 from mlxfun.rows import GenerationResult
 from mlxfun.score import score
 
 __all__ = ["Event", "GenerationConfig", "GenerationResult", "InputError", "MlxfunError", "Model", "ModelError",
-           "generate", "load", "save", "score", "stream_generate"]
+           "PromptCache", "cache_prompt", "generate", "load", "load_prompt_cache", "save", "score",
+           "stream_generate"]

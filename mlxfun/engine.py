@@ -95,6 +95,7 @@ class EngineStats(Stats):
     kv_used_bytes: int = 0  # bytes of the blocks live rows hold
     peak_kv_bytes: int = 0
     peak_kv_used_bytes: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
     cached_blocks: int = 0  # blocks the prefix cache holds (used by rows or not)
     prefix_hits: int = 0  # prompt blocks found in the prefix cache
     ttft: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # recent times to first token, s
@@ -262,6 +263,36 @@ class Engine:
         events += self.collect(keep=queued)
         self._fit_cache()
         return events
+
+    def add_prompt_cache(self, cache) -> None:
+        """Make a `prompt_cache.PromptCache`'s full blocks part of the prefix cache, pinned for the
+        engine's life, so every prompt that starts with its tokens skips them."""
+        from mlxfun.prompt_cache import PromptCache, identity
+
+        if not isinstance(cache, PromptCache):
+            raise InputError(f"prompt_cache must be an mlxfun PromptCache (mlxfun.cache_prompt), got "
+                             f"{type(cache).__name__}")
+        if cache.identity != identity(self.model):
+            raise InputError("this prompt cache was made for another model or dtype")
+        bs = self.pool.block_size
+        m = len(cache.tokens) // bs
+        if m == 0:
+            return
+        self.pages.prepare(m)
+        blocks = [self.pool.allocate() for _ in range(m)]  # their one reference: the pin
+        if self.state is None:
+            self.state = self._empty_state()
+        c = prefill.ensure_pool(self.state.cache, self.pool.size)
+        index = mx.array(blocks, mx.int32)
+
+        def put(pool: mx.array, new: mx.array) -> mx.array:
+            return kv.updated(pool, index, new[:m * bs].reshape(m, bs, *new.shape[1:]))
+
+        self.state = self.state._replace(cache=c._replace(
+            keys=tuple(put(p, k) for p, k in zip(c.keys, cache.keys)),
+            values=tuple(put(p, v) for p, v in zip(c.values, cache.values)),
+            positions=kv.updated(c.positions, index, mx.arange(m * bs, dtype=mx.int32).reshape(m, bs))))
+        self.pool.register(cache.tokens, blocks, always=True)
 
     def take(self, rid: int) -> Record:
         """Release a finished request and return its record."""
@@ -435,6 +466,7 @@ class Engine:
             prompt = r.request.prompt
             blocks = self.pool.match(prompt, (len(prompt) - 1) // self.pool.block_size)
             r.cached_tokens = len(blocks) * self.pool.block_size
+            self.stats.cached_tokens += r.cached_tokens
             starts.append((r, blocks))
         outs = []
         for group in prefill.plan_groups([len(r.request.prompt) - r.cached_tokens for r, _ in starts]):

@@ -29,7 +29,10 @@ class Job:
 
     def __init__(self, model: Model, reqs: list[Request], config: GenerationConfig):
         rows = len(reqs) if config.batch_size is None else min(config.batch_size, len(reqs))
-        self.engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size)
+        self.engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size,
+                             prefix_cache=config.prefix_cache)
+        if config.prompt_cache is not None:
+            self.engine.add_prompt_cache(config.prompt_cache)
         self.requests = reqs
         self.ids = [self.engine.submit(r) for r in reqs]
         self._result: GenerationResult | None = None

@@ -47,6 +47,8 @@ class GenerationConfig:
     batch_size: int | None = None  # rows decoded at once; more prompts wait and refill rows
     prefill_step: int = 512  # prompt tokens per prefill chunk
     max_kv_size: int | None = None  # bound the cache to a ring of this many tokens
+    prefix_cache: bool = True  # reuse the KV of prompt prefixes already computed (False: compute all)
+    prompt_cache: Any = None  # a `prompt_cache.PromptCache` whose prefix prompts may start with
 
     @classmethod
     def make(cls, config: GenerationConfig | None = None, options: dict[str, Any] | None = None
@@ -216,6 +218,7 @@ def check_scheduler(config: GenerationConfig) -> None:
     check_positive_int("max_kv_size", config.max_kv_size, allow_none=True)
     check_bool("ignore_eos", config.ignore_eos)
     check_bool("chat", config.chat)
+    check_bool("prefix_cache", config.prefix_cache)
 
 
 def requests(model: Model, prompts, config: GenerationConfig) -> list[Request]:

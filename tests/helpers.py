@@ -160,7 +160,9 @@ def run_engine(model: Model, prompts, *, rows: int | None = None, steps=None, st
     reqs = requests(model, prompts, GenerationConfig(**options))
     engine = Engine(model, rows or len(reqs), steps=steps or compiled_steps, strategy=strategy,
                     pad_multiple=pad_multiple, prefill_step=options.get("prefill_step", 512),
-                    max_kv_size=options.get("max_kv_size"))
+                    max_kv_size=options.get("max_kv_size"), prefix_cache=options.get("prefix_cache", True))
+    if options.get("prompt_cache") is not None:
+        engine.add_prompt_cache(options["prompt_cache"])
     ids = [engine.submit(r) for r in reqs]
     for _ in engine.events():
         pass
