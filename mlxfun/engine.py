@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from mlxfun import cache as kv
-from mlxfun import prefill, sampling
+from mlxfun import prefill, sampling, speculative
 from mlxfun.blocks import Pool, chain
 from mlxfun.config import ModelConfig
 from mlxfun.detok import RowText
@@ -95,6 +96,9 @@ class EngineStats(Stats):
     kv_used_bytes: int = 0  # bytes of the blocks live rows hold
     peak_kv_bytes: int = 0
     peak_kv_used_bytes: int = 0
+    verify_rounds: int = 0  # speculative rounds (counted in `steps` too)
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens kept
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
     cached_blocks: int = 0  # blocks the prefix cache holds (used by rows or not)
     prefix_hits: int = 0  # prompt blocks found in the prefix cache
@@ -137,7 +141,8 @@ class Engine:
     def __init__(self, model: Model, rows: int = 8, *, prefill_step: int = 512, max_kv_size: int | None = None,
                  admit_min: int | None = None, pad_multiple: int | None = None,
                  strategy: WeightStrategy | None = None, kv_memory: int | None = None, prefix_cache: bool = True,
-                 prefix_cache_bytes: int | None = None, block_size: int = kv.BLOCK,
+                 prefix_cache_bytes: int | None = None, block_size: int = kv.BLOCK, draft=None,
+                 num_draft_tokens: int = 4, policy: speculative.Policy | None = None,
                  steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps):
         for name, value in (("rows", rows), ("prefill_step", prefill_step), ("block_size", block_size)):
             check_positive_int(name, value)
@@ -145,6 +150,9 @@ class Engine:
                             ("kv_memory", kv_memory)):
             check_positive_int(name, value, allow_none=True)
         check_bool("prefix_cache", prefix_cache)
+        check_positive_int("num_draft_tokens", num_draft_tokens)
+        if num_draft_tokens >= block_size:
+            raise InputError(f"num_draft_tokens must be below the block size {block_size}, got {num_draft_tokens}")
         if prefix_cache_bytes is not None and (isinstance(prefix_cache_bytes, bool) or
                                                not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0):
             raise InputError(f"prefix_cache_bytes must be a non-negative integer, got {prefix_cache_bytes!r}")
@@ -184,6 +192,12 @@ class Engine:
         self._settings: sampling.Settings | None = None  # per-row settings of the live rows
         self._inflight: list[tuple[StepOut, list]] = []  # outputs queued, not yet handed out
         self._vacated: list[int] = []  # rows released since the last step: their positions go to -1
+        # Speculative decoding: a drafter (`speculative.PromptLookup`, `drafting.DraftModel`) and
+        # the measured rule that turns it on and off.
+        self.drafter, self.num_draft_tokens = drafter_for(draft, self), num_draft_tokens
+        self.policy = policy or speculative.Policy()
+        self._last_decode: float | None = None
+        self._streak = 0  # decode steps since the last verify round
         # Any thread.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
@@ -257,10 +271,19 @@ class Engine:
     def step(self) -> list[Event]:
         """One round: take new messages, admit queued requests into free rows, queue a decode step
         for the live rows, then hand out the tokens of the round before (read one step behind, so
-        the device never waits for the host)."""
-        events = self.admit()
-        queued = self.decode() if self._needs_decode() else None
-        events += self.collect(keep=queued)
+        the device never waits for the host). With a drafter, and when the policy says it pays,
+        a round is a verify round instead (`verify`): synchronous, several tokens per row."""
+        if self.drafter is not None and self._speculate():
+            t0 = time.perf_counter()
+            events = self.admit()
+            events += self.collect()
+            if self._live():
+                events += self.verify(t0)
+            self._last_decode, self._streak = None, 0
+        else:
+            events = self.admit()
+            queued = self.decode() if self._needs_decode() else None
+            events += self.collect(keep=queued)
         self._fit_cache()
         return events
 
@@ -360,10 +383,45 @@ class Engine:
         for r, o in enumerate(self.owner):
             if o is not None:
                 self.pos[r] += 1
+        now = time.perf_counter()
+        if self.drafter is not None and self._last_decode is not None:
+            self._streak += 1
+            if self._streak >= 2:  # steady: the step before this one has been waited for
+                self.policy.record(False, 1.0, now - self._last_decode)
+        self._last_decode = now
         self.stats.steps += 1
         self.stats.busy_row_steps += self._live()
         self._inflight.append((out, list(self.owner)))
         return out
+
+    def verify(self, t0: float | None = None) -> list[Event]:
+        """One verify round for the live rows (nothing in flight): each drafts up to
+        `num_draft_tokens`, one forward pass checks them all, and each row takes the tokens it
+        accepted and one more."""
+        live = [r for r, o in enumerate(self.owner) if o is not None]
+        k = self.num_draft_tokens
+        drafts, valid, q = self.drafter.propose(self, live, k)  # (B, k), (B, k), (B, k, V) or None
+        for r in live:  # blocks for every position the round may write
+            self.pages.ensure(r, self.pos[r], self.pos[r] + k + 1)
+            self.pages.drop_behind(r, self.pos[r])
+        self._sync()
+        mode = mode_for([self.requests[self.owner[r]] for r in live])
+        out, state = self.steps(self.config, mode).verify(self.params, self.state._replace(counts=None), drafts,
+                                                          valid, q, self._settings)
+        self.state = state._replace(counts=self.state.counts)
+        mx.eval(out, self.state)
+        counts = out.count.tolist()
+        proposed = np.array(valid).sum(axis=1)
+        self.drafter.verified(self, live, counts)
+        events = self._take_verified(out, counts)
+        self.stats.steps += 1
+        self.stats.verify_rounds += 1
+        self.stats.drafted += int(proposed[live].sum())
+        self.stats.accepted += sum(min(counts[r] - 1, int(proposed[r])) for r in live)
+        self.stats.busy_row_steps += len(live)
+        if t0 is not None:
+            self.policy.record(True, sum(counts[r] for r in live) / len(live), time.perf_counter() - t0)
+        return events
 
     def collect(self, keep: StepOut | None = None) -> list[Event]:
         """Hand out the tokens of every output in flight except `keep` (the step just queued)."""
@@ -400,6 +458,43 @@ class Engine:
                 self._release(self.owner.index(item), record)
             self.stats.requests += 1
             events.append(Event(item, -1, "", "cancelled"))
+
+    def _speculate(self) -> bool:
+        """Whether this round verifies drafts: some row is live or waiting, no live row has
+        penalties (its counts would change inside a verified run), and the policy says it pays."""
+        live = [self.requests[o] for o in self.owner if o is not None]
+        if not live and not self.pending and self._inbox.empty():
+            return False
+        return not any(r.mode.penalties for r in live) and self.policy.choose()
+
+    def _take_verified(self, out, counts: list[int]) -> list[Event]:
+        """Hand out each live row's accepted tokens, in order; a row that ends inside its run
+        (EOS, a stop string, max_tokens) keeps the tokens up to there."""
+        tokens = out.tokens.tolist()
+        logprob = None if out.logprob is None else out.logprob.tolist()
+        top = None if out.top_ids is None else (out.top_ids.tolist(), out.top_logprobs.tolist())
+        now = time.perf_counter()
+        events = []
+        for r, rid in enumerate(list(self.owner)):
+            if rid is None:
+                continue
+            record = self.requests[rid]
+            self.pos[r] += counts[r]  # KV now holds every verified position the row keeps
+            if record.first_token_time is not None:
+                self.stats.itl.append(now - record.last_token_time)
+            record.last_token_time = now
+            for j in range(counts[r]):
+                before = len(record.row.text.tokens)
+                event = record.row.accept(rid, tokens[r][j], record.request.eos, self.config.max_position_embeddings,
+                                          None if logprob is None else logprob[r][j],
+                                          None if top is None else (top[0][r][j], top[1][r][j]))
+                self.stats.generation_tokens += len(record.row.text.tokens) - before
+                events.append(event)
+                if event.finish_reason is not None:
+                    self.stats.requests += 1
+                    self._release(r, record)
+                    break
+        return events
 
     def _live(self) -> int:
         return sum(o is not None for o in self.owner)
@@ -478,6 +573,8 @@ class Engine:
                 self.owner[row], self.pos[row] = r.id, len(r.request.prompt)
                 self.need[row] = self._blocks_needed(r.request)
                 self.pages.attach(row, blocks)
+            if self.drafter is not None:
+                self.drafter.admitted(self, rows)
             h, cache = prefill.prefill_rows(self.steps(self.config, Mode()), params, self.state.cache, self.pages, rows,
                                             [list(r.request.prompt) for r, _ in chosen],
                                             [r.cached_tokens for r, _ in chosen], self.prefill_step,
@@ -531,6 +628,8 @@ class Engine:
             valid = min(self.pos[row], len(tokens))
             self.pool.register(tokens[:valid], self.pages.blocks(row, valid // self.pool.block_size))
         self.pages.release(row)
+        if self.drafter is not None:
+            self.drafter.released(self, row)
         self.owner[row], self.pos[row], self.need[row] = None, -1, 0
         self._vacated.append(row)
 
@@ -580,6 +679,50 @@ class Engine:
                     self._release(self.owner.index(rid), record)
             events.append(event)
         return events
+
+
+def drafter_for(draft, engine: Engine):
+    """The drafter for a `draft` option: None, "prompt-lookup", or a draft Model."""
+    if draft is None:
+        return None
+    if isinstance(draft, str):
+        if draft != "prompt-lookup":
+            raise InputError(f"draft_model must be a Model or 'prompt-lookup', got {draft!r}")
+        return LookupDrafter()
+    from mlxfun.drafting import DraftModel
+
+    if isinstance(draft, DraftModel):
+        return draft
+    if not isinstance(draft, Model):
+        raise InputError(f"draft_model must be a Model or 'prompt-lookup', got {type(draft).__name__}")
+    return DraftModel(draft, engine)
+
+
+class LookupDrafter:
+    """Prompt lookup for the engine's rows: drafts from each row's own prompt and output."""
+
+    def __init__(self):
+        self.lookup = speculative.PromptLookup()
+
+    def propose(self, engine: Engine, rows: list[int], k: int) -> tuple[mx.array, mx.array, None]:
+        """-> drafts (B, k) int32, valid (B, k) bool, and no draft distribution (they are certain)."""
+        drafts, valid = np.zeros((engine.rows, k), np.int32), np.zeros((engine.rows, k), bool)
+        for r in rows:
+            record = engine.requests[engine.owner[r]]
+            left = engine._limit(record.request) - len(record.row.text.tokens) - 1  # tokens a draft may add
+            if left > 0:
+                d = self.lookup.propose(list(record.request.prompt) + record.row.text.tokens, min(k, left))
+                drafts[r, :len(d)], valid[r, :len(d)] = d, True
+        return mx.array(drafts), mx.array(valid), None
+
+    def verified(self, engine: Engine, rows: list[int], counts: list[int]) -> None:
+        pass
+
+    def admitted(self, engine: Engine, rows: list[int]) -> None:
+        pass
+
+    def released(self, engine: Engine, row: int) -> None:
+        pass
 
 
 # Settings for a row that holds no request (its tokens are discarded).

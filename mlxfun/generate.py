@@ -30,7 +30,8 @@ class Job:
     def __init__(self, model: Model, reqs: list[Request], config: GenerationConfig):
         rows = len(reqs) if config.batch_size is None else min(config.batch_size, len(reqs))
         self.engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size,
-                             prefix_cache=config.prefix_cache)
+                             prefix_cache=config.prefix_cache, draft=config.draft_model,
+                             num_draft_tokens=config.num_draft_tokens)
         if config.prompt_cache is not None:
             self.engine.add_prompt_cache(config.prompt_cache)
         self.requests = reqs

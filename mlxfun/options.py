@@ -49,6 +49,8 @@ class GenerationConfig:
     max_kv_size: int | None = None  # bound the cache to a ring of this many tokens
     prefix_cache: bool = True  # reuse the KV of prompt prefixes already computed (False: compute all)
     prompt_cache: Any = None  # a `prompt_cache.PromptCache` whose prefix prompts may start with
+    draft_model: Any = None  # speculative decoding: a draft Model (same tokenizer) or "prompt-lookup"
+    num_draft_tokens: int = 4  # tokens each row drafts per verify round
 
     @classmethod
     def make(cls, config: GenerationConfig | None = None, options: dict[str, Any] | None = None
@@ -219,6 +221,7 @@ def check_scheduler(config: GenerationConfig) -> None:
     check_bool("ignore_eos", config.ignore_eos)
     check_bool("chat", config.chat)
     check_bool("prefix_cache", config.prefix_cache)
+    check_positive_int("num_draft_tokens", config.num_draft_tokens)
 
 
 def requests(model: Model, prompts, config: GenerationConfig) -> list[Request]:

@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
-from mlxfun import llama, sampling
+from mlxfun import llama, sampling, speculative
 from mlxfun.cache import KVCache
 from mlxfun.config import ModelConfig
 from mlxfun.llama import Params
@@ -82,6 +82,26 @@ def prefill_chunk(config: ModelConfig, params: Params, tokens: mx.array, positio
     return mx.take_along_axis(h, last[:, None, None], axis=1)[:, 0], cache
 
 
+def verify_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeState, drafts: mx.array,
+                valid: mx.array, draft_probs: mx.array | None, settings: sampling.Settings
+                ) -> tuple[speculative.Verdict, DecodeState]:
+    """Each row's last token and k drafts (B, k) (`valid` (B, k): a draft is there) through the
+    decoder at once -> the tokens each row keeps (`speculative.verdict`) and the state after
+    them. The KV of rejected drafts stays at positions beyond the row's: unseen, then overwritten.
+    No penalties (a row's counts would change inside the verified run)."""
+    k = drafts.shape[1]
+    live = state.positions >= 0  # (B,)
+    tokens = mx.concatenate([state.tokens[:, None], mx.where(valid, drafts, 0)], axis=1)  # (B, k + 1)
+    positions = mx.where(live[:, None], state.positions[:, None] + mx.arange(k + 1)[None], -1)  # (B, k + 1)
+    h, cache = llama.hidden(config, params, tokens, positions, None, state.cache, wraps=False, fast=True,
+                            check=False)  # (B, k + 1, E)
+    out = speculative.verdict(mode.sample, mode.sort, mode.top_logprobs, llama.logits(params, h, fast=True), drafts,
+                              valid, draft_probs, settings, state.steps)
+    last = mx.take_along_axis(out.tokens, (out.count - 1)[:, None], axis=1)[:, 0]  # (B,)
+    new_positions = mx.where(live, state.positions + out.count, state.positions)
+    return out, DecodeState(cache, last, new_positions, state.steps + out.count, state.counts)
+
+
 def first_token(config: ModelConfig, mode: Mode, params: Params, h: mx.array, settings: sampling.Settings,
                 steps: mx.array, counts: mx.array | None) -> StepOut:
     """h (B, E): the last prompt position's hidden state -> the first generated token."""
@@ -93,6 +113,7 @@ class Steps(NamedTuple):
 
     decode: Callable  # compiled: (params, state, settings) -> (StepOut, state)
     prefill: Callable  # (params, tokens, positions, cache, slots, last, wraps) -> (hidden states at last, cache)
+    verify: Callable  # compiled: (params, state, drafts, valid, draft_probs, settings) -> (Verdict, state)
 
 
 def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | None = None) -> Steps:
@@ -106,7 +127,10 @@ def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | N
     def prefill(params, tokens, positions, cache, slots, last, wraps=True):
         return prefill_chunk(config, params, tokens, positions, cache, slots, last, wraps)
 
-    return Steps(mx.compile(decode), prefill)
+    def verify(params, state, drafts, valid, draft_probs, settings):
+        return verify_step(config, mode, params, state, drafts, valid, draft_probs, settings)
+
+    return Steps(mx.compile(decode), prefill, mx.compile(verify))
 
 
 @lru_cache(maxsize=32)

@@ -9,7 +9,7 @@ import mlx.core as mx
 from helpers import run_engine, tiny_config, tiny_model
 
 from mlxfun import cache as kv
-from mlxfun.step import Steps, decode_step, make_steps, prefill_chunk
+from mlxfun.step import Steps, decode_step, make_steps, prefill_chunk, verify_step
 
 
 def counting_steps():
@@ -26,7 +26,7 @@ def counting_steps():
 
 
 def uncompiled_steps(config, mode) -> Steps:
-    return Steps(partial(decode_step, config, mode), partial(prefill_chunk, config))
+    return Steps(partial(decode_step, config, mode), partial(prefill_chunk, config), partial(verify_step, config, mode))
 
 
 def run(model, prompts, steps, **options):

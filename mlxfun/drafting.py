@@ -1,0 +1,142 @@
+"""A draft model for speculative decoding: a smaller model with the same tokenizer proposes each
+row's next k tokens.
+
+It keeps a KV pool of its own whose rows mirror the engine's, filled when the engine admits a
+request (the prompt, prefilled) and as rounds go. `draft_pos[r]` counts the positions whose draft
+KV is right; a round first feeds any tokens it lacks (after plain decode steps, or when every
+draft was accepted), then runs one compiled function that drafts k tokens in k one-token steps,
+greedily for greedy rows and by sampling with the row's own settings for sampled rows (their
+distributions q go to the verification, which keeps the target's distribution exact).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from mlxfun import cache as kv
+from mlxfun import llama, prefill, sampling
+from mlxfun.blocks import Pool
+from mlxfun.config import ModelConfig
+from mlxfun.errors import InputError
+from mlxfun.load import Model
+from mlxfun.paging import Pages
+from mlxfun.step import Mode, compiled_steps
+
+# Salt for the draft's own sampling noise (never the target's draws).
+DRAFT_SALT = 0x68E31DA4
+
+
+def draft_round(config: ModelConfig, k: int, sample: bool, sort: bool, params: llama.Params, cache: kv.KVCache,
+                tokens: mx.array, positions: mx.array, settings: sampling.Settings, steps: mx.array):
+    """tokens (B,) at positions (B,) (-1: no row) -> drafts (B, k), q (B, k, V) or None, cache.
+    k one-token steps, each feeding the last token (the row's, then its drafts)."""
+    drafts, probs = [], []
+    live = positions >= 0
+    for i in range(k):
+        p = mx.where(live, positions + i, -1)
+        h, cache = llama.hidden(config, params, tokens[:, None], p[:, None], None, cache, fast=True, check=False)
+        logits = llama.logits(params, h[:, -1], fast=True).astype(mx.float32)  # (B, V)
+        if sample:
+            x = sampling.filter_logits(logits, settings, sort=sort)  # (B, V)
+            seed = settings.seed ^ DRAFT_SALT
+            drawn = sampling.greedy(x + sampling.gumbel(seed, steps + i, x.shape[-1]))
+            tokens = mx.where(settings.temperature > 0, drawn, sampling.greedy(logits))
+            probs.append(mx.softmax(x, axis=-1))
+        else:
+            tokens = sampling.greedy(logits)
+        drafts.append(tokens)
+    q = mx.stack(probs, axis=1) if sample else None
+    return mx.stack(drafts, axis=1), q, cache
+
+
+@lru_cache(maxsize=16)
+def compiled_round(config: ModelConfig, k: int, sample: bool, sort: bool):
+    def run(params, cache, tokens, positions, settings, steps):
+        return draft_round(config, k, sample, sort, params, cache, tokens, positions, settings, steps)
+
+    return mx.compile(run)
+
+
+class DraftModel:
+    """Drafts for an engine's rows from `model` (same tokenizer, usually much smaller)."""
+
+    def __init__(self, model: Model, engine):
+        if model.config.vocab_size != engine.config.vocab_size:
+            raise InputError(f"the draft model's vocabulary ({model.config.vocab_size}) differs from the model's "
+                             f"({engine.config.vocab_size}): it must share the tokenizer")
+        sample = [engine.model.tokenizer.token(i) for i in range(0, engine.config.vocab_size, 997)]
+        if sample != [model.tokenizer.token(i) for i in range(0, engine.config.vocab_size, 997)]:
+            raise InputError("the draft model's tokenizer differs from the model's: it must share the tokenizer")
+        self.model = model
+        self.config = model.config.with_max_kv_size(engine.config.max_window) if engine.config.max_window and \
+            all(w is not None for w in engine.config.layer_windows) else model.config
+        self.dtype = model.params.norm.dtype
+        self.pool = Pool(1, engine.pool.block_size)
+        self.pages = Pages(engine.rows, self.pool, self.config.max_window, engine.max_blocks)
+        self.cache: kv.KVCache | None = None
+        self.draft_pos = [0] * engine.rows  # positions whose draft KV is right, per row
+
+    def _ensure_cache(self) -> None:
+        if self.cache is None:
+            keys, values, positions = kv.pool(self.config, self.pool.size, self.pool.block_size, self.dtype)
+            self.cache = kv.KVCache(keys, values, positions, mx.array(self.pages.table))
+
+    def admitted(self, engine, rows: list[int]) -> None:
+        """Prefill the admitted requests' prompts (all but the last token: each round feeds it)."""
+        self._ensure_cache()
+        prompts = [list(engine.requests[engine.owner[r]].request.prompt) for r in rows]
+        for r in rows:
+            self.draft_pos[r] = 0
+        self._feed(rows, [p[:-1] for p in prompts])
+
+    def released(self, engine, row: int) -> None:
+        self.pages.release(row)
+        self.draft_pos[row] = 0
+
+    def _feed(self, rows: list[int], histories: list[list[int]]) -> None:
+        """Bring each row's draft KV up to the end of its history (the tokens it lacks)."""
+        todo = [(r, h) for r, h in zip(rows, histories) if len(h) > self.draft_pos[r]]
+        if not todo:
+            return
+        rows_, hist = [r for r, _ in todo], [h for _, h in todo]
+        starts = [self.draft_pos[r] for r in rows_]
+        _, self.cache = prefill.prefill_rows(compiled_steps(self.config, Mode()), self.model.params,
+                                             self.cache._replace(table=mx.array(self.pages.table[rows_])),
+                                             self.pages, rows_, hist, starts, 512)
+        for r, h in todo:
+            self.draft_pos[r] = len(h)
+
+    def propose(self, engine, rows: list[int], k: int) -> tuple[mx.array, mx.array, mx.array | None]:
+        """-> drafts (B, k), valid (B, k), q (B, k, V) (or None when every row is greedy)."""
+        self._ensure_cache()
+        histories = [list(engine.requests[engine.owner[r]].request.prompt) +
+                     engine.requests[engine.owner[r]].row.text.tokens for r in rows]
+        self._feed(rows, [h[:-1] for h in histories])
+        positions = np.full(engine.rows, -1, np.int32)
+        tokens = np.zeros(engine.rows, np.int32)
+        valid = np.zeros((engine.rows, k), bool)
+        for r, h in zip(rows, histories):
+            positions[r], tokens[r] = len(h) - 1, h[-1]
+            record = engine.requests[engine.owner[r]]
+            left = engine._limit(record.request) - len(record.row.text.tokens) - 1
+            valid[r, :max(0, min(k, left))] = True
+            self.pages.ensure(r, len(h) - 1, len(h) - 1 + k)
+            self.pages.drop_behind(r, len(h) - 1)
+        self.cache = prefill.ensure_pool(self.cache, self.pool.size)._replace(table=mx.array(self.pages.table))
+        mode = _mode([engine.requests[engine.owner[r]] for r in rows])
+        steps = engine.state.steps
+        drafts, q, self.cache = compiled_round(self.config, k, mode.sample, mode.sort)(
+            self.model.params, self.cache, mx.array(tokens), mx.array(positions), engine._settings, steps)
+        return drafts, mx.array(valid), q
+
+    def verified(self, engine, rows: list[int], counts: list[int]) -> None:
+        """The draft KV is right up to the last accepted draft (the k-th draft was never fed)."""
+        for r in rows:
+            self.draft_pos[r] = min(self.draft_pos[r] + counts[r], self.draft_pos[r] + engine.num_draft_tokens)
+
+
+def _mode(records) -> Mode:
+    return Mode(sample=any(r.mode.sample for r in records), sort=any(r.mode.sort for r in records))

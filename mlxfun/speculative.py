@@ -1,0 +1,178 @@
+"""Speculative decoding inside the batch: every row drafts k tokens, one forward pass verifies all
+rows' k + 1 positions, and each row keeps what it accepted.
+
+`accept` is the array code of verification. A greedy row keeps drafts while they equal the
+target's argmax and then takes the argmax where they stop (the correction, or after k accepted
+drafts the bonus token): exactly the tokens greedy decoding gives. A sampled row uses standard
+speculative rejection sampling: draft d_i is kept with probability min(1, p(d_i) / q(d_i)), and at
+the first rejection a token is drawn from max(0, p - q), renormalised (after k kept drafts, from
+p): the target distribution p, whatever the drafts. Its randomness is a counter-based hash of
+(seed, the index of the token being decided), so a seeded row is the same alone or in any batch.
+
+Rejected positions' KV stays in the cache at positions beyond the row's own, hidden by causality
+(masks come from slot positions) and overwritten as the row advances: nothing is recomputed.
+
+Drafters propose tokens on the host: `PromptLookup` from n-grams of the row's own prompt and
+output; `DraftModel` (in `mlxfun.drafting`) from a smaller model with the same tokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlxfun import sampling
+
+# Salt for the acceptance draws, so they never coincide with the token draws of the same step.
+ACCEPT_SALT = 0x2545F491
+
+
+class Verdict(NamedTuple):
+    tokens: mx.array  # (B, k + 1) int32: the row's new tokens are the first `count`
+    count: mx.array  # (B,) int32: accepted drafts + 1
+    logprob: mx.array | None  # (B, k + 1) float32
+    top_ids: mx.array | None  # (B, k + 1, n) int32
+    top_logprobs: mx.array | None  # (B, k + 1, n) float32
+
+
+def accepted(ok: mx.array) -> mx.array:
+    """ok (B, k) bool -> (B,) int32: how many drafts are kept (the run of True from the start)."""
+    return mx.sum(mx.cumprod(ok.astype(mx.int32), axis=1), axis=1).astype(mx.int32)
+
+
+def greedy_verdict(logits: mx.array, drafts: mx.array, valid: mx.array) -> tuple[mx.array, mx.array]:
+    """logits (B, k + 1, V), drafts (B, k), valid (B, k) -> (tokens (B, k + 1), count (B,))."""
+    target = sampling.greedy(logits)  # (B, k + 1)
+    count = accepted((drafts == target[:, :-1]) & valid) + 1  # (B,)
+    return target, count
+
+
+def sampled_verdict(logits: mx.array, drafts: mx.array, valid: mx.array, draft_probs: mx.array | None,
+                    settings: sampling.Settings, steps: mx.array, sort: bool) -> tuple[mx.array, mx.array]:
+    """Rejection sampling for every row (temperature-0 rows are handled by `greedy_verdict`).
+    draft_probs (B, k, V) is q; None: deterministic drafts (q is one-hot on the draft)."""
+    B, K1, V = logits.shape
+    k = K1 - 1
+    rows = sampling.Settings(*(mx.repeat(f, K1) for f in settings))  # one row of settings per position
+    p = mx.softmax(sampling.filter_logits(logits.reshape(B * K1, V).astype(mx.float32), rows, sort=sort),
+                   axis=-1).reshape(B, K1, V)  # (B, k + 1, V) the target distribution
+    hot = (mx.arange(V)[None, None, :] == drafts[:, :, None]) & valid[:, :, None]  # (B, k, V)
+    q = hot.astype(mx.float32) if draft_probs is None else mx.where(valid[:, :, None], draft_probs, 0.0)
+    p_d = mx.take_along_axis(p[:, :k], drafts[:, :, None], axis=-1)[..., 0]  # (B, k)
+    q_d = mx.take_along_axis(q, drafts[:, :, None], axis=-1)[..., 0]  # (B, k)
+    index = steps[:, None] + mx.arange(k)[None, :]  # (B, k): the token index each draft would take
+    seed = mx.broadcast_to((settings.seed ^ ACCEPT_SALT)[:, None], index.shape)
+    u = sampling.uniform(seed.reshape(-1), index.reshape(-1), 1).reshape(B, k)  # (B, k)
+    count = accepted(valid & (u * q_d < p_d)) + 1  # (B,)
+    residual = mx.concatenate([mx.maximum(p[:, :k] - q, 0.0), p[:, k:]], axis=1)  # (B, k + 1, V)
+    at = mx.take_along_axis(residual, (count - 1)[:, None, None], axis=1)[:, 0]  # (B, V)
+    noise = sampling.gumbel(settings.seed, steps + count - 1, V)  # (B, V)
+    token = sampling.greedy(mx.log(at) + noise)  # (B,) -inf where the residual is 0
+    place = mx.arange(K1)[None, :]
+    padded = mx.concatenate([drafts, mx.zeros((B, 1), mx.int32)], axis=1)
+    return mx.where(place < (count - 1)[:, None], padded, token[:, None]), count
+
+
+def verdict(sample: bool, sort: bool, top_logprobs: int, logits: mx.array, drafts: mx.array, valid: mx.array,
+            draft_probs: mx.array | None, settings: sampling.Settings, steps: mx.array) -> Verdict:
+    """logits (B, k + 1, V) of the target at each verified position -> each row's new tokens."""
+    logits = logits.astype(mx.float32)
+    tokens, count = greedy_verdict(logits, drafts, valid)
+    if sample:
+        s_tokens, s_count = sampled_verdict(logits, drafts, valid, draft_probs, settings, steps, sort)
+        hot = (settings.temperature > 0)[:, None]
+        tokens, count = mx.where(hot, s_tokens, tokens), mx.where(hot[:, 0], s_count, count)
+    if top_logprobs < 0:
+        return Verdict(tokens, count, None, None, None)
+    B, K1, V = logits.shape
+    logp = sampling.logprobs(logits.reshape(B * K1, V))  # (B (k + 1), V)
+    chosen = sampling.chosen_logprob(logp, tokens.reshape(-1)).reshape(B, K1)
+    if top_logprobs == 0:
+        return Verdict(tokens, count, chosen, None, None)
+    ids, values = sampling.top_logprobs(logp, top_logprobs)
+    return Verdict(tokens, count, chosen, ids.reshape(B, K1, -1), values.reshape(B, K1, -1))
+
+
+# ---- drafters on the host ----
+
+
+class PromptLookup:
+    """Drafts from the row itself: the tokens that followed the latest earlier occurrence of its
+    last n tokens (n from `max_ngram` down to `min_ngram`), as in prompt-lookup decoding. Free to
+    run; it pays off where output repeats its input (summaries, edits, code)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens to follow `history` (the row's prompt and output so far)."""
+        seq = np.asarray(history, np.int32)
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # every n-gram before the last
+            hits = np.flatnonzero(np.all(windows == seq[-n:], axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return seq[start:start + k].tolist()
+        return []
+
+
+class Policy:
+    """When speculation pays, measured as the engine runs: the tokens per row per second of decode
+    steps and of verify rounds (moving averages). It speculates while verify rounds beat decode
+    steps by `margin`, and tries the other mode once every `interval` rounds, the interval doubling
+    (up to `longest`) each time that try loses. Verifying k + 1 positions costs about one decode
+    step while the step is bound by reading the weights (small batches on a GPU), and about k + 1
+    where it is bound by compute (large batches; the CPU's reference BLAS at any batch)."""
+
+    def __init__(self, margin: float = 1.03, interval: int = 32, longest: int = 4096, smoothing: float = 0.3):
+        self.margin, self.base, self.longest, self.smoothing = margin, interval, longest, smoothing
+        self.rate: dict[bool, float | None] = {True: None, False: None}  # speculating -> tokens/row/s
+        self.warm = {True: False, False: False}
+        self.interval, self.countdown = interval, interval
+        self.current = True  # start by measuring speculation
+
+    def choose(self) -> bool:
+        """Whether the next round speculates."""
+        if self.rate[True] is None or self.rate[False] is None:
+            return self.rate[True] is None  # measure each mode once
+        best = self.rate[True] > self.margin * self.rate[False]
+        self.countdown -= 1
+        if self.countdown <= 0:  # a try of the other mode, to keep its estimate fresh
+            self.countdown = self.interval
+            return not best
+        return best
+
+    def record(self, speculating: bool, tokens_per_row: float, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if not self.warm[speculating]:  # a mode's first round traces and compiles: not its speed
+            self.warm[speculating] = True
+            return
+        rate = tokens_per_row / seconds
+        old = self.rate[speculating]
+        self.rate[speculating] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
+        if self.rate[True] is not None and self.rate[False] is not None:
+            best = self.rate[True] > self.margin * self.rate[False]
+            if best != self.current:
+                self.current, self.interval = best, self.base  # the better mode changed: try again soon
+            elif speculating != best:
+                self.interval = min(self.longest, 2 * self.interval)  # a try that lost: try less often
+
+    def __repr__(self) -> str:
+        return f"Policy(rate={self.rate}, interval={self.interval})"
+
+    @property
+    def speedup(self) -> float | None:
+        """Measured verify-round rate over decode-step rate."""
+        if self.rate[True] is None or self.rate[False] is None:
+            return None
+        return self.rate[True] / self.rate[False]
+
+
+class Always(Policy):
+    """Speculate every round (measurements, tests)."""
+
+    def choose(self) -> bool:
+        return True

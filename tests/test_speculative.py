@@ -1,0 +1,177 @@
+"""Speculative decoding inside the batch: exact for greedy rows, the target's distribution for
+sampled rows, a seeded row the same alone and in a batch, and turned off where it would lose."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import tiny_config, tiny_model, tiny_tokenizer
+from test_sampling import CHI2_999, chi2
+
+from mlxfun import sampling, speculative, weights
+from mlxfun.engine import Engine
+from mlxfun.generate import generate
+from mlxfun.load import Model
+from mlxfun.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(tiny_config(max_position_embeddings=1024))
+
+
+def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths; some repeat a phrase, so prompt lookup finds drafts."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        phrase = [rng.randrange(1, 97) for _ in range(rng.choice([2, 5, 9]))]
+        out.append(phrase * rng.choice([1, 3, 6]) + [rng.randrange(1, 97) for _ in range(rng.choice([0, 1, 7, 30]))])
+    return out
+
+
+def run(model, prompts, *, rows=None, draft=None, k=4, always=True, **options):
+    engine = Engine(model, rows or len(prompts), draft=draft, num_draft_tokens=k,
+                    policy=speculative.Always() if always else None)
+    settings = options.pop("settings", None)
+    ids = [engine.add(p, settings=None if settings is None else settings[i], **options) for i, p in enumerate(prompts)]
+    list(engine.events())
+    return [engine.take(i).row for i in ids], engine
+
+
+def quantized(model: Model) -> Model:
+    return Model(model.config, weights.quantize(model.config, model.params, bits=4, group_size=32), model.tokenizer,
+                 "q4 draft")
+
+
+@pytest.mark.parametrize("draft", ["prompt-lookup", "q4", "random", "itself"])
+@pytest.mark.parametrize("rows", [None, 5])
+def test_greedy_with_drafts_equals_greedy_without(tiny, draft, rows):
+    """12 prompts of mixed lengths, batched (static, or 5 rows refilled): every row's tokens equal
+    decoding without speculation, whatever the drafts (a 4-bit copy, an unrelated model, the model
+    itself: all accepted)."""
+    drafter = {"prompt-lookup": "prompt-lookup", "q4": quantized(tiny), "itself": tiny,
+               "random": tiny_model(tiny_config(max_position_embeddings=1024), seed=9)}[draft]
+    prompts = mixed_prompts(12)
+    plain = generate(tiny, prompts, max_tokens=24, ignore_eos=True).token_ids
+    out, engine = run(tiny, prompts, rows=rows, draft=drafter, max_tokens=24, ignore_eos=True)
+    assert [r.token_ids for r in out] == plain
+    assert engine.stats.verify_rounds > 0 and engine.stats.drafted > 0
+    if draft == "itself":
+        assert engine.stats.accepted == engine.stats.drafted
+        assert engine.stats.generation_tokens >= 3 * engine.stats.busy_row_steps  # k + 1 per row and round, but ends
+    if draft == "prompt-lookup":
+        assert engine.stats.accepted > 0
+
+
+def test_eos_and_stop_strings_inside_an_accepted_run(tiny):
+    """A row whose end-of-text token or stop string comes in the middle of a run of accepted
+    drafts ends there, with the same tokens and text as without speculation."""
+    prompts = mixed_prompts(8, seed=3)
+    plain = generate(tiny, prompts, max_tokens=30, ignore_eos=True).token_ids
+    eos = plain[0][len(plain[0]) // 2]  # a token the first row emits mid-way
+    backend = tiny.tokenizer.backend
+    model = Model(tiny.config, tiny.params, Tokenizer(backend, eos_token_ids={eos}, bos_token_id=None, add_bos=False,
+                                                      chat_template=None), "eos")
+    stop = [tiny.tokenizer.decode(plain[3][5:7])]
+    base = generate(model, prompts, max_tokens=30, stop=stop).token_ids
+    out, _ = run(model, prompts, draft=model, max_tokens=30, stop=stop)  # all drafts accepted
+    assert [r.token_ids for r in out] == base
+    assert any(len(b) < 30 for b in base)
+
+
+def test_seeded_sampled_row_is_the_same_alone_and_in_a_batch(tiny):
+    prompts = mixed_prompts(6, seed=5)
+    settings = [sampling.make_settings(1, temperature=0.9, top_p=0.95, seed=100 + i) for i in range(6)]
+    batched, _ = run(tiny, prompts, draft=quantized(tiny), max_tokens=20, ignore_eos=True, settings=settings)
+    for i, p in enumerate(prompts):
+        alone, _ = run(tiny, [p], draft=quantized(tiny), max_tokens=20, ignore_eos=True, settings=[settings[i]])
+        assert alone[0].token_ids == batched[i].token_ids
+    lookup, _ = run(tiny, prompts, draft="prompt-lookup", rows=2, max_tokens=20, ignore_eos=True, settings=settings)
+    for i, p in enumerate(prompts):
+        alone, _ = run(tiny, [p], draft="prompt-lookup", max_tokens=20, ignore_eos=True, settings=[settings[i]])
+        assert alone[0].token_ids == lookup[i].token_ids
+
+
+@pytest.mark.parametrize("draft_kind", ["model", "lookup"])
+def test_speculative_sampling_follows_the_target_distribution(draft_kind):
+    """Chi-square: the first and second tokens a round emits follow the target's (filtered,
+    temperature-scaled) distribution at their position, for drafts drawn from another
+    distribution q (a draft model) or fixed (prompt lookup), over 20,000 rows with their own seeds."""
+    V, k, n = 8, 2, 20_000
+    rng = np.random.default_rng(0)
+    target = rng.normal(size=(k + 1, V)) * 1.5  # logits at each verified position
+    draft = rng.normal(size=(k, V)) * 1.5
+    settings = sampling.make_settings(n, temperature=0.8, seed=list(range(n)))
+    p = np.exp(target / 0.8)
+    p /= p.sum(axis=1, keepdims=True)
+    if draft_kind == "model":
+        q = np.exp(draft / 0.8)
+        q /= q.sum(axis=1, keepdims=True)
+        drafts = np.stack([rng.choice(V, size=n, p=q[i]) for i in range(k)], axis=1)
+        probs = mx.array(np.broadcast_to(q, (n, k, V)).astype(np.float32))
+    else:
+        drafts = np.tile(np.argmax(target[:k], axis=1), (n, 1))  # the likeliest tokens: often accepted
+        probs = None
+    logits = mx.array(np.broadcast_to(target, (n, k + 1, V)).astype(np.float32))
+    out = speculative.verdict(True, False, -1, logits, mx.array(drafts.astype(np.int32)), mx.ones((n, k), mx.bool_),
+                              probs, settings, mx.zeros((n,), mx.int32))
+    tokens, count = np.array(out.tokens), np.array(out.count)
+    first = np.bincount(tokens[:, 0], minlength=V)
+    assert chi2(first, p[0]) < CHI2_999[V - 1]
+    second = np.bincount(tokens[count >= 2, 1], minlength=V)
+    assert (count >= 2).sum() > 2000 and chi2(second, p[1]) < CHI2_999[V - 1]
+    wrong = np.exp(draft[0] / 0.8) / np.exp(draft[0] / 0.8).sum() if draft_kind == "model" else np.full(V, 1 / V)
+    assert chi2(first, wrong) > CHI2_999[V - 1], "the test cannot fail"
+    assert 1 <= count.min() and count.max() <= k + 1
+
+
+def test_prompt_lookup_drafts_what_followed_the_last_ngram():
+    lookup = speculative.PromptLookup(max_ngram=3)
+    assert lookup.propose([1, 2, 3, 4, 5, 9, 2, 3], 3) == [4, 5, 9]  # "2 3" was followed by 4 5 9
+    assert lookup.propose([7, 8, 9, 7, 8, 1, 7, 8], 2) == [1, 7]  # the latest occurrence wins
+    assert lookup.propose([1, 2, 3], 4) == []
+    assert lookup.propose([5, 6, 5], 4) == [6, 5]
+
+
+def test_the_measured_rule_turns_speculation_off_where_it_loses(tiny):
+    """On this CPU a verified position costs about what a decode step does, so the policy measures
+    both and turns speculation off; the tokens are the same either way."""
+    prompts = mixed_prompts(8, seed=7)
+    plain = generate(tiny, prompts, max_tokens=60, ignore_eos=True).token_ids
+    out, engine = run(tiny, prompts, draft=tiny_model(tiny_config(max_position_embeddings=1024), seed=9),
+                      always=False, max_tokens=60, ignore_eos=True)
+    assert [r.token_ids for r in out] == plain
+    assert engine.policy.speedup is not None and engine.policy.speedup < 1.0
+    assert engine.stats.verify_rounds < engine.stats.steps / 3
+
+
+def test_policy_follows_the_faster_mode_and_retries_the_other():
+    policy = speculative.Policy(interval=4)
+    choices = []
+    for _ in range(40):
+        s = policy.choose()
+        choices.append(s)
+        policy.record(s, 3.0 if s else 1.0, 1.0)  # verify rounds give 3 tokens per row in the same time
+    assert sum(choices[-20:]) >= 17  # speculating, with an occasional decode step
+    policy = speculative.Policy(interval=4)
+    for _ in range(200):
+        s = policy.choose()
+        policy.record(s, 1.2 if s else 1.0, 2.0 if s else 1.0)  # verify rounds take twice as long
+    assert policy.speedup < 1 and policy.interval > 4  # losing tries back off
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny):
+    import mlxfun
+
+    other = tiny_model(tiny_config(vocab_size=64, max_position_embeddings=1024))
+    other = Model(other.config, other.params, tiny_tokenizer(64), "small vocab")
+    with pytest.raises(mlxfun.InputError, match="vocabulary"):
+        Engine(tiny, 2, draft=other)
+    with pytest.raises(mlxfun.InputError, match="draft_model must be"):
+        Engine(tiny, 2, draft="ngram")
+    with pytest.raises(mlxfun.InputError, match="num_draft_tokens"):
+        Engine(tiny, 2, draft="prompt-lookup", num_draft_tokens=16)
