@@ -23,7 +23,7 @@ FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-
          "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
          "logprobs": "--logprobs", "max_kv_size": "--max-kv-size", "prefill_step": "--prefill-step",
          "batch_size": "--batch-size", "stop": "--stop", "extra_eos_tokens": "--extra-eos-token",
-         "ignore_eos": "--ignore-eos"}
+         "ignore_eos": "--ignore-eos", "sequence_length": "--sequence-length"}
 # Rows decoded at once when --batch-size is not given: every prompt, up to this many.
 DEFAULT_ROWS = 32
 INTERRUPTED = 130
@@ -267,11 +267,19 @@ def main(argv: list[str] | None = None) -> int:
         build(parsers[name])
     for name, text in MODULE_COMMANDS.items():
         sub.add_parser(name, help=f"{text} (see mlxfun {name} --help)", add_help=False)
+    if not argv:
+        parser.print_help()
+        return 2
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the command's parser, so its usage is shown
         parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return run_generate(args, argv) if args.command == "generate" else run_perplexity(args)
+    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as other command-line tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (MlxfunError, OSError) as e:
         print(f"mlxfun: error: {flag_message(str(e))}", file=sys.stderr)
         return 2

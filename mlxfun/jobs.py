@@ -100,12 +100,16 @@ def _json_item(line: str, n: int, where: str) -> Item:
         raise InputError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__}")
     if messages is not None and not (isinstance(messages, list) and messages):
         raise InputError(f"{where}: 'messages' must be a non-empty list of role/content objects")
-    for name in value:
+    for name, v in value.items():
         if name not in LINE_OPTIONS:
             close = difflib.get_close_matches(name, LINE_OPTIONS, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise InputError(f"{where}: unknown key {name!r} ({hint}a line holds id, prompt or messages, and "
                              f"generation options: {', '.join(LINE_OPTIONS)})")
+        # One value for the line (a list would read as one value per prompt); stop and EOS tokens may be lists.
+        if isinstance(v, (list, dict)) and not (name in ("stop", "extra_eos_tokens") and isinstance(v, list)
+                                                and all(isinstance(x, (str, int)) for x in v)):
+            raise InputError(f"{where}: {name} must be one value, got {v!r:.60}")
     return Item(rid, prompt, messages, value, where)
 
 
@@ -155,19 +159,38 @@ def chat_messages(item: Item, system_prompt: str | None) -> list[dict]:
 
 def build_requests(model: Model, items: Sequence[Item], config: GenerationConfig, *, template: bool,
                    system_prompt: str | None = None) -> list[Request]:
-    """One checked Request per item (`options.requests`, with the line's own options); errors name the line."""
-    out = []
-    for item in items:
+    """One checked Request per item (`options.requests`, with the line's own options); errors name the line.
+    Lines with the same options are checked in one call (one call per line cost ~1 ms here)."""
+    groups: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(json.dumps(item.options, sort_keys=True), []).append(i)
+    out: list[Request | None] = [None] * len(items)
+    for group in groups.values():
         try:
-            if item.messages is not None and not model.tokenizer.chat_template:
-                raise InputError("'messages' need a chat template, and this model has none")
-            prompt = chat_messages(item, system_prompt) if template or item.messages is not None else item.prompt
-            (request,) = requests(model, [prompt], dataclasses.replace(config, **item.options))
-        except InputError as e:
-            message = re.sub(r"^prompt 0(: | )", lambda m: "" if m[1] == ": " else "the prompt ", str(e))
-            raise InputError(f"{item.where}: {message}") from None
-        out.append(request)
+            prompts = [_prompt(model, items[i], template, system_prompt) for i in group]
+            reqs = requests(model, prompts, dataclasses.replace(config, **items[group[0]].options))
+        except InputError:  # again line by line, to name the line
+            reqs = [_request(model, items[i], config, template, system_prompt) for i in group]
+        for i, request in zip(group, reqs):
+            out[i] = request
     return out
+
+
+def _prompt(model: Model, item: Item, template: bool, system_prompt: str | None):
+    if item.messages is not None and not model.tokenizer.chat_template:
+        raise InputError("'messages' need a chat template, and this model has none")
+    return chat_messages(item, system_prompt) if template or item.messages is not None else item.prompt
+
+
+def _request(model: Model, item: Item, config: GenerationConfig, template: bool, system_prompt: str | None
+             ) -> Request:
+    try:
+        (request,) = requests(model, [_prompt(model, item, template, system_prompt)],
+                              dataclasses.replace(config, **item.options))
+    except InputError as e:
+        message = re.sub(r"^prompt 0(: | )", lambda m: "" if m[1] == ": " else "the prompt ", str(e))
+        raise InputError(f"{item.where}: {message}") from None
+    return request
 
 
 # ---- running ----

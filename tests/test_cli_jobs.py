@@ -128,6 +128,8 @@ def test_malformed_jsonl_names_the_line(folder, tmp_path):
     ({"id": "a", "prompt": "w1"}, "id 'a' is also the id of"),
     ({"messages": [{"role": "robot", "content": "w1"}]}, "message 0 has unknown role 'robot'"),
     ({"text": "w1"}, "give one of 'prompt'"),
+    ({"prompt": "w1", "max_tokens": [1, 2]}, "max_tokens must be one value, got [1, 2]"),
+    ({"prompt": "w1", "stop": ["w2", 3.5]}, "stop must be one value"),
 ])
 def test_line_errors(folder, tmp_path, capsys, line, message):
     data = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "w3"}, line])
@@ -288,3 +290,31 @@ def test_perplexity_windows_are_scored_alone():
     nll = -np.concatenate([np.array(lp) for lp in mlxfun.score(model, parts)])
     assert (got.tokens, got.windows) == (20, 3)
     assert got.perplexity == pytest.approx(math.exp(nll.mean()), rel=1e-5)
+
+
+def test_progress_bar_on_a_terminal_and_lines_elsewhere():
+    import io
+
+    from mlxfun.progress import Progress
+
+    term = io.StringIO()
+    bar = Progress(40, 10, stream=term, tty=True)
+    bar._last = 0.0  # the bar redraws at most every 0.1 s: due now
+    bar.update(tokens=50, finished=10)
+    shown = term.getvalue()
+    assert shown.startswith("\r\x1b[K[" + "#" * 12 + "." * 12 + "] 20/40 done (50%), 50 tokens,") and "ETA " in shown
+    bar.clear()
+    assert term.getvalue().endswith("\r\x1b[K")
+    bar.close()
+    assert term.getvalue().endswith("\n") and "\n" not in shown
+
+    log = io.StringIO()
+    lines = Progress(100, stream=log, tty=False, interval=3600)
+    for _ in range(10):
+        lines.update(tokens=0, finished=1)
+    # One line per twentieth of the job (5 requests).
+    assert [line.split(",")[0] for line in log.getvalue().splitlines()] == ["progress: 5/100 done (5%)",
+                                                                             "progress: 10/100 done (10%)"]
+    lines.close()
+    assert log.getvalue().splitlines()[-1].startswith("progress: 10/100 done (10%)")  # no repeat of the same count
+    assert len(log.getvalue().splitlines()) == 2
