@@ -155,7 +155,8 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
         items += jobs.read_items(args.prompts_file)
     if not items:
         raise MlxfunError("give a --prompt (-p) or a --prompts-file")
-    jobs.check_unique(items)
+    if args.output:  # ids name the lines of the output, to resume
+        jobs.check_unique(items)
     done = jobs.finished_ids(args.output) if args.output else set()
     todo = [it for it in items if jobs.key(it.id) not in done]
     if not todo:

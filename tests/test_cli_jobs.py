@@ -133,7 +133,8 @@ def test_malformed_jsonl_names_the_line(folder, tmp_path):
 ])
 def test_line_errors(folder, tmp_path, capsys, line, message):
     data = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "w3"}, line])
-    assert main(["generate", "--model", folder, "--prompts-file", str(data), "-m", "2"]) == 2
+    assert main(["generate", "--model", folder, "--prompts-file", str(data), "-m", "2", "-o",
+                 str(tmp_path / "out.jsonl")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"mlxfun: error: {data}:2: ") and message in err, err
 
