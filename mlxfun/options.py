@@ -42,6 +42,7 @@ class GenerationConfig:
     stop: str | Sequence[str] | Sequence[Sequence[str] | str | None] | None = None
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: and the n most likely
     ignore_eos: bool = False
+    extra_eos_tokens: Sequence[str | int] = ()  # more tokens (text or id) that end a row, as mlx-lm's
     chat: bool = False  # apply the chat template to text prompts
     # Scheduler options, for the whole call.
     batch_size: int | None = None  # rows decoded at once; more prompts wait and refill rows
@@ -131,6 +132,23 @@ def stops(stop, n: int) -> list[tuple[str, ...]]:
             raise InputError(f"stop strings must be strings, got {s!r}")
         out.append(s)
     return out
+
+
+def eos_ids(model: Model, ignore_eos: bool, extra) -> frozenset[int]:
+    """The tokens that end a row: none with `ignore_eos`, else the model's and `extra` (token texts or
+    ids; a string of digits is an id, as mlx-lm reads it)."""
+    extra = [extra] if isinstance(extra, (str, int)) else extra
+    if not isinstance(extra, (list, tuple)):
+        raise InputError(f"extra_eos_tokens must be a list of tokens (text or id), got {extra!r}")
+    ids = set()
+    for t in extra:
+        tid = int(t) if is_int(t) or (isinstance(t, str) and t.isdigit()) else \
+            model.tokenizer.backend.token_to_id(t) if isinstance(t, str) else None
+        if tid is None or not 0 <= tid < model.config.vocab_size:
+            raise InputError(f"extra_eos_tokens has {t!r}, which is not one token of this model "
+                             "(a stop string ends on any text)")
+        ids.add(tid)
+    return frozenset() if ignore_eos else model.tokenizer.eos_token_ids | ids
 
 
 # ---- prompts ----
@@ -238,7 +256,7 @@ def requests(model: Model, prompts, config: GenerationConfig) -> list[Request]:
         n, temperature=config.temperature, top_p=config.top_p, min_p=config.min_p, top_k=config.top_k,
         repetition_penalty=config.repetition_penalty, presence_penalty=config.presence_penalty,
         frequency_penalty=config.frequency_penalty, seed=config.seed)
-    eos = frozenset() if config.ignore_eos else model.tokenizer.eos_token_ids
+    eos = eos_ids(model, config.ignore_eos, config.extra_eos_tokens)
     out = []
     for i, item in enumerate(items):
         ids = encode(model, item, i, config.chat)
@@ -248,7 +266,8 @@ def requests(model: Model, prompts, config: GenerationConfig) -> list[Request]:
 
 
 def make_request(model: Model, prompt, *, max_tokens: int = 256, settings: sampling.Settings | None = None,
-                 stop: Sequence[str] = (), logprobs: int | None = None, ignore_eos: bool = False) -> Request:
+                 stop: Sequence[str] = (), logprobs: int | None = None, ignore_eos: bool = False,
+                 extra_eos_tokens: Sequence[str | int] = ()) -> Request:
     """One checked Request from a prompt and one row's `settings` (`sampling.make_settings(1, ...)`)."""
     check_positive_int("max_tokens", max_tokens)
     check_bool("ignore_eos", ignore_eos)
@@ -259,6 +278,6 @@ def make_request(model: Model, prompt, *, max_tokens: int = 256, settings: sampl
     ids = encode(model, prompt, 0, chat=False)
     check_context(model, ids, 0)
     (stop_,) = stops(list(stop) if not isinstance(stop, str) else stop, 1)
-    eos = frozenset() if ignore_eos else model.tokenizer.eos_token_ids
+    eos = eos_ids(model, ignore_eos, extra_eos_tokens)
     return Request(tuple(ids), int(max_tokens), settings, stop_, check_logprobs(logprobs, model.config.vocab_size),
                    eos)

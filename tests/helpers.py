@@ -168,3 +168,17 @@ def run_engine(model: Model, prompts, *, rows: int | None = None, steps=None, st
         pass
     seeds = [s for r in reqs for s in sampling.seeds(r.settings)]
     return result([engine.take(i).row for i in ids], engine.stats, seeds, max(r.logprobs for r in reqs)), engine
+
+
+# Roles as vocabulary words, so the word-level tokenizer encodes a templated conversation.
+TINY_TEMPLATE = ("{% for m in messages %}{{ {'system': 'w1', 'user': 'w2', 'assistant': 'w3'}[m['role']] }} "
+                 "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w3{% endif %}")
+
+
+def tiny_chat_model(config: ModelConfig | None = None, seed: int = 0) -> Model:
+    """A tiny model whose tokenizer has a chat template: [user "w5 w6"] -> "w2 w5 w6 w3" (4 tokens)."""
+    model = tiny_model(config, seed)
+    t = model.tokenizer
+    return dataclasses.replace(model, tokenizer=Tokenizer(t.backend, eos_token_ids=set(t.eos_token_ids),
+                                                          bos_token_id=None, add_bos=False,
+                                                          chat_template=TINY_TEMPLATE))

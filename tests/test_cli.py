@@ -10,7 +10,8 @@ from mlxfun.cli import main
 
 
 def test_generate_one_prompt_verbose(capsys):
-    assert main(["generate", "--prompt", "The capital of France is", "--max-tokens", "4", "--verbose"]) == 0
+    assert main(["generate", "--prompt", "The capital of France is", "--max-tokens", "4", "--verbose",
+                 "--ignore-chat-template"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(" Paris")
     assert "Prompt: 5 tokens" in out and "Generation: 4 tokens" in out and "Peak memory:" in out
@@ -22,7 +23,7 @@ def test_generate_prompts_file_jsonl_chat(tmp_path, capsys):
         "The capital of France is", {"prompt": "def add(a, b):"},
         {"messages": [{"role": "user", "content": "Hi"}]}]) + "\n")
     assert main(["generate", "--prompts-file", str(path), "--max-tokens", "3", "--temp", "0.8", "--seed", "1",
-                 "--batch-size", "2"]) == 0
+                 "--batch-size", "2", "--ignore-chat-template"]) == 0  # text prompts raw (short): fast
     out = capsys.readouterr().out
     headers = [line for line in out.splitlines() if line.startswith("==== prompt")]
     assert headers == ["==== prompt 0 (length) ====", "==== prompt 1 (length) ====", "==== prompt 2 (length) ===="]
@@ -39,7 +40,8 @@ def test_errors_are_one_line(tmp_path, capsys):
 
 
 def test_python_dash_m_entry_point():
-    run = subprocess.run([sys.executable, "-m", "mlxfun", "generate", "--prompt", "Hello", "--max-tokens", "2"],
+    run = subprocess.run([sys.executable, "-m", "mlxfun", "generate", "--prompt", "Hello", "--max-tokens", "2",
+                          "--ignore-chat-template"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip()
