@@ -125,7 +125,32 @@ def generate_parser(p: argparse.ArgumentParser) -> None:
                    help="use prompts as raw text (by default the model's chat template applies, when it has one)")
     g.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
     g.add_argument("--verbose", action="store_true", help="print timings, peak memory and seeds")
+    k = p.add_argument_group("KV cache and speculative decoding")
+    k.add_argument("--prompt-cache-file", metavar="FILE",
+                   help="a prompt cache (mlxfun cache-prompt): prompts that start with its tokens skip them")
+    k.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt in full (by default prompts reuse the KV of prefixes already computed)")
+    k.add_argument("--draft-model", metavar="MODEL",
+                   help="speculative decoding: a smaller model with the same tokenizer, or 'prompt-lookup'")
+    k.add_argument("--num-draft-tokens", type=int, default=GenerationConfig().num_draft_tokens, metavar="K",
+                   help="tokens each row drafts per verify round")
     add_generation_flags(p)
+
+
+def engine_for(model, rows: int, config: GenerationConfig, args: argparse.Namespace):
+    """The engine a command's flags describe: the prefix cache, a prompt cache, a drafter."""
+    from mlxfun.engine import Engine
+    from mlxfun.load import load
+    from mlxfun.prompt_cache import load_prompt_cache
+
+    draft = args.draft_model
+    if draft is not None and draft != "prompt-lookup":
+        draft = load(draft, dtype=args.dtype)
+    engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size,
+                    prefix_cache=not args.no_prefix_cache, draft=draft, num_draft_tokens=args.num_draft_tokens)
+    if args.prompt_cache_file:
+        engine.add_prompt_cache(load_prompt_cache(args.prompt_cache_file, model))
+    return engine
 
 
 def _prompt_texts(prompts: list[str] | None) -> list[str]:
@@ -145,7 +170,6 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
     import shlex
 
     from mlxfun import jobs
-    from mlxfun.engine import Engine
     from mlxfun.load import load
     from mlxfun.progress import Progress
     from mlxfun.sampling import seeds
@@ -173,8 +197,7 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
         raise MlxfunError("--system-prompt needs the chat template" + (
             "; drop --ignore-chat-template" if args.ignore_chat_template else ", and this model has none"))
     reqs = jobs.build_requests(model, todo, config, template=template, system_prompt=args.system_prompt)
-    rows = min(len(reqs), args.batch_size or DEFAULT_ROWS)
-    engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size)
+    engine = engine_for(model, min(len(reqs), args.batch_size or DEFAULT_ROWS), config, args)
     progress = Progress(len(items), len(items) - len(todo))
     with jobs.stop_on_interrupt() as stop:
         if args.output:
@@ -233,6 +256,34 @@ def run_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- cache-prompt ----
+
+
+def cache_prompt_parser(p: argparse.ArgumentParser) -> None:
+    add_model_flags(p)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("-p", "--prompt", metavar="TEXT", help="the prefix, as raw text ('-' reads stdin)")
+    g.add_argument("--system-prompt", metavar="TEXT",
+                   help="a system message through the chat template: later chats that start with it skip it")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the cache (safetensors)")
+
+
+def run_cache_prompt(args: argparse.Namespace) -> int:
+    from mlxfun.load import load
+    from mlxfun.prompt_cache import cache_prompt
+
+    model = load(args.model, dtype=args.dtype)
+    if args.system_prompt is not None:
+        prompt = [{"role": "system", "content": args.system_prompt}]
+    else:
+        prompt = _prompt_texts([args.prompt])[0]
+    cache = cache_prompt(model, prompt)
+    path = cache.save(args.output)
+    print(f"cached {len(cache.tokens)} tokens ({len(cache.tokens) // 16 * 16} reusable, in whole blocks of 16) "
+          f"in {path}")
+    return 0
+
+
 # Commands with parsers of their own: `mlxfun NAME ...` runs `mlxfun.NAME.main(argv)`.
 MODULE_COMMANDS = {"chat": "chat with the model, turn by turn", "bench": "benchmark throughput",
                    "profile": "profile compile and step latency"}
@@ -261,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "generate": (generate_parser, "generate text for prompts, a prompt file or a JSONL dataset"),
         "perplexity": (perplexity_parser, "perplexity of a text"),
+        "cache-prompt": (cache_prompt_parser, "compute a prompt prefix's KV once and save it for later runs"),
     }
     parsers = {}
     for name, (build, text) in commands.items():
@@ -275,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # reported by the command's parser, so its usage is shown
         parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return run_generate(args, argv) if args.command == "generate" else run_perplexity(args)
+        run = {"generate": lambda: run_generate(args, argv), "perplexity": lambda: run_perplexity(args),
+               "cache-prompt": lambda: run_cache_prompt(args)}[args.command]
+        return run()
     except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as other command-line tools do
         import os
 

@@ -114,8 +114,9 @@ class EngineStats(Stats):
         median = ttft[len(ttft) // 2] if ttft else 0.0
         return (f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tokens/s\n"
                 f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.1f} tokens/s\n"
-                f"Requests: {self.requests}, prompts {self.prompt_tokens} tokens, generated {self.generation_tokens} "
-                f"tokens; rows busy {self.occupancy:.0%} of {self.steps} steps, {self.admissions} admissions; "
+                f"Requests: {self.requests}, prompts {self.prompt_tokens} tokens ({self.cached_tokens} reused), "
+                f"generated {self.generation_tokens} tokens; rows busy {self.occupancy:.0%} of {self.steps} steps, "
+                f"{self.admissions} admissions; "
                 f"median time to first token {median:.3f} s\n"
                 f"Peak memory: {self.peak_memory_gb:.3f} GB")
 

@@ -81,22 +81,24 @@ def reply(screen: str, typed: str) -> str:
 
 
 def test_two_turns_stats_and_reset(chat):
-    term = chat("-m", "5", "--ignore-eos", "--system-prompt", "w9", "--verbose")
+    term = chat("-m", "30", "--ignore-eos", "--system-prompt", "w9", "--verbose")
     assert "/reset" in term.read_until(b">> ")  # the banner names the commands
     first = term.say("w10 w11")
     prompt1, cached1, computed1, generated1 = turn_stats(first)
-    assert (prompt1, generated1) == (6, 5)  # w1 w9 (system) w2 w10 w11 w3 (user, then the assistant's turn)
+    assert (prompt1, generated1) == (6, 30)  # w1 w9 (system) w2 w10 w11 w3 (user, then the assistant's turn)
     assert computed1 == prompt1 - cached1
     text1 = reply(first, "w10 w11")
-    assert len(text1.split()) == 5 and all(w.startswith("w") for w in text1.split())
+    assert len(text1.split()) == 30 and all(w.startswith("w") for w in text1.split())
 
     second = term.say("w12")
     prompt2, cached2, computed2, generated2 = turn_stats(second)
-    # The whole conversation: turn 1's prompt, its reply (5 tokens), then w2 w12 w3.
+    # The whole conversation: turn 1's prompt, its reply (30 tokens), then w2 w12 w3.
     assert prompt2 == prompt1 + generated1 + 3
     assert computed2 == prompt2 - cached2
-    # With the engine's prefix cache (issue 16) the second turn computes only its new tokens; the lead
-    # adds that assertion on `cached2` / `computed2` when it lands (cached_tokens is 0 until then).
+    # The engine's prefix cache kept turn 1's KV (its prompt and reply, but the reply's last token,
+    # never fed) in blocks of 16 tokens: turn 2 computes its new tokens and the last partial block.
+    assert cached2 == 16 * ((prompt1 + generated1 - 1) // 16) == 32
+    assert computed2 <= 3 + 16
 
     assert turn_stats(term.say("/stats")) == (prompt2, cached2, computed2, generated2)
     assert "forgotten" in term.say("/reset")

@@ -47,7 +47,8 @@ def test_hundred_prompts_through_eight_rows_equal_alone(tiny):
     assert stats.rows == 8 and 0.5 < stats.occupancy <= 1.0
     assert len(stats.ttft) == 100 and all(t >= 0 for t in stats.ttft)
     assert stats.generation_tokens == sum(len(t) for t in out.token_ids)  # closing EOS tokens not counted
-    assert f"Requests: 100, prompts {sum(map(len, prompts))} tokens, generated {stats.generation_tokens}" \
+    assert f"Requests: 100, prompts {sum(map(len, prompts))} tokens ({stats.cached_tokens} reused), generated " \
+        f"{stats.generation_tokens}" \
         in stats.summary() and stats.generation_tps > 0 and stats.admissions >= 100 // 8
 
 

@@ -196,3 +196,31 @@ def test_real_model_reuse_equals_recomputation(model_f32):
     for options in (dict(), dict(temperature=0.8, seed=11)):
         out, engine = compare(model_f32, prompts, max_tokens=6, **options)
         assert engine.stats.cached_tokens >= 2 * BS
+
+
+def test_cache_prompt_command_and_prompt_cache_file(tmp_path):
+    """`mlxfun cache-prompt` saves a system prompt's KV; `generate --prompt-cache-file` reuses it
+    (the summary counts the reused tokens) and answers as without it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import tiny_chat_model
+
+    folder = mlxfun.save(tiny_chat_model(tiny_config(max_position_embeddings=1024), seed=4), tmp_path / "tiny")
+    system = " ".join(f"w{i}" for i in range(10, 50))  # 40 words: two whole blocks once templated
+    root = Path(__file__).resolve().parents[1]
+
+    def mlxfun_cli(*args):
+        run = subprocess.run([sys.executable, "-m", "mlxfun", *args, "--model", str(folder)], capture_output=True,
+                             text=True, timeout=120, cwd=root)
+        assert run.returncode == 0, run.stderr
+        return run.stdout
+
+    cache = tmp_path / "system.safetensors"
+    assert "cached 41 tokens (32 reusable" in mlxfun_cli("cache-prompt", "--system-prompt", system, "-o", str(cache))
+    common = ["generate", "--system-prompt", system, "-p", "w5 w6", "-m", "6", "--ignore-eos", "--verbose"]
+    plain = mlxfun_cli(*common, "--no-prefix-cache")
+    reused = mlxfun_cli(*common, "--prompt-cache-file", str(cache))
+    assert "(32 reused)" in reused and "(0 reused)" in plain
+    assert reused.split("=" * 10)[0] == plain.split("=" * 10)[0]  # the same text
