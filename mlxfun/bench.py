@@ -334,7 +334,20 @@ def parse_args(argv):
                    help="instead: peak memory of 512- and 4096-token generations, unbounded vs max_kv_size=256")
     p.add_argument("--continuous", type=int, default=None, metavar="ROWS",
                    help="instead: prompts with max_tokens 16..256, static batches vs continuous batching in ROWS rows")
-    p.add_argument("--prompts", type=int, default=256, help="prompts of the --continuous workload")
+    p.add_argument("--prompts", type=int, default=256, help="prompts of the --continuous and --prefix workloads")
+    p.add_argument("--prefix", action="store_true",
+                   help="instead: prompts sharing a long prefix, without and with the prefix cache (CPU: the default "
+                        "model, 8 questions after one 300-token system prompt; --shape: --prompts random prompts)")
+    p.add_argument("--shared-tokens", type=int, default=None, help="the --prefix workload's shared prefix "
+                                                                     "(default: 300 on the CPU, 2000 for --shape)")
+    p.add_argument("--rows", type=int, default=32, help="rows of the --prefix workload's engine (--shape)")
+    p.add_argument("--speculative", action="store_true",
+                   help="instead: speculative decoding against plain decoding (oracle drafter at --alphas x --ks, "
+                        "and real drafters)")
+    p.add_argument("--alphas", default="0.5,0.7,0.9", help="oracle acceptance rates")
+    p.add_argument("--ks", default="2,4,6", help="draft lengths for the oracle")
+    p.add_argument("--draft-shape", choices=sorted(SHAPES), default=None,
+                   help="a random-weight draft model for --shape (e.g. 1B for 8B)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG of generation tokens/s against batch size here")
     args = p.parse_args(argv)
@@ -380,10 +393,77 @@ def main_workloads(args) -> int:
     return 0
 
 
+def main_prefix(args) -> int:
+    from mlxfun import bench_workloads as bw
+
+    info = machine()
+    print(json.dumps(info))
+    if args.shape is None:
+        model = load(args.model)
+        prompts, shared = bw.text_prefix_prompts(model, args.shared_tokens or 300)
+        found = bw.prefix_reuse(model, prompts, shared, rows=len(prompts), max_tokens=args.gen_tokens)
+    else:
+        model = workload_model(args)
+        prompts, shared = bw.random_prefix_prompts(model.config.vocab_size, args.prompts, args.shared_tokens or 2000,
+                                                   50)
+        found = bw.prefix_reuse(model, prompts, shared, rows=args.rows, max_tokens=args.gen_tokens)
+    print(bw.prefix_table(found))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": info, "result": bw.as_json(found) | {
+            "time_ratio": found.ratio("seconds"), "ttft_ratio": found.ratio("ttft_p50")}}, indent=2, default=str))
+        print(f"results written to {args.json}")
+    return 0
+
+
+def main_speculative(args) -> int:
+    from mlxfun import bench_speculative as bs
+    from mlxfun import bench_workloads as bw
+
+    info = machine()
+    print(json.dumps(info))
+    alphas = [float(a) for a in args.alphas.split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+    rows = []
+    if args.shape is None:  # the default model: float32 target, its own 4-bit weights as the draft
+        q4 = load(args.model)
+        model = Model(q4.config, weights.cast(q4.config, q4.params, mx.float32), q4.tokenizer, q4.source)
+        draft = q4
+        text = bw.SYSTEM_TEXT * 2
+        passage = [model.tokenizer.encode_chat([{"role": "user", "content": f"Repeat this text exactly:\n{text}"}])]
+    else:
+        model = workload_model(args)
+        draft = None
+        if args.draft_shape:
+            config = SHAPES[args.draft_shape]
+            draft = Model(config, random_params(config, DTYPES[args.base_dtype], seed=1), model.tokenizer, "draft")
+        passage = None
+    for B in args.batch_sizes:
+        prompts = random_prompts(model.config.vocab_size, B, args.prompt_tokens)
+        rows += bs.oracle(model, prompts, args.gen_tokens, alphas, ks)
+        if draft is not None:
+            rows.append(bs.end_to_end(model, prompts, args.gen_tokens, "draft model", draft, 4))
+            rows.append(bs.end_to_end(model, prompts, args.gen_tokens, "draft model", draft, 4, forced=True))
+        if passage is not None:
+            rows.append(bs.end_to_end(model, passage * B, args.gen_tokens, "prompt lookup", "prompt-lookup", 4))
+            rows.append(bs.end_to_end(model, passage * B, args.gen_tokens, "prompt lookup", "prompt-lookup", 4,
+                                      forced=True))
+    print()
+    print(bs.table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": info, "rows": [asdict(r) | {"speedup": r.speedup}
+                                                                         for r in rows]}, indent=2))
+        print(f"results written to {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.ring or args.continuous:
         return main_workloads(args)
+    if args.prefix:
+        return main_prefix(args)
+    if args.speculative:
+        return main_speculative(args)
     strategy = {"auto": None, "quantized": strat.QUANTIZED, "dense": strat.WeightStrategy(dense_from=1)}[args.strategy]
     side = args.mlx_lm and mlx_lm_available()
     if args.mlx_lm and not side:

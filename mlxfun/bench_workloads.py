@@ -100,3 +100,94 @@ def continuous_table(r: ContinuousResult) -> str:
 
 def as_json(rows) -> list[dict] | dict:
     return [asdict(r) for r in rows] if isinstance(rows, list) else {**asdict(rows), "ratio": rows.ratio}
+
+
+# ---- shared prefixes ----
+
+SYSTEM_TEXT = ("You are a careful assistant for a public library. Answer questions about opening hours, loans, "
+               "renewals, fines, events for children and adults, the reading rooms, the archive, interlibrary "
+               "loans, printing and the wireless network. Be brief and polite, give the exact figure when one is "
+               "asked for, and say when you do not know. ")
+QUESTIONS = ["When does the library open on Sunday?", "How many books can I borrow at once?",
+             "Can I renew a loan online, and how many times?", "What is the fine for a late DVD?",
+             "Is there a reading group for teenagers this month?", "How do I print from my laptop?",
+             "Can I request a book from another library?", "Where is the local history archive?"]
+
+
+@dataclass
+class PrefixRun:
+    reuse: bool
+    seconds: float
+    generated: int
+    ttft_p50: float
+    prompt_tokens: int
+    computed_tokens: int
+
+
+@dataclass
+class PrefixResult:
+    prompts: int
+    shared_tokens: int
+    rows: int
+    max_tokens: int
+    runs: list
+
+    def ratio(self, field: str) -> float:
+        without, with_ = (next(r for r in self.runs if r.reuse == flag) for flag in (False, True))
+        return getattr(without, field) / getattr(with_, field)
+
+
+def text_prefix_prompts(model: Model, shared_tokens: int) -> tuple[list[list[int]], int]:
+    """The real model's workload: one system prompt of about `shared_tokens` tokens (library
+    instructions) before each of 8 questions, through the chat template."""
+    text = SYSTEM_TEXT
+    while len(model.tokenizer.encode(text)) < shared_tokens:
+        text += SYSTEM_TEXT
+    system = {"role": "system", "content": text}
+    prompts = [model.tokenizer.encode_chat([system, {"role": "user", "content": q}]) for q in QUESTIONS]
+    shared = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
+    return prompts, shared
+
+
+def random_prefix_prompts(vocab_size: int, n: int, shared_tokens: int, suffix_tokens: int, seed: int = 0):
+    rng = random.Random(seed)
+    system = [rng.randrange(1, vocab_size) for _ in range(shared_tokens)]
+    return [system + [rng.randrange(1, vocab_size) for _ in range(suffix_tokens)] for _ in range(n)], shared_tokens
+
+
+def prefix_reuse(model: Model, prompts: list[list[int]], shared: int, rows: int, max_tokens: int) -> PrefixResult:
+    """The same prompts through an engine of `rows` rows, without and with the prefix cache (after
+    a warm-up run of each that compiles their shapes)."""
+    from mlxfun.engine import Engine
+
+    runs = []
+    for reuse in (False, True, False, True):
+        engine = Engine(model, rows, prefix_cache=reuse)
+        warm = len(runs) < 2
+        work = prompts[:2] if warm else prompts
+        mx.clear_cache()
+        t0 = time.perf_counter()
+        for p in work:
+            engine.add(p, max_tokens=2 if warm else max_tokens, ignore_eos=True)
+        for _ in engine.events():
+            pass
+        seconds = time.perf_counter() - t0
+        if not warm:
+            s = engine.stats
+            ttft = sorted(s.ttft)
+            runs.append(PrefixRun(reuse, seconds, s.generation_tokens, ttft[len(ttft) // 2], s.prompt_tokens,
+                                  s.prompt_tokens - s.cached_tokens))
+        else:
+            runs.append(None)
+    return PrefixResult(len(prompts), shared, rows, max_tokens, [r for r in runs if r is not None])
+
+
+def prefix_table(r: PrefixResult) -> str:
+    lines = [f"{r.prompts} prompts sharing {r.shared_tokens} tokens, {r.max_tokens} generated each, {r.rows} rows",
+             f"{'prefix cache':>12} {'seconds':>8} {'gen tok/s':>9} {'TTFT p50 s':>10} {'prompt tok':>10} "
+             f"{'computed':>9}"]
+    for x in r.runs:
+        lines.append(f"{'on' if x.reuse else 'off':>12} {x.seconds:8.2f} {x.generated / x.seconds:9.1f} "
+                     f"{x.ttft_p50:10.3f} {x.prompt_tokens:10d} {x.computed_tokens:9d}")
+    lines.append(f"with reuse: {r.ratio('seconds'):.2f}x less time, TTFT p50 {r.ratio('ttft_p50'):.2f}x lower")
+    return "\n".join(lines)

@@ -23,6 +23,7 @@ from mlxfun.config import ModelConfig
 from mlxfun.errors import InputError
 from mlxfun.load import Model
 from mlxfun.paging import Pages
+from mlxfun.speculative import Drafter
 from mlxfun.step import Mode, compiled_steps
 
 # Salt for the draft's own sampling noise (never the target's draws).
@@ -60,7 +61,7 @@ def compiled_round(config: ModelConfig, k: int, sample: bool, sort: bool):
     return mx.compile(run)
 
 
-class DraftModel:
+class DraftModel(Drafter):
     """Drafts for an engine's rows from `model` (same tokenizer, usually much smaller)."""
 
     def __init__(self, model: Model, engine):
@@ -120,9 +121,7 @@ class DraftModel:
         valid = np.zeros((engine.rows, k), bool)
         for r, h in zip(rows, histories):
             positions[r], tokens[r] = len(h) - 1, h[-1]
-            record = engine.requests[engine.owner[r]]
-            left = engine._limit(record.request) - len(record.row.text.tokens) - 1
-            valid[r, :max(0, min(k, left))] = True
+            valid[r, :max(0, min(k, engine.remaining(r) - 1))] = True
             self.pages.ensure(r, len(h) - 1, len(h) - 1 + k)
             self.pages.drop_behind(r, len(h) - 1)
         self.cache = prefill.ensure_pool(self.cache, self.pool.size)._replace(table=mx.array(self.pages.table))

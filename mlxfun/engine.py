@@ -196,7 +196,7 @@ class Engine:
         # Speculative decoding: a drafter (`speculative.PromptLookup`, `drafting.DraftModel`) and
         # the measured rule that turns it on and off.
         self.drafter, self.num_draft_tokens = drafter_for(draft, self), num_draft_tokens
-        self.policy = policy or speculative.Policy()
+        self.policy = policy or speculative.Policy(enabled=speculative.may_pay(rows, num_draft_tokens))
         self._last_decode: float | None = None
         self._streak = 0  # decode steps since the last verify round
         # Any thread.
@@ -500,6 +500,11 @@ class Engine:
     def _live(self) -> int:
         return sum(o is not None for o in self.owner)
 
+    def remaining(self, row: int) -> int:
+        """Tokens the request in `row` may still generate (max_tokens, within the context)."""
+        record = self.requests[self.owner[row]]
+        return self._limit(record.request) - len(record.row.text.tokens)
+
     def _free_rows(self) -> list[int]:
         return [r for r, o in enumerate(self.owner) if o is None]
 
@@ -682,48 +687,17 @@ class Engine:
         return events
 
 
-def drafter_for(draft, engine: Engine):
-    """The drafter for a `draft` option: None, "prompt-lookup", or a draft Model."""
-    if draft is None:
-        return None
-    if isinstance(draft, str):
-        if draft != "prompt-lookup":
-            raise InputError(f"draft_model must be a Model or 'prompt-lookup', got {draft!r}")
-        return LookupDrafter()
+def drafter_for(draft, engine: Engine) -> speculative.Drafter | None:
+    """The drafter for a `draft` option: None, "prompt-lookup", a draft Model, or a Drafter."""
     from mlxfun.drafting import DraftModel
 
-    if isinstance(draft, DraftModel):
+    if draft is None or isinstance(draft, speculative.Drafter):
         return draft
-    if not isinstance(draft, Model):
-        raise InputError(f"draft_model must be a Model or 'prompt-lookup', got {type(draft).__name__}")
-    return DraftModel(draft, engine)
-
-
-class LookupDrafter:
-    """Prompt lookup for the engine's rows: drafts from each row's own prompt and output."""
-
-    def __init__(self):
-        self.lookup = speculative.PromptLookup()
-
-    def propose(self, engine: Engine, rows: list[int], k: int) -> tuple[mx.array, mx.array, None]:
-        """-> drafts (B, k) int32, valid (B, k) bool, and no draft distribution (they are certain)."""
-        drafts, valid = np.zeros((engine.rows, k), np.int32), np.zeros((engine.rows, k), bool)
-        for r in rows:
-            record = engine.requests[engine.owner[r]]
-            left = engine._limit(record.request) - len(record.row.text.tokens) - 1  # tokens a draft may add
-            if left > 0:
-                d = self.lookup.propose(list(record.request.prompt) + record.row.text.tokens, min(k, left))
-                drafts[r, :len(d)], valid[r, :len(d)] = d, True
-        return mx.array(drafts), mx.array(valid), None
-
-    def verified(self, engine: Engine, rows: list[int], counts: list[int]) -> None:
-        pass
-
-    def admitted(self, engine: Engine, rows: list[int]) -> None:
-        pass
-
-    def released(self, engine: Engine, row: int) -> None:
-        pass
+    if isinstance(draft, str) and draft == "prompt-lookup":
+        return speculative.LookupDrafter()
+    if isinstance(draft, Model):
+        return DraftModel(draft, engine)
+    raise InputError(f"draft_model must be a Model or 'prompt-lookup', got {draft!r:.60}")
 
 
 # Settings for a row that holds no request (its tokens are discarded).

@@ -95,7 +95,43 @@ def verdict(sample: bool, sort: bool, top_logprobs: int, logits: mx.array, draft
     return Verdict(tokens, count, chosen, ids.reshape(B, K1, -1), values.reshape(B, K1, -1))
 
 
-# ---- drafters on the host ----
+# ---- drafters ----
+
+
+class Drafter:
+    """What the engine asks of a drafter, each call on the engine thread: `propose` the next k
+    tokens of live rows; hooks when rows are admitted, verified and released."""
+
+    def propose(self, engine, rows: list[int], k: int) -> tuple[mx.array, mx.array, mx.array | None]:
+        """-> drafts (B, k) int32, valid (B, k) bool, and the draft distributions (B, k, V) or None
+        (drafts that are certain: q is one-hot)."""
+        raise NotImplementedError
+
+    def admitted(self, engine, rows: list[int]) -> None:
+        pass
+
+    def verified(self, engine, rows: list[int], counts: list[int]) -> None:
+        pass
+
+    def released(self, engine, row: int) -> None:
+        pass
+
+
+class LookupDrafter(Drafter):
+    """Prompt lookup for the engine's rows: drafts from each row's own prompt and output."""
+
+    def __init__(self):
+        self.lookup = PromptLookup()
+
+    def propose(self, engine, rows: list[int], k: int):
+        drafts, valid = np.zeros((engine.rows, k), np.int32), np.zeros((engine.rows, k), bool)
+        for r in rows:
+            record = engine.requests[engine.owner[r]]
+            left = engine.remaining(r) - 1  # tokens a draft may add before the row's limit
+            if left > 0:
+                d = self.lookup.propose(list(record.request.prompt) + record.row.text.tokens, min(k, left))
+                drafts[r, :len(d)], valid[r, :len(d)] = d, True
+        return mx.array(drafts), mx.array(valid), None
 
 
 class PromptLookup:
@@ -126,8 +162,10 @@ class Policy:
     step while the step is bound by reading the weights (small batches on a GPU), and about k + 1
     where it is bound by compute (large batches; the CPU's reference BLAS at any batch)."""
 
-    def __init__(self, margin: float = 1.03, interval: int = 32, longest: int = 4096, smoothing: float = 0.3):
+    def __init__(self, margin: float = 1.03, interval: int = 32, longest: int = 4096, smoothing: float = 0.3,
+                 enabled: bool = True):
         self.margin, self.base, self.longest, self.smoothing = margin, interval, longest, smoothing
+        self.enabled = enabled  # False: never speculate (where it was measured never to pay)
         self.rate: dict[bool, float | None] = {True: None, False: None}  # speculating -> tokens/row/s
         self.warm = {True: False, False: False}
         self.interval, self.countdown = interval, interval
@@ -135,6 +173,8 @@ class Policy:
 
     def choose(self) -> bool:
         """Whether the next round speculates."""
+        if not self.enabled:
+            return False
         if self.rate[True] is None or self.rate[False] is None:
             return self.rate[True] is None  # measure each mode once
         best = self.rate[True] > self.margin * self.rate[False]
@@ -169,6 +209,19 @@ class Policy:
         if self.rate[True] is None or self.rate[False] is None:
             return None
         return self.rate[True] / self.rate[False]
+
+
+def may_pay(rows: int, k: int) -> bool:
+    """Whether verification can beat decoding here at all, before measuring (probing costs rounds).
+    On the CPU with MLX's bundled reference BLAS every verified position costs what a decode step
+    does (products are row by row: benchmarks/README.md), so k + 1 positions cost k + 1 steps and
+    speculation never pays. Elsewhere a step reading the weights once serves a few rows almost for
+    free; past about 256 rows x positions it is bound by compute, and verifying costs ~k + 1 steps."""
+    if mx.default_device() == mx.cpu:
+        from mlxfun import blas
+
+        return bool(blas.LOADED)
+    return rows * (k + 1) <= 256
 
 
 class Always(Policy):

@@ -1,0 +1,125 @@
+"""`python -m mlxfun.bench --speculative`: speculative decoding against plain decoding, by batch size.
+
+- oracle: the verify side alone. A drafter that costs nothing proposes the target's own greedy
+  continuation (from a run without speculation), each drafted token replaced by a random one with
+  probability 1 - alpha; speculation is forced on, so the figure is verification and bookkeeping.
+- real drafters, end to end, with the engine's measured rule deciding: prompt lookup, or a draft
+  model (`--draft-shape` for random-weight shapes, or the default model's 4-bit weights for its
+  float32 copy).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from mlxfun import speculative
+from mlxfun.engine import Engine
+from mlxfun.load import Model
+
+
+class Oracle(speculative.Drafter):
+    """Drafts the target's known continuation, each token replaced by a random one with
+    probability 1 - alpha (a drafter of acceptance rate about alpha that costs nothing)."""
+
+    def __init__(self, continuations: dict[int, list[int]], alpha: float, vocab: int, seed: int = 0):
+        self.continuations, self.alpha, self.vocab = continuations, alpha, vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, engine: Engine, rows: list[int], k: int):
+        drafts, valid = np.zeros((engine.rows, k), np.int32), np.zeros((engine.rows, k), bool)
+        for r in rows:
+            record = engine.requests[engine.owner[r]]
+            done = len(record.row.text.tokens)
+            future = self.continuations[record.id][done:done + k]
+            d = [t if self.rng.random() < self.alpha else self.rng.randrange(self.vocab) for t in future]
+            drafts[r, :len(d)], valid[r, :len(d)] = d, True
+        return mx.array(drafts), mx.array(valid), None
+
+
+@dataclass
+class SpecRow:
+    drafter: str
+    batch: int
+    k: int
+    alpha: float | None
+    plain_tps: float
+    spec_tps: float
+    acceptance: float  # drafts kept / drafts proposed
+    tokens_per_round: float  # tokens a row took per verify round
+    verify_rounds: int
+    steps: int
+
+    @property
+    def speedup(self) -> float:
+        return self.spec_tps / self.plain_tps if self.plain_tps else 0.0
+
+
+def _run(model: Model, prompts: list[list[int]], max_tokens: int, draft=None, k: int = 4, policy=None,
+         ids_out: dict | None = None):
+    engine = Engine(model, len(prompts), draft=draft, num_draft_tokens=k, policy=policy)
+    ids = [engine.add(p, max_tokens=max_tokens, ignore_eos=True) for p in prompts]
+    t0 = time.perf_counter()
+    for _ in engine.events():
+        pass
+    seconds = time.perf_counter() - t0
+    rows = [engine.take(i).row for i in ids]
+    if ids_out is not None:
+        ids_out.update({i: r.token_ids for i, r in zip(ids, rows)})
+    return engine, sum(len(r.token_ids) for r in rows) / seconds
+
+
+def oracle(model: Model, prompts: list[list[int]], max_tokens: int, alphas: list[float], ks: list[int]
+           ) -> list[SpecRow]:
+    """Plain decoding, then the oracle drafter at each (alpha, k), speculation forced on."""
+    _run(model, prompts, 4)  # compile
+    continuation: dict[int, list[int]] = {}
+    _, plain = _run(model, prompts, max_tokens, ids_out=continuation)
+    out = []
+    for k in ks:
+        _run(model, prompts[:1], 4, draft=Oracle(dict.fromkeys(range(1), [0] * 8), 1.0, 2), k=k,
+             policy=speculative.Always())  # compile the verify step of this k
+        for alpha in alphas:
+            # Request ids restart at 0 in each engine, so the continuations are found by id.
+            drafter = Oracle(continuation, alpha, model.config.vocab_size)
+            engine, tps = _run(model, prompts, max_tokens, draft=drafter, k=k, policy=speculative.Always())
+            out.append(_row("oracle", len(prompts), k, alpha, plain, tps, engine))
+            print(f"  oracle B={len(prompts):4d} k={k} alpha={alpha}: {tps:9.1f} tok/s vs {plain:9.1f} "
+                  f"({tps / plain:.2f}x), {out[-1].tokens_per_round:.2f} tokens per round", flush=True)
+    return out
+
+
+def end_to_end(model: Model, prompts: list[list[int]], max_tokens: int, name: str, draft, k: int,
+               forced: bool = False) -> SpecRow:
+    """Plain decoding against a real drafter (the measured rule on, unless `forced`)."""
+    policy = speculative.Always() if forced else None
+    _run(model, prompts, 4)  # compile both steps at this batch size
+    _run(model, prompts, 4, draft=draft, k=k, policy=speculative.Always())
+    _, plain = _run(model, prompts, max_tokens)
+    engine, tps = _run(model, prompts, max_tokens, draft=draft, k=k, policy=policy)
+    row = _row(name + (" (forced)" if forced else ""), len(prompts), k, None, plain, tps, engine)
+    print(f"  {row.drafter} B={len(prompts):4d} k={k}: {tps:9.1f} tok/s vs {plain:9.1f} ({row.speedup:.2f}x), "
+          f"acceptance {row.acceptance:.2f}, {row.verify_rounds} of {row.steps} rounds verified", flush=True)
+    return row
+
+
+def _row(name, batch, k, alpha, plain, tps, engine) -> SpecRow:
+    s = engine.stats
+    return SpecRow(name, batch, k, alpha, plain, tps, s.accepted / s.drafted if s.drafted else 0.0,
+                   s.generation_tokens / s.busy_row_steps if s.busy_row_steps else 0.0, s.verify_rounds, s.steps)
+
+
+def table(rows: list[SpecRow]) -> str:
+    head = (f"{'drafter':18s} {'batch':>5s} {'k':>2s} {'alpha':>5s} {'plain tok/s':>11s} {'spec tok/s':>10s} "
+            f"{'speedup':>7s} {'accept':>6s} {'tok/round':>9s} {'verified':>8s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        alpha = f"{r.alpha:.1f}" if r.alpha is not None else "-"
+        lines.append(f"{r.drafter:18s} {r.batch:5d} {r.k:2d} {alpha:>5s} {r.plain_tps:11.1f} {r.spec_tps:10.1f} "
+                     f"{r.speedup:7.2f} {r.acceptance:6.2f} {r.tokens_per_round:9.2f} "
+                     f"{r.verify_rounds:4d}/{r.steps:<4d}")
+    return "\n".join(lines)
