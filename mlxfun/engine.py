@@ -178,6 +178,8 @@ class Engine:
         InputError, before any work, if its cache could never fit the memory budget."""
         if not isinstance(request, Request):
             raise InputError(f"submit takes an mlxfun Request, got {type(request).__name__}")
+        if request.constraint is not None:  # until the loop applies masks (issue 21, phase 2): never ignore one
+            raise InputError("response_format is not supported by the engine yet")
         need = self._kv_bytes(self._extent(len(request.prompt), request.max_tokens))
         if need > self.kv_memory:
             raise InputError(f"a prompt of {len(request.prompt)} tokens with max_tokens={request.max_tokens} needs "
