@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from statistics import NormalDist
 
 import jsonschema
@@ -409,3 +410,10 @@ def test_the_engine_refuses_a_constraint_it_cannot_apply_yet(model_q4):
     request = make_request(model_q4, "q", response_format={"type": "json_object"})
     with pytest.raises(InputError, match="response_format"):
         Engine(model_q4, 1).submit(request)
+
+
+def test_without_llguidance_a_response_format_says_which_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance now raises ImportError
+    with pytest.raises(InputError, match=re.escape("pip install 'mlxfun[structured]'")):
+        structured.constraint(byte_tokenizer(), 97, {"type": "regex", "regex": "only-here-[0-9]"})
+    assert structured.constraint(byte_tokenizer(), 97, None) is None  # free text needs nothing
