@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxfun import cache as kv
-from mlxfun import prefill, sampling, speculative
+from mlxfun import prefill, sampling, speculative, structured
 from mlxfun.blocks import Pool, chain
 from mlxfun.config import ModelConfig
 from mlxfun.detok import RowText
@@ -68,6 +68,8 @@ class Record:
     first_token_time: float | None = None
     last_token_time: float | None = None
     cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed
+    matcher: structured.Matcher | None = None  # the row's place in its constraint (structured output)
+    error: str | None = None  # why a constrained row had to end early (an error of the grammar engine)
 
     @property
     def finish_reason(self) -> str | None:
@@ -124,13 +126,14 @@ class EngineStats(Stats):
 def mode_for(requests: Sequence[Record]) -> Mode:
     """The least a step must compute for these requests (each Mode compiles once)."""
     return Mode(sample=any(r.mode.sample for r in requests), penalties=any(r.mode.penalties for r in requests),
-                sort=any(r.mode.sort for r in requests), top_logprobs=max(r.mode.top_logprobs for r in requests))
+                sort=any(r.mode.sort for r in requests), top_logprobs=max(r.mode.top_logprobs for r in requests),
+                masked=any(r.mode.masked for r in requests))
 
 
 def request_mode(request: Request) -> Mode:
     s = request.settings
     return Mode(sample=not sampling.all_greedy(s), penalties=sampling.needs_counts(s), sort=sampling.needs_sort(s),
-                top_logprobs=request.logprobs)
+                top_logprobs=request.logprobs, masked=request.constraint is not None)
 
 
 class Engine:
@@ -193,6 +196,7 @@ class Engine:
         self._settings: sampling.Settings | None = None  # per-row settings of the live rows
         self._inflight: list[tuple[StepOut, list]] = []  # outputs queued, not yet handed out
         self._vacated: list[int] = []  # rows released since the last step: their positions go to -1
+        self._masks: np.ndarray | None = None  # (rows, V/32) uint32: the constrained rows' allowed tokens
         # Speculative decoding: a drafter (`speculative.PromptLookup`, `drafting.DraftModel`) and
         # the measured rule that turns it on and off.
         self.drafter, self.num_draft_tokens = drafter_for(draft, self), num_draft_tokens
@@ -222,16 +226,17 @@ class Engine:
             rid = next(self._ids)
         record = Record(rid, request, request_mode(request),
                         Row(len(request.prompt), request.max_tokens, RowText(self.model.tokenizer, request.stop),
-                            request.logprobs), submitted=time.perf_counter())
+                            request.logprobs), submitted=time.perf_counter(),
+                        matcher=None if request.constraint is None else request.constraint.matcher(request.eos))
         self._inbox.put(("submit", record))
         self._wake.set()
         return rid
 
     def add(self, prompt, *, max_tokens: int = 256, stop: Sequence[str] = (), settings: sampling.Settings | None = None,
-            logprobs: int | None = None, ignore_eos: bool = False) -> int:
+            logprobs: int | None = None, ignore_eos: bool = False, response_format: dict | None = None) -> int:
         """Queue a prompt (text or token ids) with one row's sampling `settings`; returns its id."""
         return self.submit(make_request(self.model, prompt, max_tokens=max_tokens, settings=settings, stop=stop,
-                                        logprobs=logprobs, ignore_eos=ignore_eos))
+                                        logprobs=logprobs, ignore_eos=ignore_eos, response_format=response_format))
 
     def cancel(self, rid: int) -> None:
         """Stop a request: a queued one never starts, a running one leaves its row at the next step.
@@ -283,8 +288,11 @@ class Engine:
             self._last_decode, self._streak = None, 0
         else:
             events = self.admit()
-            queued = self.decode() if self._needs_decode() else None
-            events += self.collect(keep=queued)
+            if self._needs_decode() and any(self.requests[o].matcher is not None for o in self.owner if o is not None):
+                events += self.masked_decode()
+            else:
+                queued = self.decode() if self._needs_decode() else None
+                events += self.collect(keep=queued)
         self._fit_cache()
         return events
 
@@ -362,28 +370,36 @@ class Engine:
             self.stats.prompt_time += time.perf_counter() - t0
         return events
 
-    def next_decode(self) -> tuple[Callable, tuple]:
-        """The compiled decode step for the live rows and its arguments, not run (profiling)."""
+    def _prepare_step(self) -> tuple[Mode, DecodeState]:
+        """Blocks for each live row's next position (a ring drops the one it displaces), the
+        device state caught up; -> the step's mode and its input state (no counts without penalties)."""
         live = [r for r, o in enumerate(self.owner) if o is not None]
         self.pages.prepare(len(live))
-        for r in live:  # a block for each row's next position; a ring drops the one it displaces
+        for r in live:
             self.pages.ensure(r, self.pos[r], self.pos[r] + 1)
             self.pages.drop_behind(r, self.pos[r])
         self._sync()
         mode = mode_for([self.requests[self.owner[r]] for r in live])
-        state = self.state if mode.penalties else self.state._replace(counts=None)
+        return mode, self.state if mode.penalties else self.state._replace(counts=None)
+
+    def _advanced(self, state: DecodeState) -> None:
+        """The state after a step queued for the live rows (counts kept where the step had none)."""
+        self.state = state if state.counts is not None else state._replace(counts=self.state.counts)
+        for r, o in enumerate(self.owner):
+            if o is not None:
+                self.pos[r] += 1
+
+    def next_decode(self) -> tuple[Callable, tuple]:
+        """The compiled decode step for the live rows and its arguments, not run (profiling)."""
+        mode, state = self._prepare_step()
         return self.steps(self.config, mode).decode, (self.params, state, self._settings)
 
     def decode(self) -> StepOut:
         """Queue one decode step for every row (rows without a live request decode idly)."""
         fn, args = self.next_decode()
         out, state = fn(*args)
-        # Steps without penalties neither read nor update the counts: keep them.
-        self.state = state if state.counts is not None else state._replace(counts=self.state.counts)
+        self._advanced(state)
         mx.async_eval(out, self.state)
-        for r, o in enumerate(self.owner):
-            if o is not None:
-                self.pos[r] += 1
         now = time.perf_counter()
         if self.drafter is not None and self._last_decode is not None:
             self._streak += 1
@@ -394,6 +410,34 @@ class Engine:
         self.stats.busy_row_steps += self._live()
         self._inflight.append((out, list(self.owner)))
         return out
+
+    def masked_decode(self) -> list[Event]:
+        """A decode step when some live row is constrained (structured output): the forward pass
+        is queued first (its input token stays on the device), then the last step's tokens are
+        handed out and advance the rows' matchers, and their masks are computed while the device
+        runs the forward pass; then the sampling half is queued with them."""
+        mode, state = self._prepare_step()
+        steps = self.steps(self.config, mode)
+        logits, state = steps.forward(self.params, state)
+        mx.async_eval(logits, state)
+        owners = list(self.owner)
+        self._advanced(state)
+        events = self.collect()
+        matchers = [self.requests[o].matcher if o is not None else None for o in self.owner]
+        masks = structured.fill_masks(matchers, self._mask_buffer())
+        out, state = steps.sample(logits, mx.array(masks), self.state if mode.penalties else
+                                  self.state._replace(counts=None), self._settings)
+        self.state = state if state.counts is not None else state._replace(counts=self.state.counts)
+        mx.async_eval(out, self.state)
+        self.stats.steps += 1
+        self.stats.busy_row_steps += sum(o is not None for o in owners)
+        self._inflight.append((out, owners))
+        return events
+
+    def _mask_buffer(self) -> np.ndarray:
+        if self._masks is None:
+            self._masks = np.ones((self.rows, structured.words(self.config.vocab_size)), np.uint32)
+        return self._masks
 
     def verify(self, t0: float | None = None) -> list[Event]:
         """One verify round for the live rows (nothing in flight): each drafts up to
@@ -462,11 +506,12 @@ class Engine:
 
     def _speculate(self) -> bool:
         """Whether this round verifies drafts: some row is live or waiting, no live row has
-        penalties (its counts would change inside a verified run), and the policy says it pays."""
+        penalties (its counts would change inside a verified run) or a constraint (its mask
+        would depend on the drafts), and the policy says it pays."""
         live = [self.requests[o] for o in self.owner if o is not None]
         if not live and not self.pending and self._inbox.empty():
             return False
-        return not any(r.mode.penalties for r in live) and self.policy.choose()
+        return not any(r.mode.penalties or r.mode.masked for r in live) and self.policy.choose()
 
     def _take_verified(self, out, counts: list[int]) -> list[Event]:
         """Hand out each live row's accepted tokens, in order; a row that ends inside its run
@@ -496,6 +541,21 @@ class Engine:
                     self._release(r, record)
                     break
         return events
+
+    def _advance(self, record: Record, event: Event) -> Event:
+        """A constrained row's matcher takes its new token; once nothing but EOS can follow, the
+        row ends ("stop", as EOS would end it a step later)."""
+        if record.matcher is None or event.finish_reason is not None:
+            return event
+        try:
+            record.matcher.advance(event.token)
+            done = record.matcher.is_finished
+        except RuntimeError as e:  # the grammar engine failed (a resource limit): end the row, say why
+            record.error, done = str(e), True
+        if not done:
+            return event
+        record.row.finish_reason = "stop"
+        return event._replace(text=event.text + record.row.text.flush(), finish_reason="stop")
 
     def _live(self) -> int:
         return sum(o is not None for o in self.owner)
@@ -595,7 +655,12 @@ class Engine:
         """Not compiled: group sizes vary, and each new shape would trace and build kernels again."""
         mode = mode_for(records)._replace(penalties=False)  # nothing generated yet: counts are zero
         settings = _stack([r.request.settings for r in records])
-        return first_token(self.config, mode, params, h, settings, mx.zeros((len(records),), mx.int32), None)
+        mask = None
+        if mode.masked:
+            words = structured.words(self.config.vocab_size)
+            mask = mx.array(structured.fill_masks([r.matcher for r in records], np.ones((len(records), words),
+                                                                                           np.uint32)))
+        return first_token(self.config, mode, params, h, settings, mx.zeros((len(records),), mx.int32), None, mask)
 
     def _empty_state(self) -> DecodeState:
         keys, values, positions = kv.pool(self.config, self.pool.size, self.pool.block_size, self.dtype)
@@ -676,8 +741,9 @@ class Engine:
                 self.stats.itl.append(now - record.last_token_time)
             record.last_token_time = now
             before = len(record.row.text.tokens)
-            event = record.row.accept(rid, tokens[i], record.request.eos, self.config.max_position_embeddings,
-                                      None if logprob is None else logprob[i], None if top is None else top[i])
+            event = self._advance(record, record.row.accept(
+                rid, tokens[i], record.request.eos, self.config.max_position_embeddings,
+                None if logprob is None else logprob[i], None if top is None else top[i]))
             self.stats.generation_tokens += len(record.row.text.tokens) - before  # a closing EOS is not output
             if event.finish_reason is not None:
                 self.stats.requests += 1

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlxfun import sampling
+from mlxfun import sampling, structured
 from mlxfun.errors import InputError
 from mlxfun.load import Model
 
@@ -43,6 +43,10 @@ class GenerationConfig:
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: and the n most likely
     ignore_eos: bool = False
     extra_eos_tokens: Sequence[str | int] = ()  # more tokens (text or id) that end a row, as mlx-lm's
+    # Structured output (mlxfun.structured): {"type": "json_object"}, {"type": "json_schema", "json_schema":
+    # {"name": ..., "schema": {...}}}, {"type": "regex", "regex": ...}, {"type": "choice", "choice": [...]},
+    # {"type": "grammar", "grammar": Lark or GBNF}, or None; a list gives one (or None) per prompt.
+    response_format: dict | Sequence[dict | None] | None = None
     chat: bool = False  # apply the chat template to text prompts
     # Scheduler options, for the whole call.
     batch_size: int | None = None  # rows decoded at once; more prompts wait and refill rows
@@ -85,6 +89,7 @@ class Request:
     stop: tuple[str, ...] = ()
     logprobs: int = -1  # -1: none; 0: the chosen token's; n: and the n most likely
     eos: frozenset[int] = frozenset()  # tokens that end the row (without being part of its output)
+    constraint: structured.Constraint | None = None  # what the row may generate (response_format); None: anything
 
 
 # ---- checks, each naming the option and the value ----
@@ -257,17 +262,19 @@ def requests(model: Model, prompts, config: GenerationConfig) -> list[Request]:
         repetition_penalty=config.repetition_penalty, presence_penalty=config.presence_penalty,
         frequency_penalty=config.frequency_penalty, seed=config.seed)
     eos = eos_ids(model, config.ignore_eos, config.extra_eos_tokens)
+    constraints = structured.constraints(model.tokenizer, model.config.vocab_size, config.response_format, n)
     out = []
     for i, item in enumerate(items):
         ids = encode(model, item, i, config.chat)
         check_context(model, ids, i)
-        out.append(Request(tuple(ids), int(max_tokens[i]), sampling.row(settings, i), stop[i], top, eos))
+        out.append(Request(tuple(ids), int(max_tokens[i]), sampling.row(settings, i), stop[i], top, eos,
+                           constraints[i]))
     return out
 
 
 def make_request(model: Model, prompt, *, max_tokens: int = 256, settings: sampling.Settings | None = None,
                  stop: Sequence[str] = (), logprobs: int | None = None, ignore_eos: bool = False,
-                 extra_eos_tokens: Sequence[str | int] = ()) -> Request:
+                 extra_eos_tokens: Sequence[str | int] = (), response_format: dict | None = None) -> Request:
     """One checked Request from a prompt and one row's `settings` (`sampling.make_settings(1, ...)`)."""
     check_positive_int("max_tokens", max_tokens)
     check_bool("ignore_eos", ignore_eos)
@@ -279,5 +286,6 @@ def make_request(model: Model, prompt, *, max_tokens: int = 256, settings: sampl
     check_context(model, ids, 0)
     (stop_,) = stops(list(stop) if not isinstance(stop, str) else stop, 1)
     eos = eos_ids(model, ignore_eos, extra_eos_tokens)
+    constraint = structured.constraint(model.tokenizer, model.config.vocab_size, response_format)
     return Request(tuple(ids), int(max_tokens), settings, stop_, check_logprobs(logprobs, model.config.vocab_size),
-                   eos)
+                   eos, constraint)

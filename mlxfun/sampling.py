@@ -3,6 +3,10 @@
 All settings are (B,) arrays, so a compiled step that calls `sample` is traced once whatever
 their values. One call applies, in this order:
 
+0. the token mask, when given (structured output): a (B, ceil(V/32)) uint32 bitmask, bit j of word
+   w allowing token 32w + j; a masked-out token gets -inf before anything else, so every filter
+   and the greedy argmax see only the allowed tokens, and the sample is the model's distribution
+   restricted to them and renormalised;
 1. penalties, over the row's *generated* tokens only (`counts`, prompt excluded, as OpenAI's
    presence / frequency penalties): repetition divides a seen token's positive logit by
    `repetition_penalty` and multiplies a negative one; presence subtracts `presence_penalty`
@@ -212,19 +216,42 @@ def filter_logits(logits: mx.array, settings: Settings, *, sort: bool = True) ->
     return mx.where(x >= _threshold(x, settings, sort), x, -mx.inf)  # (B, V)
 
 
+def unpack_mask(mask: mx.array, vocab: int) -> mx.array:
+    """mask (B, W) uint32, W = ceil(V/32), bit j of word w for token 32w + j -> (B, V) bool."""
+    shifts = mx.arange(32, dtype=mx.uint32)  # (32,)
+    bits = (mask[:, :, None] >> shifts) & 1  # (B, W, 32)
+    return bits.reshape(mask.shape[0], -1)[:, :vocab] != 0  # (B, V)
+
+
+def apply_mask(logits: mx.array, mask: mx.array) -> mx.array:
+    """logits (B, V), mask (B, W) uint32 -> (B, V): -inf wherever the mask does not allow the token."""
+    return mx.where(unpack_mask(mask, logits.shape[-1]), logits, -mx.inf)  # (B, V)
+
+
+def pack_mask(allowed: np.ndarray) -> np.ndarray:
+    """Host side: allowed (B, V) bool -> (B, ceil(V/32)) uint32, the layout `unpack_mask` reads."""
+    b, v = allowed.shape
+    padded = np.zeros((b, -(-v // 32) * 32), np.uint8)  # (B, 32W)
+    padded[:, :v] = allowed
+    return np.packbits(padded, axis=-1, bitorder="little").view("<u4").astype(np.uint32)  # (B, W)
+
+
 def greedy(logits: mx.array) -> mx.array:
     """(B, V) -> (B,) int32: the most likely token (the first, in a tie)."""
     return mx.argmax(logits, axis=-1).astype(mx.int32)
 
 
 def sample(logits: mx.array, settings: Settings, step: mx.array, counts: mx.array | None = None, *,
-           sort: bool = True) -> mx.array:
+           sort: bool = True, mask: mx.array | None = None) -> mx.array:
     """logits (B, V), step (B,) int32 (the row's own token counter, so its noise is fresh each
-    step), counts (B, V) int32 or None for no penalties -> tokens (B,) int32.
+    step), counts (B, V) int32 or None for no penalties, mask (B, W) uint32 or None -> tokens (B,) int32.
 
     `counts` and `sort` are static choices, made once per generation with `needs_counts` and
-    `needs_sort`: leaving out what no row uses saves a (B, V) pass, or the sort (most of the cost)."""
+    `needs_sort`: leaving out what no row uses saves a (B, V) pass, or the sort (most of the cost).
+    Every row of a `mask` must allow at least one token."""
     x = logits.astype(mx.float32)  # (B, V)
+    if mask is not None:
+        x = apply_mask(x, mask)  # (B, V)
     if counts is not None:
         x = penalize(x, settings, counts)  # (B, V)
     noisy = filter_logits(x, settings, sort=sort) + gumbel(settings.seed, step, x.shape[-1])  # (B, V)

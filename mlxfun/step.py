@@ -3,6 +3,12 @@
 `decode` is one `mx.compile`d function (decoder, sampling and cache update together). Everything
 that varies per token (block tables, positions, step counters, sampling settings) is an array
 argument, so it traces once per (batch size, table width, pool size) and never per token.
+
+With structured output the step is split in two compiled halves, `forward` (decoder and cache
+update -> logits) and `sample` (logits and a token mask -> tokens): the mask of step k+1 depends
+on token k, so the host queues forward k+1 (its input, token k, stays on the device), reads token
+k, computes mask k+1 while the device runs the forward pass, then queues sample k+1. `verify`
+checks k drafted tokens per row at once (speculative decoding).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class Mode(NamedTuple):
     penalties: bool = False  # track per-row token counts for repetition/presence/frequency penalties
     sort: bool = True  # some sampled row uses top-k or top-p (a sort over the vocabulary)
     top_logprobs: int = -1  # -1: no logprobs; 0: the chosen token's; n: and the n most likely
+    masked: bool = False  # some row is constrained: sampling applies a (B, V/32) token bitmask (split step)
 
 
 class DecodeState(NamedTuple):
@@ -45,11 +52,14 @@ class StepOut(NamedTuple):
 
 
 def choose(mode: Mode, logits: mx.array, settings: sampling.Settings, steps: mx.array,
-           counts: mx.array | None) -> StepOut:
-    """logits (B, V) -> the next token per row, with logprobs when the mode asks for them."""
+           counts: mx.array | None, mask: mx.array | None = None) -> StepOut:
+    """logits (B, V), mask (B, W) uint32 or None -> the next token per row, with logprobs when the
+    mode asks for them. Logprobs are the model's, before the mask (as before penalties)."""
     logits = logits.astype(mx.float32)
-    tokens = sampling.sample(logits, settings, steps, counts, sort=mode.sort) if mode.sample \
-        else sampling.greedy(logits)
+    if mode.sample:
+        tokens = sampling.sample(logits, settings, steps, counts, sort=mode.sort, mask=mask)
+    else:
+        tokens = sampling.greedy(logits if mask is None else sampling.apply_mask(logits, mask))
     if mode.top_logprobs < 0:
         return StepOut(tokens, None, None, None)
     logp = sampling.logprobs(logits)  # (B, V)
@@ -60,16 +70,30 @@ def choose(mode: Mode, logits: mx.array, settings: sampling.Settings, steps: mx.
     return StepOut(tokens, chosen, ids, values)
 
 
-def decode_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeState,
-                settings: sampling.Settings) -> tuple[StepOut, DecodeState]:
-    """One token for every row: decoder, sampling and cache update."""
+def forward_step(config: ModelConfig, params: Params, state: DecodeState) -> tuple[mx.array, DecodeState]:
+    """The decoder half of a decode step: logits (B, V) and the state with its cache and positions
+    advanced (tokens, steps and counts are `sample_step`'s)."""
     h, cache = llama.hidden(config, params, state.tokens[:, None], state.positions[:, None], None, state.cache,
                             fast=True, check=False)  # (B, 1, E)
-    out = choose(mode, llama.logits(params, h[:, -1], fast=True), settings, state.steps, state.counts)
-    counts = None if state.counts is None else sampling.update_counts(state.counts, out.tokens)
     # Rows without a request stay at -1: their writes go to the scratch block.
     positions = mx.where(state.positions >= 0, state.positions + 1, state.positions)
-    return out, DecodeState(cache, out.tokens, positions, state.steps + 1, counts)
+    return llama.logits(params, h[:, -1], fast=True), state._replace(cache=cache, positions=positions)
+
+
+def sample_step(mode: Mode, logits: mx.array, mask: mx.array | None, state: DecodeState,
+                settings: sampling.Settings) -> tuple[StepOut, DecodeState]:
+    """The sampling half: logits (B, V) and mask (B, W) uint32 (all ones for a free row; read only
+    when `mode.masked`) -> the tokens, and the state with tokens, steps and counts updated."""
+    out = choose(mode, logits, settings, state.steps, state.counts, mask if mode.masked else None)
+    counts = None if state.counts is None else sampling.update_counts(state.counts, out.tokens)
+    return out, state._replace(tokens=out.tokens, steps=state.steps + 1, counts=counts)
+
+
+def decode_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeState,
+                settings: sampling.Settings) -> tuple[StepOut, DecodeState]:
+    """One token for every row: decoder, sampling and cache update (one compiled function)."""
+    logits, state = forward_step(config, params, state)
+    return sample_step(mode, logits, None, state, settings)
 
 
 def prefill_chunk(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
@@ -103,9 +127,9 @@ def verify_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeSt
 
 
 def first_token(config: ModelConfig, mode: Mode, params: Params, h: mx.array, settings: sampling.Settings,
-                steps: mx.array, counts: mx.array | None) -> StepOut:
+                steps: mx.array, counts: mx.array | None, mask: mx.array | None = None) -> StepOut:
     """h (B, E): the last prompt position's hidden state -> the first generated token."""
-    return choose(mode, llama.logits(params, h, fast=True), settings, steps, counts)
+    return choose(mode, llama.logits(params, h, fast=True), settings, steps, counts, mask)
 
 
 class Steps(NamedTuple):
@@ -114,14 +138,20 @@ class Steps(NamedTuple):
     decode: Callable  # compiled: (params, state, settings) -> (StepOut, state)
     prefill: Callable  # (params, tokens, positions, cache, slots, last, wraps) -> (hidden states at last, cache)
     verify: Callable  # compiled: (params, state, drafts, valid, draft_probs, settings) -> (Verdict, state)
+    forward: Callable  # compiled: (params, state) -> (logits, state), the split step's first half
+    sample: Callable  # compiled: (logits, mask, state, settings) -> (StepOut, state)
 
 
 def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | None = None) -> Steps:
-    """Fresh compiled steps. `on_trace` runs each time the decode step is traced (profiling, tests)."""
+    """Fresh compiled steps. `on_trace` runs each time a decode step (the fused one, or either half
+    of the split one) is traced (profiling, tests)."""
 
-    def decode(params, state, settings):
+    def traced():
         if on_trace is not None:
             on_trace()
+
+    def decode(params, state, settings):
+        traced()
         return decode_step(config, mode, params, state, settings)
 
     def prefill(params, tokens, positions, cache, slots, last, wraps=True):
@@ -130,7 +160,22 @@ def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | N
     def verify(params, state, drafts, valid, draft_probs, settings):
         return verify_step(config, mode, params, state, drafts, valid, draft_probs, settings)
 
-    return Steps(mx.compile(decode), prefill, mx.compile(verify))
+    def forward(params, state):
+        traced()
+        return forward_step(config, params, state)
+
+    def sample_(logits, mask, state, settings):
+        traced()
+        return sample_step(mode, logits, mask, state, settings)
+
+    sample_compiled = mx.compile(sample_)
+
+    def sample(logits, mask, state, settings):
+        # The cache stays outside: sampling never reads it, and its capacity would retrace the step.
+        out, new = sample_compiled(logits, mask, state._replace(cache=None), settings)
+        return out, new._replace(cache=state.cache)
+
+    return Steps(mx.compile(decode), prefill, mx.compile(verify), mx.compile(forward), sample)
 
 
 @lru_cache(maxsize=32)

@@ -1,4 +1,4 @@
-"""Tiny random models for tests: configs, Hugging Face-named tensors, a word-level tokenizer."""
+"""Tiny random models for tests: configs, Hugging Face-named tensors, word-level and byte-level tokenizers."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import dataclasses
 
 import mlx.core as mx
 import numpy as np
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers
 
 from mlxfun import weights
 from mlxfun.config import ModelConfig, RopeScaling
@@ -128,6 +128,18 @@ def tiny_tokenizer(vocab_size: int) -> Tokenizer:
     vocab = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
     backend = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(backend, eos_token_ids={0}, bos_token_id=None, add_bos=False, chat_template=None)
+
+
+def byte_tokenizer() -> Tokenizer:
+    """Byte-level BPE over printable ASCII, 97 tokens as `tiny_config` has: id 0 is the end of text,
+    1 is the space, then "!" to "~" one token each, and 96 the merge "ab" (structured output needs
+    a tokenizer whose tokens are bytes)."""
+    vocab = {"<|endoftext|>": 0, "\u0120": 1, **{chr(b): i + 2 for i, b in enumerate(range(33, 127))}, "ab": 96}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
     return Tokenizer(backend, eos_token_ids={0}, bos_token_id=None, add_bos=False, chat_template=None)
 
 

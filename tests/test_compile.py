@@ -9,7 +9,7 @@ import mlx.core as mx
 from helpers import run_engine, tiny_config, tiny_model
 
 from mlxfun import cache as kv
-from mlxfun.step import Steps, decode_step, make_steps, prefill_chunk, verify_step
+from mlxfun.step import Steps, decode_step, forward_step, make_steps, prefill_chunk, sample_step, verify_step
 
 
 def counting_steps():
@@ -26,7 +26,8 @@ def counting_steps():
 
 
 def uncompiled_steps(config, mode) -> Steps:
-    return Steps(partial(decode_step, config, mode), partial(prefill_chunk, config), partial(verify_step, config, mode))
+    return Steps(partial(decode_step, config, mode), partial(prefill_chunk, config), partial(verify_step, config, mode),
+                 partial(forward_step, config), partial(sample_step, mode))
 
 
 def run(model, prompts, steps, **options):
