@@ -77,6 +77,15 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
                    help="bound the KV cache to a ring of this many tokens (default: the whole context)")
     g.add_argument("--prefill-step", type=int, default=d.prefill_step, metavar="TOKENS",
                    help="prompt tokens per prefill chunk")
+    k = p.add_argument_group("KV cache and speculative decoding")
+    k.add_argument("--prompt-cache-file", metavar="FILE",
+                   help="a prompt cache (mlxfun cache-prompt): prompts that start with its tokens skip them")
+    k.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt in full (by default prompts reuse the KV of prefixes already computed)")
+    k.add_argument("--draft-model", metavar="MODEL",
+                   help="speculative decoding: a smaller model with the same tokenizer, or 'prompt-lookup'")
+    k.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens, metavar="K",
+                   help="tokens each row drafts per verify round")
     g.add_argument("--batch-size", type=int, default=None, metavar="ROWS",
                    help=f"rows decoded at once; more prompts wait and refill rows as others finish (default: every "
                         f"prompt, at most {DEFAULT_ROWS})")
@@ -89,7 +98,8 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop, logprobs=args.logprobs,
         ignore_eos=args.ignore_eos, extra_eos_tokens=tuple(args.extra_eos_tokens), batch_size=args.batch_size,
-        prefill_step=args.prefill_step, max_kv_size=args.max_kv_size)
+        prefill_step=args.prefill_step, max_kv_size=args.max_kv_size, prefix_cache=not args.no_prefix_cache,
+        prompt_cache=args.prompt_cache_file, draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens)
 
 
 def flag_message(message: str) -> str:
@@ -125,32 +135,7 @@ def generate_parser(p: argparse.ArgumentParser) -> None:
                    help="use prompts as raw text (by default the model's chat template applies, when it has one)")
     g.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
     g.add_argument("--verbose", action="store_true", help="print timings, peak memory and seeds")
-    k = p.add_argument_group("KV cache and speculative decoding")
-    k.add_argument("--prompt-cache-file", metavar="FILE",
-                   help="a prompt cache (mlxfun cache-prompt): prompts that start with its tokens skip them")
-    k.add_argument("--no-prefix-cache", action="store_true",
-                   help="compute every prompt in full (by default prompts reuse the KV of prefixes already computed)")
-    k.add_argument("--draft-model", metavar="MODEL",
-                   help="speculative decoding: a smaller model with the same tokenizer, or 'prompt-lookup'")
-    k.add_argument("--num-draft-tokens", type=int, default=GenerationConfig().num_draft_tokens, metavar="K",
-                   help="tokens each row drafts per verify round")
     add_generation_flags(p)
-
-
-def engine_for(model, rows: int, config: GenerationConfig, args: argparse.Namespace):
-    """The engine a command's flags describe: the prefix cache, a prompt cache, a drafter."""
-    from mlxfun.engine import Engine
-    from mlxfun.load import load
-    from mlxfun.prompt_cache import load_prompt_cache
-
-    draft = args.draft_model
-    if draft is not None and draft != "prompt-lookup":
-        draft = load(draft, dtype=args.dtype)
-    engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size,
-                    prefix_cache=not args.no_prefix_cache, draft=draft, num_draft_tokens=args.num_draft_tokens)
-    if args.prompt_cache_file:
-        engine.add_prompt_cache(load_prompt_cache(args.prompt_cache_file, model))
-    return engine
 
 
 def _prompt_texts(prompts: list[str] | None) -> list[str]:
@@ -170,6 +155,7 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
     import shlex
 
     from mlxfun import jobs
+    from mlxfun.engine import engine_for
     from mlxfun.load import load
     from mlxfun.progress import Progress
     from mlxfun.sampling import seeds
@@ -197,7 +183,7 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
         raise MlxfunError("--system-prompt needs the chat template" + (
             "; drop --ignore-chat-template" if args.ignore_chat_template else ", and this model has none"))
     reqs = jobs.build_requests(model, todo, config, template=template, system_prompt=args.system_prompt)
-    engine = engine_for(model, min(len(reqs), args.batch_size or DEFAULT_ROWS), config, args)
+    engine = engine_for(model, min(len(reqs), args.batch_size or DEFAULT_ROWS), config)
     progress = Progress(len(items), len(items) - len(todo))
     with jobs.stop_on_interrupt() as stop:
         if args.output:

@@ -31,6 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -44,7 +45,7 @@ from mlxfun.detok import RowText
 from mlxfun.errors import InputError
 from mlxfun.events import Event, Stats
 from mlxfun.load import Model
-from mlxfun.options import Request, check_bool, check_positive_int, make_request
+from mlxfun.options import GenerationConfig, Request, check_bool, check_positive_int, make_request
 from mlxfun.paging import Pages
 from mlxfun.rows import Row, host_values
 from mlxfun.step import DecodeState, Mode, StepOut, Steps, compiled_steps, first_token
@@ -299,8 +300,10 @@ class Engine:
     def add_prompt_cache(self, cache) -> None:
         """Make a `prompt_cache.PromptCache`'s full blocks part of the prefix cache, pinned for the
         engine's life, so every prompt that starts with its tokens skips them."""
-        from mlxfun.prompt_cache import PromptCache, identity
+        from mlxfun.prompt_cache import PromptCache, identity, load_prompt_cache
 
+        if isinstance(cache, (str, Path)):
+            cache = load_prompt_cache(cache, self.model)
         if not isinstance(cache, PromptCache):
             raise InputError(f"prompt_cache must be an mlxfun PromptCache (mlxfun.cache_prompt), got "
                              f"{type(cache).__name__}")
@@ -754,16 +757,31 @@ class Engine:
 
 
 def drafter_for(draft, engine: Engine) -> speculative.Drafter | None:
-    """The drafter for a `draft` option: None, "prompt-lookup", a draft Model, or a Drafter."""
+    """The drafter for a `draft` option: None, "prompt-lookup", a draft Model (or what
+    `mlxfun.load` loads one from: a path or repo id), or a Drafter."""
     from mlxfun.drafting import DraftModel
 
     if draft is None or isinstance(draft, speculative.Drafter):
         return draft
     if isinstance(draft, str) and draft == "prompt-lookup":
         return speculative.LookupDrafter()
+    if isinstance(draft, (str, Path)):
+        from mlxfun.load import load
+
+        draft = load(draft)
     if isinstance(draft, Model):
         return DraftModel(draft, engine)
-    raise InputError(f"draft_model must be a Model or 'prompt-lookup', got {draft!r:.60}")
+    raise InputError(f"draft_model must be a Model, a path or 'prompt-lookup', got {draft!r:.60}")
+
+
+def engine_for(model: Model, rows: int, config: GenerationConfig) -> Engine:
+    """The engine a GenerationConfig's scheduler options describe (generate, the command line)."""
+    engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size,
+                    prefix_cache=config.prefix_cache, draft=config.draft_model,
+                    num_draft_tokens=config.num_draft_tokens)
+    if config.prompt_cache is not None:
+        engine.add_prompt_cache(config.prompt_cache)
+    return engine
 
 
 # Settings for a row that holds no request (its tokens are discarded).

@@ -13,7 +13,7 @@ import inspect
 from typing import Callable, Iterator, Sequence
 
 from mlxfun import sampling
-from mlxfun.engine import Engine
+from mlxfun.engine import engine_for
 from mlxfun.errors import InputError
 from mlxfun.events import Event
 from mlxfun.load import Model
@@ -29,11 +29,7 @@ class Job:
 
     def __init__(self, model: Model, reqs: list[Request], config: GenerationConfig):
         rows = len(reqs) if config.batch_size is None else min(config.batch_size, len(reqs))
-        self.engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size,
-                             prefix_cache=config.prefix_cache, draft=config.draft_model,
-                             num_draft_tokens=config.num_draft_tokens)
-        if config.prompt_cache is not None:
-            self.engine.add_prompt_cache(config.prompt_cache)
+        self.engine = engine_for(model, rows, config)
         self.requests = reqs
         self.ids = [self.engine.submit(r) for r in reqs]
         self._result: GenerationResult | None = None

@@ -53,8 +53,8 @@ class GenerationConfig:
     prefill_step: int = 512  # prompt tokens per prefill chunk
     max_kv_size: int | None = None  # bound the cache to a ring of this many tokens
     prefix_cache: bool = True  # reuse the KV of prompt prefixes already computed (False: compute all)
-    prompt_cache: Any = None  # a `prompt_cache.PromptCache` whose prefix prompts may start with
-    draft_model: Any = None  # speculative decoding: a draft Model (same tokenizer) or "prompt-lookup"
+    prompt_cache: Any = None  # a `prompt_cache.PromptCache` (or its file) whose prefix prompts may start with
+    draft_model: Any = None  # speculative decoding: a draft Model (or its path), same tokenizer, or "prompt-lookup"
     num_draft_tokens: int = 4  # tokens each row drafts per verify round
 
     @classmethod

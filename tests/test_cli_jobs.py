@@ -234,7 +234,8 @@ def test_every_generation_option_has_a_flag():
                               "--seed", "2", "--repetition-penalty", "1.1", "--presence-penalty", "0.2",
                               "--frequency-penalty", "0.3", "--stop", "x", "--extra-eos-token", "w1", "7",
                               "--ignore-eos", "--logprobs", "3", "--max-kv-size", "64", "--prefill-step", "16",
-                              "--batch-size", "5"])
+                              "--batch-size", "5", "--no-prefix-cache", "--prompt-cache-file", "p.safetensors",
+                              "--draft-model", "prompt-lookup", "--num-draft-tokens", "3"])
     config, default = generation_config(args), GenerationConfig()
     changed = {f for f in GenerationConfig.__dataclass_fields__ if getattr(config, f) != getattr(default, f)}
     assert changed == set(GenerationConfig.__dataclass_fields__) - {"chat"}  # chat: --ignore-chat-template

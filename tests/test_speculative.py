@@ -177,7 +177,9 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny):
     other = Model(other.config, other.params, tiny_tokenizer(64), "small vocab")
     with pytest.raises(mlxfun.InputError, match="vocabulary"):
         Engine(tiny, 2, draft=other)
+    with pytest.raises(mlxfun.ModelError, match="no such model file or folder: ngram"):
+        Engine(tiny, 2, draft="ngram")  # neither 'prompt-lookup' nor a model to load
     with pytest.raises(mlxfun.InputError, match="draft_model must be"):
-        Engine(tiny, 2, draft="ngram")
+        Engine(tiny, 2, draft=3)
     with pytest.raises(mlxfun.InputError, match="num_draft_tokens"):
         Engine(tiny, 2, draft="prompt-lookup", num_draft_tokens=16)
