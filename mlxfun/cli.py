@@ -23,7 +23,8 @@ FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-
          "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
          "logprobs": "--logprobs", "max_kv_size": "--max-kv-size", "prefill_step": "--prefill-step",
          "batch_size": "--batch-size", "stop": "--stop", "extra_eos_tokens": "--extra-eos-token",
-         "ignore_eos": "--ignore-eos", "sequence_length": "--sequence-length"}
+         "ignore_eos": "--ignore-eos", "sequence_length": "--sequence-length", "response_format": "--response-format",
+         "num_draft_tokens": "--num-draft-tokens", "draft_model": "--draft-model"}
 # Rows decoded at once when --batch-size is not given: every prompt, up to this many.
 DEFAULT_ROWS = 32
 INTERRUPTED = 130
@@ -77,6 +78,9 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
                    help="bound the KV cache to a ring of this many tokens (default: the whole context)")
     g.add_argument("--prefill-step", type=int, default=d.prefill_step, metavar="TOKENS",
                    help="prompt tokens per prefill chunk")
+    g.add_argument("--response-format", metavar="JSON",
+                   help="structured output, as OpenAI's response_format, or @FILE holding it: "
+                        "'{\"type\": \"json_object\"}', json_schema, regex, choice or grammar (mlxfun.structured)")
     k = p.add_argument_group("KV cache and speculative decoding")
     k.add_argument("--prompt-cache-file", metavar="FILE",
                    help="a prompt cache (mlxfun cache-prompt): prompts that start with its tokens skip them")
@@ -99,7 +103,23 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop, logprobs=args.logprobs,
         ignore_eos=args.ignore_eos, extra_eos_tokens=tuple(args.extra_eos_tokens), batch_size=args.batch_size,
         prefill_step=args.prefill_step, max_kv_size=args.max_kv_size, prefix_cache=not args.no_prefix_cache,
-        prompt_cache=args.prompt_cache_file, draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens)
+        prompt_cache=args.prompt_cache_file, draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
+        response_format=_json_flag("--response-format", args.response_format))
+
+
+def _json_flag(flag: str, value: str | None):
+    """A flag's JSON value, given inline or as @FILE."""
+    if value is None:
+        return None
+    import json
+
+    try:
+        if value.startswith("@"):
+            with open(value[1:], encoding="utf-8") as f:
+                return json.load(f)
+        return json.loads(value)
+    except (OSError, json.JSONDecodeError) as e:
+        raise MlxfunError(f"{flag}: not a JSON value or a readable @FILE ({e})") from None
 
 
 def flag_message(message: str) -> str:

@@ -34,7 +34,7 @@ from mlxfun.tokenizer import Tokenizer
 
 # GenerationConfig fields a line may set for itself (the others apply to the whole run).
 LINE_OPTIONS = ("max_tokens", "temperature", "top_p", "min_p", "top_k", "repetition_penalty", "presence_penalty",
-                "frequency_penalty", "seed", "stop", "logprobs", "ignore_eos", "extra_eos_tokens")
+                "frequency_penalty", "seed", "stop", "logprobs", "ignore_eos", "extra_eos_tokens", "response_format")
 
 
 class Item(NamedTuple):
@@ -106,9 +106,11 @@ def _json_item(line: str, n: int, where: str) -> Item:
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise InputError(f"{where}: unknown key {name!r} ({hint}a line holds id, prompt or messages, and "
                              f"generation options: {', '.join(LINE_OPTIONS)})")
-        # One value for the line (a list would read as one value per prompt); stop and EOS tokens may be lists.
+        # One value for the line (a list would read as one value per prompt); stop and EOS tokens may be lists,
+        # a response_format is an object.
         if isinstance(v, (list, dict)) and not (name in ("stop", "extra_eos_tokens") and isinstance(v, list)
-                                                and all(isinstance(x, (str, int)) for x in v)):
+                                                and all(isinstance(x, (str, int)) for x in v)) \
+                and not (name == "response_format" and isinstance(v, dict)):
             raise InputError(f"{where}: {name} must be one value, got {v!r:.60}")
     return Item(rid, prompt, messages, value, where)
 

@@ -235,7 +235,8 @@ def test_every_generation_option_has_a_flag():
                               "--frequency-penalty", "0.3", "--stop", "x", "--extra-eos-token", "w1", "7",
                               "--ignore-eos", "--logprobs", "3", "--max-kv-size", "64", "--prefill-step", "16",
                               "--batch-size", "5", "--no-prefix-cache", "--prompt-cache-file", "p.safetensors",
-                              "--draft-model", "prompt-lookup", "--num-draft-tokens", "3"])
+                              "--draft-model", "prompt-lookup", "--num-draft-tokens", "3",
+                              "--response-format", '{"type": "json_object"}'])
     config, default = generation_config(args), GenerationConfig()
     changed = {f for f in GenerationConfig.__dataclass_fields__ if getattr(config, f) != getattr(default, f)}
     assert changed == set(GenerationConfig.__dataclass_fields__) - {"chat"}  # chat: --ignore-chat-template

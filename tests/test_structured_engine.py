@@ -107,3 +107,24 @@ def test_real_model_each_row_its_own_schema(model_q4):
             alone = generate(model_q4, [prompts[i]], max_tokens=40, response_format=formats[i],
                              **({"temperature": 0.8, "seed": i} if options else {}))
             assert alone.token_ids[0] == out.token_ids[i], (i, alone.texts[0], out.texts[i])
+
+
+def test_dataset_lines_carry_their_own_response_format(bytes_model, tmp_path):
+    """A JSONL dataset job: each line may constrain its own output."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mlxfun
+
+    folder = mlxfun.save(bytes_model, tmp_path / "tiny")
+    lines = [{"id": "d", "prompt": "Date: ", "response_format": FORMATS[0]},
+             {"id": "c", "prompt": "Color: ", "response_format": FORMATS[2]}, {"id": "f", "prompt": "free "}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    run = subprocess.run([sys.executable, "-m", "mlxfun", "generate", "--model", str(folder), "--prompts-file",
+                          str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "-m", "20",
+                          "--ignore-chat-template"], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr
+    out = {x["id"]: x for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert re.fullmatch(DATE, out["d"]["text"]) and out["c"]["text"] in WORDS and out["f"]["completion_tokens"] == 20
