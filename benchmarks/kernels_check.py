@@ -1,7 +1,8 @@
 """mlxfun's CUDA kernels (`mlxfun.kernels`) against MLX ops, on random inputs (CUDA only).
 
-decode_attention vs `llama.grouped_attention` in exact float32 (on the CPU) on the same rounded
-inputs, under masks with left padding, holes (ring slots) and a single visible key; qmv against
+decode_attention (reading a shuffled paged pool through its block table) vs `llama.grouped_attention`
+over the gathered keys in exact float32 (on the CPU) on the same rounded inputs, under masks with
+left padding, holes (ring slots) and a single visible key; qmv against
 a float32 product with the dequantized weights (relative to the largest output).
 Run: python benchmarks/kernels_check.py [--json PATH]
 """
@@ -14,23 +15,30 @@ import sys
 
 import mlx.core as mx
 
+from mlxfun import cache as kv
 from mlxfun import kernels, llama, qmv
 
 
 def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed: int) -> dict:
+    """The kernel reads keys and values through a shuffled block table (the paged layout)."""
     mx.random.seed(seed)
+    bs = kv.BLOCK
+    W = -(-S // bs)
+    S = W * bs
     qk = mx.random.normal((B, H + K, 1, D)).astype(dtype)
-    keys = mx.random.normal((B, K, S, D)).astype(dtype)
-    values = mx.random.normal((B, K, S, D)).astype(dtype)
+    keys = mx.random.normal((1 + B * W, bs, K, D)).astype(dtype)  # block 0: scratch, never in a table
+    values = mx.random.normal((1 + B * W, bs, K, D)).astype(dtype)
+    table = (1 + mx.random.permutation(B * W)).astype(mx.int32).reshape(B, W)
     visible = mx.random.uniform(shape=(B, 1, S)) < 0.7
     visible = visible & (mx.arange(S) >= mx.arange(B)[:, None, None] * 7)  # left padding, per row
     last = mx.arange(S) == S - 1
     visible = visible | last  # the current token's slot is always visible
     visible = mx.where(mx.arange(B)[:, None, None] == 0, last, visible)  # row 0: that key only
-    got = kernels.decode_attention(qk, keys, values, visible, H).astype(mx.float32)
+    got = kernels.decode_attention(qk, keys, values, table, visible, H).astype(mx.float32)
     with mx.stream(mx.cpu):  # exact float32 (CUDA matmuls may use TF32)
         f32 = [a.astype(mx.float32) for a in (qk, keys, values)]
-        want = llama.grouped_attention(f32[0][:, :H], f32[1], f32[2], visible, D**-0.5)  # (B, H, 1, D)
+        want = llama.grouped_attention(f32[0][:, :H], kv.gather(f32[1], table), kv.gather(f32[2], table), visible,
+                                       D**-0.5)  # (B, H, 1, D)
         want = want.reshape(B, H * D)
         err = mx.abs(got - want).max().item()
     tol = {mx.float32: 1e-4, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}[dtype]
