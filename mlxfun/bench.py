@@ -10,6 +10,7 @@ memory, so large models can be measured without downloads. mlx-lm is never a dep
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -25,7 +26,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from mlxfun import blas, llama, weights
+from mlxfun import blas, llama, sampling, weights
 from mlxfun import strategy as strat
 from mlxfun.config import ModelConfig, RopeScaling
 from mlxfun.engine import Engine
@@ -348,6 +349,12 @@ def parse_args(argv):
     p.add_argument("--ks", default="2,4,6", help="draft lengths for the oracle")
     p.add_argument("--draft-shape", choices=sorted(SHAPES), default=None,
                    help="a random-weight draft model for --shape (e.g. 1B for 8B)")
+    p.add_argument("--structured", action="store_true",
+                   help="instead: a batch with a JSON schema on every row against the same batch unconstrained, "
+                        "and the host's mask time per step")
+    p.add_argument("--tokenizer", default=None,
+                   help="a Hugging Face tokenizer folder for --shape (structured output needs a byte-level one; "
+                        "the vocabulary becomes its size)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG of generation tokens/s against batch size here")
     args = p.parse_args(argv)
@@ -456,8 +463,57 @@ def main_speculative(args) -> int:
     return 0
 
 
+def main_structured(args) -> int:
+    """Generated tokens/s and decode-step time of B rows with bench_structured's JSON schema on
+    every row, against the same rows free (EOS ignored; a constrained row ends with its document)."""
+    from mlxfun import bench_structured as bst
+    from mlxfun import tokenizer as tok
+    from mlxfun.engine import Engine
+
+    info = machine()
+    print(json.dumps(info))
+    if args.shape is None:
+        model = load(args.model)
+    else:
+        folder = Path(args.tokenizer) if args.tokenizer else None
+        tokenizer = tok.from_folder(folder, {}) if folder else word_tokenizer(SHAPES[args.shape].vocab_size)
+        config = dataclasses.replace(SHAPES[args.shape], vocab_size=tokenizer.vocab_size)
+        model = Model(config, random_params(config, DTYPES[args.base_dtype]), tokenizer, f"random {args.shape}")
+    ask = "Describe a person as a JSON object with name, age, email, role, tags, score and address."
+    prompt = model.tokenizer.encode_chat([{"role": "user", "content": ask}]) if model.tokenizer.chat_template \
+        else model.tokenizer.encode(ask)
+    rows = []
+    for B in args.batch_sizes:
+        found = {}
+        for constrained in (False, True, False, True):  # the first of each compiles
+            engine = Engine(model, B)
+            for i in range(B):
+                engine.add(prompt, max_tokens=args.gen_tokens, ignore_eos=True,
+                           response_format=bst.FORMAT if constrained else None,
+                           settings=sampling.make_settings(1, temperature=0.7, seed=i))
+            t0 = time.perf_counter()
+            for _ in engine.events():
+                pass
+            seconds = time.perf_counter() - t0
+            s = engine.stats
+            found[constrained] = dict(tps=s.generation_tokens / seconds, step_ms=1e3 * seconds / max(1, s.steps),
+                                      tokens=s.generation_tokens, steps=s.steps)
+        mask = bst.mask_time(model.tokenizer, model.config.vocab_size, bst.FORMAT, bst.documents(32), B)
+        rows.append(dict(batch=B, free=found[False], constrained=found[True], mask_ms_per_step=mask.step_ms_mean,
+                         step_ratio=found[True]["step_ms"] / found[False]["step_ms"]))
+        print(f"  B={B:4d}: free {found[False]['tps']:9.1f} tok/s ({found[False]['step_ms']:.2f} ms/step), "
+              f"schema {found[True]['tps']:9.1f} tok/s ({found[True]['step_ms']:.2f} ms/step, "
+              f"{rows[-1]['step_ratio']:.3f}x), host masks {mask.step_ms_mean:.2f} ms/step", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
+        print(f"results written to {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.structured:
+        return main_structured(args)
     if args.ring or args.continuous:
         return main_workloads(args)
     if args.prefix:
