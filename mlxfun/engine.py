@@ -176,13 +176,7 @@ class Engine:
     def submit(self, request: Request) -> int:
         """Queue a checked Request (`options.requests` / `make_request`); returns its id. Raises
         InputError, before any work, if its cache could never fit the memory budget."""
-        if not isinstance(request, Request):
-            raise InputError(f"submit takes an mlxfun Request, got {type(request).__name__}")
-        need = self._kv_bytes(self._extent(len(request.prompt), request.max_tokens))
-        if need > self.kv_memory:
-            raise InputError(f"a prompt of {len(request.prompt)} tokens with max_tokens={request.max_tokens} needs "
-                             f"{_size(need)} of KV cache in {self.rows} rows; {_size(self.kv_memory)} are available "
-                             "(lower max_tokens, the rows, or max_kv_size)")
+        self.check(request)
         with self._id_lock:
             rid = next(self._ids)
         record = Record(rid, request, request_mode(request),
@@ -191,6 +185,16 @@ class Engine:
         self._inbox.put(("submit", record))
         self._wake.set()
         return rid
+
+    def check(self, request: Request) -> None:
+        """Raise InputError, as `submit` does, unless this engine can take `request`."""
+        if not isinstance(request, Request):
+            raise InputError(f"submit takes an mlxfun Request, got {type(request).__name__}")
+        need = self._kv_bytes(self._extent(len(request.prompt), request.max_tokens))
+        if need > self.kv_memory:
+            raise InputError(f"a prompt of {len(request.prompt)} tokens with max_tokens={request.max_tokens} needs "
+                             f"{_size(need)} of KV cache in {self.rows} rows; {_size(self.kv_memory)} are available "
+                             "(lower max_tokens, the rows, or max_kv_size)")
 
     def add(self, prompt, *, max_tokens: int = 256, stop: Sequence[str] = (), settings: sampling.Settings | None = None,
             logprobs: int | None = None, ignore_eos: bool = False) -> int:

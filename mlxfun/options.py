@@ -47,6 +47,9 @@ class GenerationConfig:
     batch_size: int | None = None  # rows decoded at once; more prompts wait and refill rows
     prefill_step: int = 512  # prompt tokens per prefill chunk
     max_kv_size: int | None = None  # bound the cache to a ring of this many tokens
+    # Data parallel: an mx.distributed.Group whose ranks each generate a share of the prompts and
+    # all return the whole result (mlxfun.distributed). Every rank passes the same prompts.
+    group: Any = None
 
     @classmethod
     def make(cls, config: GenerationConfig | None = None, options: dict[str, Any] | None = None
@@ -216,6 +219,8 @@ def check_scheduler(config: GenerationConfig) -> None:
     check_positive_int("max_kv_size", config.max_kv_size, allow_none=True)
     check_bool("ignore_eos", config.ignore_eos)
     check_bool("chat", config.chat)
+    if config.group is not None and not isinstance(config.group, mx.distributed.Group):
+        raise InputError(f"group must be an mx.distributed.Group or None, got {type(config.group).__name__}")
 
 
 def requests(model: Model, prompts, config: GenerationConfig) -> list[Request]:
