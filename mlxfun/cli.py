@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from mlxfun import distributed
 from mlxfun.errors import MlxfunError
 from mlxfun.options import GenerationConfig
 
@@ -97,6 +98,7 @@ def generate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--verbose", action="store_true", help="print timings and peak memory")
     add_generation_flags(p)
+    distributed.add_flags(p)
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -111,10 +113,12 @@ def run_generate(args: argparse.Namespace) -> None:
     if not prompts:
         raise MlxfunError("give a --prompt or a --prompts-file")
     config = dataclasses.replace(generation_config(args), chat=args.chat)
-    model = mlxfun.load(args.model, dtype=args.dtype)
-    progress = Progress(len(prompts), args.max_tokens, enabled=len(prompts) > 1 and sys.stderr.isatty())
+    model, config, shows = distributed.setup(args, config)  # several ranks: only rank 0 prints
+    progress = Progress(len(prompts), args.max_tokens, enabled=shows and len(prompts) > 1 and sys.stderr.isatty())
     result = mlxfun.generate(model, prompts, config, on_event=progress.update)
     progress.close()
+    if not shows:
+        return
     for i, (text, reason) in enumerate(zip(result.texts, result.finish_reasons)):
         if len(prompts) > 1:
             print(f"==== prompt {i} ({reason}) ====")

@@ -173,3 +173,34 @@ def gather(result: GenerationResult, indices: list[int], group, total: int, top_
 def rank_stats(stats: Stats, group) -> list[Stats]:
     """Every rank's stats, in rank order, on every rank (for per-rank throughput)."""
     return [Stats(*s) for s in exchange_json(_stats(stats), group)]
+
+
+# ---- the command line: `mlx.launch -n N -- python -m mlxfun generate --tensor-parallel ...` ----
+
+
+def add_flags(p) -> None:
+    g = p.add_argument_group("several devices (under mlx.launch)")
+    g.add_argument("--tensor-parallel", type=int, nargs="?", const=0, default=None, metavar="N",
+                   help="split the model across N ranks (default: all), each loading only its slices")
+    g.add_argument("--data-parallel", action="store_true",
+                   help="split the prompts across the ranks (with --tensor-parallel N: across the tensor groups)")
+
+
+def setup(args, config):
+    """(model, config, whether this rank prints) for the flags of `add_flags`: the model loaded
+    whole or as this rank's shard, and the config with the data-parallel group."""
+    from mlxfun.load import load
+    from mlxfun.shard import sharded_load
+
+    if args.tensor_parallel is None and not args.data_parallel:
+        return load(args.model, dtype=args.dtype), config, True
+    world = mx.distributed.init()
+    n = world.size()
+    tensor = 1 if args.tensor_parallel is None else args.tensor_parallel or n
+    if not args.data_parallel and tensor != n:
+        raise InputError(f"--tensor-parallel {tensor} with {n} ranks leaves ranks idle: add --data-parallel, or "
+                         "give no number (all ranks)")
+    tensor_group, data_group = groups(world, tensor)
+    model = load(args.model, dtype=args.dtype) if tensor_group is None else \
+        sharded_load(args.model, tensor_group, dtype=args.dtype)
+    return model, dataclasses.replace(config, group=data_group), world.rank() == 0

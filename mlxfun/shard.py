@@ -24,13 +24,12 @@ import mlx.core as mx
 import numpy as np
 
 from mlxfun import config as cfg
-from mlxfun import load as loader
 from mlxfun import tokenizer as tok
 from mlxfun import weights
 from mlxfun.config import ModelConfig
 from mlxfun.errors import ModelError
 from mlxfun.llama import Dense, Layer, Linear, Params, Quantized
-from mlxfun.load import Model
+from mlxfun.load import Model, in_dtype, load, parse_dtype, resolve, weight_files
 
 
 def check(config: ModelConfig, group) -> None:
@@ -157,20 +156,20 @@ def sharded_load(source: str | Path | None, group, *, dtype: str | mx.Dtype | No
     """`shard(load(source), group)`, reading only this rank's slices from a Hugging Face folder
     (safetensors), so a model larger than one rank's memory loads. A GGUF file is read whole by
     `mx.load` and then sharded (its rows of 4-bit blocks could be read in slices too; mlxfun does not)."""
-    path = loader.resolve(source)
+    path = resolve(source)
     if path.is_file():
-        return shard(loader.load(path, dtype=dtype), group)
+        return shard(load(path, dtype=dtype), group)
     if not (path / "config.json").exists():
         raise ModelError(f"{path} is not a model folder: it has no config.json")
     raw = json.loads((path / "config.json").read_text())
     config = cfg.from_hf(raw)
     check(config, group)
-    dt = loader.parse_dtype(dtype)
+    dt = parse_dtype(dtype)
     n, r = group.size(), group.rank()
     tensors = {}
-    for file in loader.weight_files(path):
+    for file in weight_files(path):
         tensors.update(read_slices(file, n, r))
     local = local_config(config, group)
     params = weights.build_params(dataclasses.replace(local, tensor_group=None), tensors)
-    params = loader.in_dtype(local, params, dt, gguf_file=False)
+    params = in_dtype(local, params, dt, gguf_file=False)
     return Model(local, params, tok.from_folder(path, raw), str(path))
