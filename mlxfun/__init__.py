@@ -8,6 +8,7 @@ from mlxfun.load import Model, load, save
 from mlxfun.options import GenerationConfig
 from mlxfun.rows import GenerationResult
 from mlxfun.score import score
+from mlxfun.shard import shard, sharded_load
 
 __all__ = ["Event", "GenerationConfig", "GenerationResult", "InputError", "MlxfunError", "Model", "ModelError",
-           "generate", "load", "save", "score", "stream_generate"]
+           "generate", "load", "save", "score", "shard", "sharded_load", "stream_generate"]

@@ -69,12 +69,15 @@ class ReplicatedEngine:
     # ---- rank 0, any thread ----
 
     def submit(self, request: Request) -> int:
-        """Queue a checked Request for every rank; returns its id (the engines' id for it)."""
+        """Queue a checked Request for every rank; returns its id (the engines' id for it). Build
+        the request on the thread that submits it (its settings are read here)."""
         self._only_rank0("submit")
         self.engine.check(request)  # the ranks agree on the KV budget: what fits here fits everywhere
         with self._lock:
             rid = next(self._ids)
-            self._outbox.put(["submit", rid, request])  # encoded by the engine thread (MLX evaluates there)
+            # Host values now: MLX evaluates an array only on the thread that recorded it, and every
+            # rank's engine thread rebuilds the request from these.
+            self._outbox.put(["submit", rid, encode(request)])
         self._wake.set()
         return rid
 
@@ -97,10 +100,9 @@ class ReplicatedEngine:
         if self.rank == 0:
             while True:
                 try:
-                    kind, rid, body = self._outbox.get_nowait()
+                    messages.append(self._outbox.get_nowait())
                 except queue.Empty:
                     break
-                messages.append([kind, rid, None if body is None else encode(body)])
         data = json.dumps({"messages": messages, "stop": stop}).encode() if self.rank == 0 else b""
         received = json.loads(distributed.broadcast(data, self.group))
         for kind, rid, body in received["messages"]:

@@ -59,10 +59,9 @@ def replicated(model, group) -> dict:
     engine = ReplicatedEngine(model, group, rows=2)
     stop, done, records = threading.Event(), [], {}
     ids: list[int] = []
-    # Built here: MLX evaluates an array only on the thread whose stream recorded it (as for Engine.submit).
-    reqs = requests(model, TINY_PROMPTS, GenerationConfig(**SAMPLED))
 
-    def client():
+    def client():  # as an HTTP handler would: builds its requests, then submits them
+        reqs = requests(model, TINY_PROMPTS, GenerationConfig(**SAMPLED))
         for r in reqs:
             ids.append(engine.submit(r))
             time.sleep(0.01)
@@ -136,10 +135,19 @@ def real_suite(group, out: Path, folders: list[str]) -> dict:
     return {"greedy": mlxfun.generate(f32, REAL_PROMPTS, max_tokens=3).token_ids}
 
 
+def compose_suite(group, out: Path, folders: list[str]) -> dict:
+    """2 tensor groups of 2 ranks, each serving half the prompts (needs a backend that splits groups: MPI)."""
+    tensor, data = distributed.groups(group, 2)
+    model = shard(tiny_model(), tensor)
+    return {"tensor": [tensor.rank(), tensor.size()], "data": [data.rank(), data.size()],
+            "sampled": result_dict(mlxfun.generate(model, TINY_PROMPTS, **SAMPLED, group=data)),
+            "greedy": mlxfun.generate(model, TINY_PROMPTS, max_tokens=8, batch_size=2, group=data).token_ids}
+
+
 def main() -> None:
     suite, out, folders = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     group = mx.distributed.init(strict=True)
-    res = {"tiny": tiny_suite, "real": real_suite}[suite](group, out, folders)
+    res = {"tiny": tiny_suite, "real": real_suite, "compose": compose_suite}[suite](group, out, folders)
     (out / f"rank{group.rank()}.json").write_text(json.dumps(res))
 
 
