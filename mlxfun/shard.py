@@ -158,7 +158,7 @@ def sharded_load(source: str | Path | None, group, *, dtype: str | mx.Dtype | No
     `mx.load` and then sharded (its rows of 4-bit blocks could be read in slices too; mlxfun does not)."""
     path = resolve(source)
     if path.is_file():
-        return shard(load(path, dtype=dtype), group)
+        return evaluated(shard(load(path, dtype=dtype), group))
     if not (path / "config.json").exists():
         raise ModelError(f"{path} is not a model folder: it has no config.json")
     raw = json.loads((path / "config.json").read_text())
@@ -171,5 +171,14 @@ def sharded_load(source: str | Path | None, group, *, dtype: str | mx.Dtype | No
         tensors.update(read_slices(file, n, r))
     local = local_config(config, group)
     params = weights.build_params(dataclasses.replace(local, tensor_group=None), tensors)
-    params = in_dtype(local, params, dt, gguf_file=False)
-    return Model(local, params, tok.from_folder(path, raw), str(path))
+    del tensors  # the unfused parts now live only in the params' graph, freed layer by layer below
+    return evaluated(Model(local, in_dtype(local, params, dt, gguf_file=False), tok.from_folder(path, raw), str(path)))
+
+
+def evaluated(model: Model) -> Model:
+    """The model with its params computed one layer at a time, so the arrays they were made from
+    (whole maps, unfused parts) are freed as it goes rather than all held until the end."""
+    for layer in model.params.layers:
+        mx.eval(layer)
+    mx.eval(model.params)
+    return model
