@@ -9,7 +9,8 @@ from mlxfun.options import GenerationConfig
 from mlxfun.prompt_cache import PromptCache, cache_prompt, load_prompt_cache
 from mlxfun.rows import GenerationResult
 from mlxfun.score import score
+from mlxfun.shard import shard, sharded_load
 
 __all__ = ["Event", "GenerationConfig", "GenerationResult", "InputError", "MlxfunError", "Model", "ModelError",
-           "PromptCache", "cache_prompt", "generate", "load", "load_prompt_cache", "save", "score",
-           "stream_generate"]
+           "PromptCache", "cache_prompt", "generate", "load", "load_prompt_cache", "save", "score", "shard",
+           "sharded_load", "stream_generate"]

@@ -26,7 +26,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from mlxfun import blas, llama, sampling, weights
+from mlxfun import blas, distributed, llama, sampling, weights
 from mlxfun import strategy as strat
 from mlxfun.config import ModelConfig, RopeScaling
 from mlxfun.engine import Engine
@@ -38,6 +38,10 @@ LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_posit
 SHAPES = {
     "135M": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                         num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192),
+    # SmolLM2-135M's size with 8 heads and 2 KV heads, so 2 tensor-parallel ranks divide them
+    # (SmolLM2's 9 and 3 need 3 ranks) and 4-bit groups of 64 stay whole.
+    "135M-tp": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=8,
+                           num_kv_heads=2, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192),
     "1B": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                       num_kv_heads=8, head_dim=64, rope_theta=500000.0, max_position_embeddings=131072,
                       rope_scaling=RopeScaling("llama3", 32.0, **LLAMA3_ROPE)),
@@ -357,6 +361,7 @@ def parse_args(argv):
                         "the vocabulary becomes its size)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG of generation tokens/s against batch size here")
+    distributed.add_flags(p)  # under mlx.launch: mlxfun.bench_distributed
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.dtypes = (args.dtypes or ("bfloat16,q4" if gpu else "float32,q4")).split(",")
@@ -520,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
         return main_prefix(args)
     if args.speculative:
         return main_speculative(args)
+    if args.tensor_parallel is not None or args.data_parallel:
+        from mlxfun import bench_distributed
+
+        return bench_distributed.main(args)
     strategy = {"auto": None, "quantized": strat.QUANTIZED, "dense": strat.WeightStrategy(dense_from=1)}[args.strategy]
     side = args.mlx_lm and mlx_lm_available()
     if args.mlx_lm and not side:

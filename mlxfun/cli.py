@@ -12,8 +12,11 @@ shell's code for SIGINT; a dataset job says how to resume).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 
+from mlxfun import distributed
 from mlxfun.errors import MlxfunError
 from mlxfun.options import GenerationConfig, requests
 
@@ -156,6 +159,7 @@ def generate_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
     g.add_argument("--verbose", action="store_true", help="print timings, peak memory and seeds")
     add_generation_flags(p)
+    distributed.add_flags(p)
 
 
 def _prompt_texts(prompts: list[str] | None) -> list[str]:
@@ -176,7 +180,7 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
 
     from mlxfun import jobs
     from mlxfun.engine import engine_for
-    from mlxfun.load import load
+    from mlxfun.generate import Job
     from mlxfun.progress import Progress
     from mlxfun.sampling import seeds
 
@@ -195,23 +199,36 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
     if done:
         print(f"mlxfun: resuming: {len(items) - len(todo)} of {len(items)} prompts are already in {args.output}",
               file=sys.stderr)
-    model = load(args.model, dtype=args.dtype)
-    config = generation_config(args)
+    if args.data_parallel and args.output:
+        raise MlxfunError("--output with --data-parallel is not supported: each rank holds a share until the end")
+    model, config, shows = distributed.setup(args, generation_config(args))  # several ranks: rank 0 prints
     check_flags(model, config)
     template = not args.ignore_chat_template and bool(model.tokenizer.chat_template)
     if args.system_prompt is not None and not template:
         raise MlxfunError("--system-prompt needs the chat template" + (
             "; drop --ignore-chat-template" if args.ignore_chat_template else ", and this model has none"))
     reqs = jobs.build_requests(model, todo, config, template=template, system_prompt=args.system_prompt)
+    if config.group is not None:  # data parallel: each rank generates its share, every rank gets all
+        job = Job(model, reqs, dataclasses.replace(config, batch_size=args.batch_size or DEFAULT_ROWS))
+        for _ in job:
+            pass
+        result = job.result()
+        if shows:
+            for i, (text, reason) in enumerate(zip(result.texts, result.finish_reasons)):
+                if len(items) > 1:
+                    print(f"==== prompt {i} ({reason}) ====")
+                print(text)
+        return 0
     engine = engine_for(model, min(len(reqs), args.batch_size or DEFAULT_ROWS), config)
-    progress = Progress(len(items), len(items) - len(todo))
+    progress = Progress(len(items), len(items) - len(todo), stream=None if shows else open(os.devnull, "w"))
+    out = sys.stdout if shows else open(os.devnull, "w")  # tensor-parallel ranks but 0 run the same steps silently
     with jobs.stop_on_interrupt() as stop:
         if args.output:
-            count = jobs.write_jsonl(engine, todo, reqs, args.output, progress, stop)
+            count = jobs.write_jsonl(engine, todo, reqs, args.output if shows else os.devnull, progress, stop)
         elif len(items) == 1:
-            count = jobs.stream_text(engine, reqs[0], sys.stdout, stop).finish_reason != "cancelled"
+            count = jobs.stream_text(engine, reqs[0], out, stop).finish_reason != "cancelled"
         else:
-            count = jobs.print_texts(engine, todo, reqs, sys.stdout, progress, stop)
+            count = jobs.print_texts(engine, todo, reqs, out, progress, stop)
         stopped = stop.is_set()
     if len(items) > 1 or args.output:
         progress.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from mlxfun.errors import ModelError
 
@@ -44,6 +45,10 @@ class ModelConfig:
     # One entry per layer: the attention window W (a query sees the last W positions) or None (all).
     layer_windows: tuple[int | None, ...] = ()
     model_type: str = "llama"
+    # Tensor parallelism (mlxfun.shard): the mx.distributed group whose ranks each hold a slice of every
+    # layer; head counts and intermediate_size above are then this rank's. Compiled steps close over the
+    # config, so the group reaches their all_sums as a constant (a group cannot be an array argument).
+    tensor_group: Any = None
 
     def __post_init__(self):
         if not self.layer_windows:

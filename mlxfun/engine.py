@@ -216,13 +216,7 @@ class Engine:
     def submit(self, request: Request) -> int:
         """Queue a checked Request (`options.requests` / `make_request`); returns its id. Raises
         InputError, before any work, if its cache could never fit the memory budget."""
-        if not isinstance(request, Request):
-            raise InputError(f"submit takes an mlxfun Request, got {type(request).__name__}")
-        need = self._blocks_needed(request)
-        if need > self.max_blocks:
-            raise InputError(f"a prompt of {len(request.prompt)} tokens with max_tokens={request.max_tokens} needs "
-                             f"{_size(need * self.block_bytes)} of KV cache; {_size(self.kv_memory)} are available "
-                             "(lower max_tokens, or bound the cache with max_kv_size)")
+        self.check(request)
         with self._id_lock:
             rid = next(self._ids)
         record = Record(rid, request, request_mode(request),
@@ -232,6 +226,16 @@ class Engine:
         self._inbox.put(("submit", record))
         self._wake.set()
         return rid
+
+    def check(self, request: Request) -> None:
+        """Raise InputError, as `submit` does, unless this engine can take `request`."""
+        if not isinstance(request, Request):
+            raise InputError(f"submit takes an mlxfun Request, got {type(request).__name__}")
+        need = self._blocks_needed(request)
+        if need > self.max_blocks:
+            raise InputError(f"a prompt of {len(request.prompt)} tokens with max_tokens={request.max_tokens} needs "
+                             f"{_size(need * self.block_bytes)} of KV cache; {_size(self.kv_memory)} are available "
+                             "(lower max_tokens, or bound the cache with max_kv_size)")
 
     def add(self, prompt, *, max_tokens: int = 256, stop: Sequence[str] = (), settings: sampling.Settings | None = None,
             logprobs: int | None = None, ignore_eos: bool = False, response_format: dict | None = None) -> int:
@@ -774,11 +778,12 @@ def drafter_for(draft, engine: Engine) -> speculative.Drafter | None:
     raise InputError(f"draft_model must be a Model, a path or 'prompt-lookup', got {draft!r:.60}")
 
 
-def engine_for(model: Model, rows: int, config: GenerationConfig) -> Engine:
-    """The engine a GenerationConfig's scheduler options describe (generate, the command line)."""
+def engine_for(model: Model, rows: int, config: GenerationConfig, kv_memory: int | None = None) -> Engine:
+    """The engine a GenerationConfig's scheduler options describe (generate, the command line).
+    `kv_memory`: the KV budget, when ranks must agree on it (mlxfun.distributed)."""
     engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size,
                     prefix_cache=config.prefix_cache, draft=config.draft_model,
-                    num_draft_tokens=config.num_draft_tokens)
+                    num_draft_tokens=config.num_draft_tokens, kv_memory=kv_memory)
     if config.prompt_cache is not None:
         engine.add_prompt_cache(config.prompt_cache)
     return engine

@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 from typing import Callable, Iterator, Sequence
 
-from mlxfun import sampling
+from mlxfun import distributed, sampling
 from mlxfun.engine import engine_for
 from mlxfun.errors import InputError
 from mlxfun.events import Event
@@ -28,8 +28,13 @@ class Job:
     token (index = the prompt's), then call `result()`."""
 
     def __init__(self, model: Model, reqs: list[Request], config: GenerationConfig):
-        rows = len(reqs) if config.batch_size is None else min(config.batch_size, len(reqs))
-        self.engine = engine_for(model, rows, config)
+        # Several ranks (mlxfun.distributed): the same seeds on each; with a data group, this rank's share.
+        reqs = distributed.agree(reqs, model.config.tensor_group, config.group)
+        self.group, self.total, self.top_n = config.group, len(reqs), max(r.logprobs for r in reqs)
+        self.indices = distributed.share(reqs, config.group)
+        reqs = [reqs[i] for i in self.indices]
+        rows = max(1, len(reqs) if config.batch_size is None else min(config.batch_size, len(reqs)))
+        self.engine = engine_for(model, rows, config, kv_memory=distributed.kv_memory(model.config.tensor_group))
         self.requests = reqs
         self.ids = [self.engine.submit(r) for r in reqs]
         self._result: GenerationResult | None = None
@@ -38,7 +43,7 @@ class Job:
         return self.events()
 
     def events(self) -> Iterator[Event]:
-        index = {rid: i for i, rid in enumerate(self.ids)}
+        index = {rid: self.indices[i] for i, rid in enumerate(self.ids)}
         for e in self.engine.events():
             yield e._replace(index=index[e.index])
 
@@ -49,7 +54,9 @@ class Job:
                 raise InputError("the job has not finished: iterate its events first")
             rows = [self.engine.take(i).row for i in self.ids]
             seeds = [s for r in self.requests for s in sampling.seeds(r.settings)]
-            self._result = result(rows, self.engine.stats, seeds, max(r.logprobs for r in self.requests))
+            self._result = result(rows, self.engine.stats, seeds, self.top_n)
+            if self.group is not None:  # a collective: every rank of the group calls result()
+                self._result = distributed.gather(self._result, self.indices, self.group, self.total, self.top_n)
         return self._result
 
 

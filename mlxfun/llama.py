@@ -172,7 +172,7 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
         if fast and x.ndim == 2 and layer.q_norm is None and kernels.available(x) and \
                 kernels.attention_fits(B, K, D, H // K, x.dtype):
             out = kernels.decode_attention(qk, *written, cache.table, mask, H)  # (B, H * D)
-            return linear(layer.o, out, fast), written
+            return reduce(config, linear(layer.o, out, fast)), written
         if T == 1 or not cache.wraps:
             keys, values = kv.gather(written[0], cache.table), kv.gather(written[1], cache.table)  # (B, K, S, D)
         else:
@@ -183,7 +183,7 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
     else:
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask[:, None])
     out = out.reshape(B, H * D) if x.ndim == 2 else out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
-    return linear(layer.o, out, fast), written
+    return reduce(config, linear(layer.o, out, fast)), written
 
 
 # Off Metal, attention up to this many scores runs as `grouped_attention`: on CUDA a one-token step
@@ -221,9 +221,15 @@ def layer_masks(config: ModelConfig, positions: mx.array, key_pos: mx.array,
             for w in set(config.layer_windows)}
 
 
-def mlp(layer: Layer, x: mx.array, fast: bool = False) -> mx.array:
+def mlp(config: ModelConfig, layer: Layer, x: mx.array, fast: bool = False) -> mx.array:
     gate, up = mx.split(linear(layer.gate_up, x, fast), 2, axis=-1)  # (B, T, I) each
-    return linear(layer.down, silu(gate) * up, fast)
+    return reduce(config, linear(layer.down, silu(gate) * up, fast))
+
+
+def reduce(config: ModelConfig, x: mx.array) -> mx.array:
+    """The output of a map split by its inputs across the tensor group (o, down: `mlxfun.shard`):
+    each rank holds a partial sum, so every rank adds them all. Without a group, x itself."""
+    return x if config.tensor_group is None else mx.distributed.all_sum(x, group=config.tensor_group)
 
 
 def silu(x: mx.array) -> mx.array:
@@ -272,7 +278,7 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
         a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
                                offset, layer_mask[config.layer_windows[i]], layer_cache, fast)
         h = h + a
-        h = h + mlp(layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps), fast)
+        h = h + mlp(config, layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps), fast)
         if written is not None:
             new_keys.append(written[0])
             new_values.append(written[1])

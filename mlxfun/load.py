@@ -40,7 +40,7 @@ def default_model_path() -> Path:
     return path
 
 
-def _dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
+def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
     if dtype is None or isinstance(dtype, mx.Dtype):
         return dtype
     names = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -52,26 +52,35 @@ def _dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
 def load(source: str | Path | None = None, *, dtype: str | mx.Dtype | None = None) -> Model:
     """Load params, config and tokenizer. `dtype` casts dense weights and dequantizes quantized ones;
     None keeps the checkpoint's weights (on the CPU, computing in float32)."""
-    dt = _dtype(dtype)
+    dt = parse_dtype(dtype)
+    path = resolve(source)
+    if path.is_file():
+        config, params, tokenizer = _load_gguf(path)
+    else:
+        config, params, tokenizer = _load_folder(path)
+    return Model(config, in_dtype(config, params, dt, path.is_file()), tokenizer, str(path))
+
+
+def resolve(source: str | Path | None) -> Path:
+    """The GGUF file or model folder `source` names (the default model for None)."""
     path = default_model_path() if source is None else Path(source).expanduser()
     if not path.exists():
         if source is not None and _looks_like_repo_id(str(source)):
             path = _hub_snapshot(str(source))
         else:
             raise ModelError(f"no such model file or folder: {source}")
-    gguf_file = path.is_file()
-    if gguf_file:
-        if path.suffix != ".gguf":
-            raise ModelError(f"{path} is a file but not a .gguf; pass a GGUF file or a Hugging Face folder")
-        config, params, tokenizer = _load_gguf(path)
-    else:
-        config, params, tokenizer = _load_folder(path)
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelError(f"{path} is a file but not a .gguf; pass a GGUF file or a Hugging Face folder")
+    return path
+
+
+def in_dtype(config: ModelConfig, params: Params, dt: mx.Dtype | None, gguf_file: bool) -> Params:
+    """Params as `load` returns them: cast to `dt`, or for None computing in the default dtype."""
     if dt is None:
         compute = default_compute_dtype(weights.compute_dtype(params), mx.default_device(), gguf_file)
         if compute is not None:  # keep quantized weights quantized, with scales in the compute dtype
             params = weights.map_linears(config, params, lambda p, _: _computing_in(p, compute))
-    params = weights.cast(config, params, dt)
-    return Model(config, params, tokenizer, str(path))
+    return weights.cast(config, params, dt)
 
 
 def default_compute_dtype(stored: mx.Dtype, device: mx.Device, gguf_file: bool) -> mx.Dtype | None:
@@ -188,6 +197,14 @@ def _load_folder(folder: Path):
         raise ModelError(f"{folder} is not a model folder: it has no config.json")
     raw = json.loads(config_path.read_text())
     config = cfg.from_hf(raw)
+    tensors = {}
+    for path in weight_files(folder):
+        tensors.update(mx.load(str(path)))
+    return config, weights.build_params(config, tensors), tok.from_folder(folder, raw)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The .safetensors files of a model folder (those its index names, when it has one)."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -195,16 +212,16 @@ def _load_folder(folder: Path):
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise ModelError(f"{folder} has no .safetensors weights")
-    tensors = {}
     for name in files:
         if not (folder / name).exists():
             raise ModelError(f"{folder} lacks weight file {name} named in its index")
-        tensors.update(mx.load(str(folder / name)))
-    return config, weights.build_params(config, tensors), tok.from_folder(folder, raw)
+    return [folder / name for name in files]
 
 
 def save(model: Model, folder: str | Path, *, shard_bytes: int | None = None) -> Path:
     """Write `model` as a Hugging Face folder (MLX-quantized layout when quantized)."""
+    if model.config.tensor_group is not None:
+        raise ModelError("this model is sharded across ranks (mlxfun.shard): save the unsharded model")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = weights.params_to_hf(model.config, model.params)

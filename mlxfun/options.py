@@ -56,6 +56,9 @@ class GenerationConfig:
     prompt_cache: Any = None  # a `prompt_cache.PromptCache` (or its file) whose prefix prompts may start with
     draft_model: Any = None  # speculative decoding: a draft Model (or its path), same tokenizer, or "prompt-lookup"
     num_draft_tokens: int = 4  # tokens each row drafts per verify round
+    # Data parallel: an mx.distributed.Group whose ranks each generate a share of the prompts and
+    # all return the whole result (mlxfun.distributed). Every rank passes the same prompts.
+    group: Any = None
 
     @classmethod
     def make(cls, config: GenerationConfig | None = None, options: dict[str, Any] | None = None
@@ -245,6 +248,8 @@ def check_scheduler(config: GenerationConfig) -> None:
     check_bool("chat", config.chat)
     check_bool("prefix_cache", config.prefix_cache)
     check_positive_int("num_draft_tokens", config.num_draft_tokens)
+    if config.group is not None and not isinstance(config.group, mx.distributed.Group):
+        raise InputError(f"group must be an mx.distributed.Group or None, got {type(config.group).__name__}")
 
 
 def requests(model: Model, prompts, config: GenerationConfig) -> list[Request]:
