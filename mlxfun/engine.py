@@ -167,6 +167,7 @@ class Engine:
         self.strategy = strategy or default_strategy()
         # Quantized weights may run as a dense copy for this many rows (mlxfun.strategy).
         self.params = params_for_batch(model.config, model.params, rows, self.strategy)
+        mx.eval(self.params)  # here, on the constructing thread: the engine thread may be another
         self.dtype = self.params.norm.dtype
         self.steps = steps
         on_gpu = mx.default_device() == mx.gpu

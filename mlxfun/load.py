@@ -58,7 +58,9 @@ def load(source: str | Path | None = None, *, dtype: str | mx.Dtype | None = Non
         config, params, tokenizer = _load_gguf(path)
     else:
         config, params, tokenizer = _load_folder(path)
-    return Model(config, in_dtype(config, params, dt, path.is_file()), tokenizer, str(path))
+    params = in_dtype(config, params, dt, path.is_file())
+    mx.eval(params)  # loaded now, on this thread (MLX evaluates a graph on the thread that built it)
+    return Model(config, params, tokenizer, str(path))
 
 
 def resolve(source: str | Path | None) -> Path:

@@ -274,6 +274,9 @@ def requests(model: Model, prompts, config: GenerationConfig) -> list[Request]:
         check_context(model, ids, i)
         out.append(Request(tuple(ids), int(max_tokens[i]), sampling.row(settings, i), stop[i], top, eos,
                            constraints[i]))
+    # Evaluated here: MLX evaluates an array on the thread (stream) that built its graph, and an
+    # engine may run on another thread than the one that builds its requests.
+    mx.eval([r.settings for r in out])
     return out
 
 
@@ -292,5 +295,6 @@ def make_request(model: Model, prompt, *, max_tokens: int = 256, settings: sampl
     (stop_,) = stops(list(stop) if not isinstance(stop, str) else stop, 1)
     eos = eos_ids(model, ignore_eos, extra_eos_tokens)
     constraint = structured.constraint(model.tokenizer, model.config.vocab_size, response_format)
+    mx.eval(settings)  # built on this thread: see `requests`
     return Request(tuple(ids), int(max_tokens), settings, stop_, check_logprobs(logprobs, model.config.vocab_size),
                    eos, constraint)

@@ -302,3 +302,25 @@ def test_options_keep_mlx_lm_names_and_one_config_value():
     assert {"max_tokens", "temperature", "top_p", "min_p", "top_k", "seed", "stop", "logprobs",
             "batch_size"} <= set(params)
     assert params["max_tokens"].default == 256
+
+
+def test_requests_built_on_one_thread_run_on_another(tiny):
+    """generate()'s requests (per-row settings sliced from one array) built on the caller's thread
+    and run by an engine on another: MLX evaluates arrays on the thread that built them."""
+    from mlxfun.options import GenerationConfig, requests
+
+    prompts = [[5, 6, 7], [8, 9]]
+    reqs = requests(tiny, prompts, GenerationConfig(max_tokens=6, temperature=0.7, seed=[1, 2], ignore_eos=True))
+    engine = Engine(tiny, 2)
+    out = {}
+
+    def run():
+        ids = [engine.submit(r) for r in reqs]
+        list(engine.events())
+        out.update({i: engine.take(rid).row.token_ids for i, rid in enumerate(ids)})
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(timeout=120)
+    expected = generate(tiny, prompts, max_tokens=6, temperature=0.7, seed=[1, 2], ignore_eos=True).token_ids
+    assert [out[0], out[1]] == expected
