@@ -14,10 +14,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from helpers import VARIANTS, run_engine, tiny_config, tiny_model
+from helpers import VARIANTS, left_pad, run_engine, tiny_config, tiny_model
 
 import mlxfun
-from mlxfun import distributed, llama, prefill
+from mlxfun import distributed, llama
 from mlxfun.errors import MlxfunError
 from mlxfun.options import GenerationConfig, requests
 from mlxfun.replicated import ReplicatedEngine
@@ -33,7 +33,7 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, seed=[11, 12, 13, 14, 15, 16], max_to
 
 def logits(model, prompts) -> np.ndarray:
     """Logits (B, T, V) of a left-padded batch, no cache."""
-    tokens, positions = prefill.left_pad(prompts)
+    tokens, positions = left_pad(prompts)
     out, _ = llama.forward(model.config, model.params, tokens, positions)
     return np.array(out.astype(mx.float32))
 

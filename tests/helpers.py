@@ -194,3 +194,12 @@ def tiny_chat_model(config: ModelConfig | None = None, seed: int = 0) -> Model:
     return dataclasses.replace(model, tokenizer=Tokenizer(t.backend, eos_token_ids=set(t.eos_token_ids),
                                                           bos_token_id=None, add_bos=False,
                                                           chat_template=TINY_TEMPLATE))
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[mx.array, mx.array]:
+    """-> tokens (B, L) and positions (B, L) of prompts left-padded to the longest: 0 at each row's
+    first real token, negative on padding (which every mask hides)."""
+    L = max(len(p) for p in prompts)
+    tokens = [[0] * (L - len(p)) + list(p) for p in prompts]
+    positions = [list(range(len(p) - L, len(p))) for p in prompts]
+    return mx.array(tokens, dtype=mx.int32), mx.array(positions, dtype=mx.int32)
