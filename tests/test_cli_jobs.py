@@ -239,7 +239,9 @@ def test_every_generation_option_has_a_flag():
                               "--response-format", '{"type": "json_object"}'])
     config, default = generation_config(args), GenerationConfig()
     changed = {f for f in GenerationConfig.__dataclass_fields__ if getattr(config, f) != getattr(default, f)}
-    assert changed == set(GenerationConfig.__dataclass_fields__) - {"chat"}  # chat: --ignore-chat-template
+    # chat: --ignore-chat-template; group: --data-parallel (a group exists once the ranks are launched)
+    assert changed == set(GenerationConfig.__dataclass_fields__) - {"chat", "group"}
+    assert parser.parse_args(["--data-parallel"]).data_parallel
     assert config.extra_eos_tokens == ("w1", "7") and config.max_tokens == 9
 
 
