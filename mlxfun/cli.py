@@ -126,8 +126,10 @@ def run_generate(args: argparse.Namespace) -> None:
             print(f"Seeds: {result.seeds}")
 
 
-# Commands with parsers of their own: `mlxfun NAME ...` runs `mlxfun.NAME.main(argv)`.
-MODULE_COMMANDS = {"bench": "benchmark throughput", "profile": "profile compile and step latency"}
+# Commands with parsers of their own: `mlxfun NAME ...` runs `mlxfun.NAME.main(argv)` (or MODULES[NAME]'s).
+MODULE_COMMANDS = {"bench": "benchmark throughput", "profile": "profile compile and step latency",
+                   "serve": "an OpenAI-compatible HTTP server"}
+MODULES = {"serve": "server"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] and argv[0] in MODULE_COMMANDS:
         import importlib
 
-        return importlib.import_module(f"mlxfun.{argv[0]}").main(argv[1:]) or 0
+        return importlib.import_module(f"mlxfun.{MODULES.get(argv[0], argv[0])}").main(argv[1:]) or 0
     args = parser.parse_args(argv)
     try:
         run_generate(args)
