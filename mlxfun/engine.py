@@ -127,7 +127,7 @@ class Engine:
     def __init__(self, model: Model, rows: int = 8, *, prefill_step: int = 512, max_kv_size: int | None = None,
                  admit_min: int | None = None, pad_multiple: int | None = None,
                  strategy: WeightStrategy | None = None, kv_memory: int | None = None,
-                 steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps):
+                 shrink_rows: bool | None = None, steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps):
         check_positive_int("rows", rows)
         check_positive_int("prefill_step", prefill_step)
         check_positive_int("max_kv_size", max_kv_size, allow_none=True)
@@ -148,6 +148,10 @@ class Engine:
         # rows of an 8B, two runs: 1.45 / 1.32x static batches; at an eighth 1.28 / 1.32x; at one
         # row 1.08 / 1.12x). On the CPU every token costs, so each free row is refilled at once.
         self.admit_min = admit_min or (max(1, rows // 4) if on_gpu else 1)
+        # On the CPU a row costs a step's share of work whether it holds a request or not (SmolLM2:
+        # 123 ms per step at batch 1, 805 at 8), so the decoded rows follow the live requests there;
+        # on a GPU a step costs about the same for 1 row or 32, and every width would compile anew.
+        self.shrink_rows = not on_gpu if shrink_rows is None else shrink_rows
         # Prompt lengths rounded up on a GPU, so attention kernels are built for few shapes.
         self.pad_multiple = pad_multiple or prefill.pad_multiple()
         # Bytes the cache may take: a share of the device's memory beside what is in use now (weights).
@@ -158,7 +162,7 @@ class Engine:
         self.stats = EngineStats(rows=rows)
         # Engine-thread state.
         self.pending: deque[int] = deque()
-        self.owner: list[int | None] = [None] * rows  # request id per row
+        self.owner: list[int | None] = [None] * rows  # request id per row of the state (its width)
         self.start = [0] * rows  # stream index of each row's first prompt token (see _make_room)
         self.state: DecodeState | None = None
         self.cursor = 0  # host copy of the cache cursor
@@ -259,22 +263,26 @@ class Engine:
         free rows, queued on the device (evaluated at once when no row is decoding: nothing to
         overlap). Their first tokens are handed out by the next `collect`."""
         events = self._drain()
-        free = self._free_rows()
-        if not free or not self.pending:
+        room = self.rows - self._live()
+        if not room or not self.pending:
             return events
         # With requests still decoding, wait until admit_min rows are free (or the queue fits),
         # so that one prefill serves several requests.
         busy = self._live() > 0
-        if busy and len(free) < min(self.admit_min, len(self.pending)):
+        if busy and room < min(self.admit_min, len(self.pending)):
             return events
-        records = self._admissible(len(free))
+        records = self._admissible(room)
         if not records:
             return events
         t0 = time.perf_counter()
         self.stats.admissions += 1
-        outs = self._place(records, free) if self.state is not None else self._first(records)
+        if self.state is None:
+            outs = self._first(records)
+        else:
+            self._set_width(self._width(self._live() + len(records)))
+            outs = self._place(records, self._free_rows())
         self._inflight += outs
-        self._settings = _stack([self.requests[o].request.settings if o is not None else _IDLE for o in self.owner])
+        self._restack()
         self.stats.prompt_tokens += sum(len(r.request.prompt) for r in records)
         if not busy:
             mx.eval([o[0] for o in outs], self.state)
@@ -402,14 +410,16 @@ class Engine:
                                              end, width, self.prefill_step, self.dtype, self.pad_multiple)
             caches.append(cache)
             outs.append((self._first_token(params, h, [records[i] for i in group]), [records[i].id for i in group]))
-        idle = self.rows - len(order)
+        n_rows = self._width(len(order))
+        idle = n_rows - len(order)
+        self.owner, self.start = [None] * n_rows, [0] * n_rows
         if idle:
             caches.append(kv.empty(self.config, idle, width, self.dtype)._replace(cursor=mx.array(end, mx.int32)))
         self.cursor = end
         for row, r in enumerate(order):
             self.owner[row], self.start[row] = r.id, end - len(r.request.prompt)
         first = mx.concatenate([o.tokens for o, _ in outs] + [mx.zeros((idle,), mx.int32)])
-        counts = sampling.update_counts(mx.zeros((self.rows, self.config.vocab_size), mx.int32), first)
+        counts = sampling.update_counts(mx.zeros((n_rows, self.config.vocab_size), mx.int32), first)
         self.state = DecodeState(prefill.concat_rows(caches), first,
                                  positions=mx.array([len(r.request.prompt) for r in order] + [0] * idle, mx.int32),
                                  steps=mx.array([1] * len(order) + [0] * idle, mx.int32), counts=counts)
@@ -488,9 +498,37 @@ class Engine:
             need = kv.capacity_for(self._need(), self.config.max_window)
             if 2 * need <= kv.capacity(self.state.cache) or self.cursor >= CURSOR_LIMIT:
                 self._resize(need)  # unrolling also brings the (int32) cursor back to the capacity
+            if self._width(self._live()) < len(self.owner):
+                self._set_width(self._width(self._live()))
         cap = 0 if self.state is None else kv.capacity(self.state.cache)
         self.stats.capacity, self.stats.max_capacity = cap, max(self.stats.max_capacity, cap)
         self.stats.kv_bytes = self._kv_bytes(cap)
+
+    def _width(self, live: int) -> int:
+        """Rows the state holds for `live` requests: every row, or only the live ones (shrink_rows)."""
+        return max(1, min(live, self.rows)) if self.shrink_rows else self.rows
+
+    def _set_width(self, width: int) -> None:
+        """Hold `width` rows: the live ones (in order), then empty ones. Steps already queued keep
+        their own row -> request map (`_inflight`), so their tokens still reach the right requests."""
+        if width == len(self.owner):
+            return
+        keep = [r for r, o in enumerate(self.owner) if o is not None]
+        s, c = self.state, self.state.cache
+        cache = kv.KVCache(tuple(_rows(k, keep, width, 0) for k in c.keys),
+                           tuple(_rows(v, keep, width, 0) for v in c.values), _rows(c.positions, keep, width, -1),
+                           c.cursor)
+        self.state = DecodeState(cache, _rows(s.tokens, keep, width, 0), _rows(s.positions, keep, width, 0),
+                                 _rows(s.steps, keep, width, 0),
+                                 None if s.counts is None else _rows(s.counts, keep, width, 0))
+        empty = width - len(keep)
+        self.owner = [self.owner[r] for r in keep] + [None] * empty
+        self.start = [self.start[r] for r in keep] + [0] * empty
+        self._restack()
+
+    def _restack(self) -> None:
+        """The per-row sampling settings of the rows as they are now."""
+        self._settings = _stack([self.requests[o].request.settings if o is not None else _IDLE for o in self.owner])
 
     def _take(self, out: StepOut, owners: list) -> list[Event]:
         """Hand out one step's tokens: `owners[i]` is the request that row i held when it ran."""
@@ -525,6 +563,13 @@ _IDLE = sampling.make_settings(1, seed=0)
 
 def _size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def _rows(a: mx.array, keep: list[int], width: int, fill) -> mx.array:
+    """a (B, ...) -> (width, ...): rows `keep` of a, then rows of `fill`."""
+    kept = a[mx.array(keep, mx.int32)] if keep else a[:0]
+    pad = mx.full((width - len(keep), *a.shape[1:]), fill, a.dtype)
+    return mx.concatenate([kept, pad]) if width > len(keep) else kept
 
 
 def _stack(settings: list[sampling.Settings]) -> sampling.Settings:
