@@ -127,7 +127,9 @@ def field_error(message: str, chat: bool, request: Common) -> dict:
     prompt_field = "messages" if chat else "prompt"
     name = message.split(" ", 1)[0]
     if name == "prompt" or message.startswith(("no prompts", "this model has no chat template", "chat template")):
-        message = re.sub(r"^prompt \d+:? ?", "", message).replace("pass chat=False", "use /v1/completions")
+        # "prompt 0: message 1 has ..." -> "message 1 has ..."; "prompt 0 has ..." -> "the prompt has ..."
+        message = re.sub(r"^prompt \d+(: | )", lambda m: "" if ":" in m.group(1) else "the prompt ", message)
+        message = message.replace("pass chat=False", "use /v1/completions")
         return error(f"{prompt_field}: {message}", prompt_field)
     if name == "max_tokens" and isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
         return error("max_completion_tokens" + message[len(name):], "max_completion_tokens")
