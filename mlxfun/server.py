@@ -169,7 +169,7 @@ async def _stream(served: Served, chat: bool, body: Common, reqs: list[Request],
     rid_, created, kind = api.new_id("chatcmpl" if chat else "cmpl"), api.now(), "chat.completion.chunk" if chat \
         else "text_completion"
     choice = {rid: i for i, rid in enumerate(ids)}
-    open_, offsets, completion, cached = set(ids), [0] * len(ids), 0, 0
+    open_, offsets, counts = set(ids), [0] * len(ids), {"completion": 0, "cached": 0}
     want_usage = body.stream_options is not None and body.stream_options.include_usage
 
     def chunk(choices: list[dict]) -> str:
@@ -178,37 +178,47 @@ async def _stream(served: Served, chat: bool, body: Common, reqs: list[Request],
             out["usage"] = None
         return _sse(out)
 
+    def render(event, record: Record | None) -> str:
+        """One token's chunk ("" when it brings neither text nor logprobs nor the end)."""
+        i = choice[event.index]
+        lp = None
+        if event.logprob is not None:
+            top = [event.top_logprobs] if event.top_logprobs else None
+            lp = api.chat_logprobs(tk, [event.token], [event.logprob], top) if chat else \
+                api.completion_logprobs(tk, [event.token], [event.logprob], top, offsets[i])
+        offsets[i] += len(event.text)
+        if record is not None:
+            open_.discard(event.index)
+            counts["completion"] += len(record.row.token_ids)
+            counts["cached"] += record.cached_tokens if i % body.n == 0 else 0
+        if not (event.text or lp or event.finish_reason):
+            return ""
+        if chat:
+            delta = {"content": event.text} if event.text else {}
+            return chunk([api.chat_delta_choice(i, delta, event.finish_reason, lp)])
+        return chunk([api.completion_choice(i, event.text, event.finish_reason, lp)])
+
     try:
         if chat:
             yield chunk([api.chat_delta_choice(i, {"role": "assistant", "content": ""}, None, None)
                          for i in range(len(ids))])
         while open_:
-            event, record = await q.get()
-            if isinstance(event, EngineFailed):
-                yield _sse(api.error(str(event), None, "server_error"))
-                return
-            i = choice[event.index]
-            lp = None
-            if event.logprob is not None:
-                top = [event.top_logprobs] if event.top_logprobs else None
-                lp = api.chat_logprobs(tk, [event.token], [event.logprob], top) if chat else \
-                    api.completion_logprobs(tk, [event.token], [event.logprob], top, offsets[i])
-            offsets[i] += len(event.text)
-            if record is not None:
-                open_.discard(event.index)
-                completion += len(record.row.token_ids)
-                cached += record.cached_tokens if i % body.n == 0 else 0
-            if not (event.text or lp or event.finish_reason):
-                continue
-            if chat:
-                delta = {"content": event.text} if event.text else {}
-                yield chunk([api.chat_delta_choice(i, delta, event.finish_reason, lp)])
-            else:
-                yield chunk([api.completion_choice(i, event.text, event.finish_reason, lp)])
+            items = [await q.get()]
+            while not q.empty():  # tokens that arrived while the last write went out: one write, a chunk each
+                items.append(q.get_nowait())
+            out = []
+            for event, record in items:
+                if isinstance(event, EngineFailed):
+                    yield "".join(out) + _sse(api.error(str(event), None, "server_error"))
+                    return
+                out.append(render(event, record))
+            if any(out):
+                yield "".join(out)
         if want_usage:
-            out = api.envelope(rid_, created, served.name, kind, [])
-            out["usage"] = api.usage(sum(len(r.prompt) for r in reqs[:: body.n]), completion, cached)
-            yield _sse(out)
+            last = api.envelope(rid_, created, served.name, kind, [])
+            last["usage"] = api.usage(sum(len(r.prompt) for r in reqs[:: body.n]), counts["completion"],
+                                      counts["cached"])
+            yield _sse(last)
         yield _sse("[DONE]")
     finally:
         for rid in open_:
