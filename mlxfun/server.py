@@ -261,7 +261,8 @@ async def complete(served: Served, body: Common, chat: bool, http: HTTPRequest):
 def make_app(served: Served, shutdown_timeout: float = 30.0) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        served.bridge.start()
+        if not served.bridge.alive:
+            served.bridge.start()
         yield
         # Uvicorn has stopped accepting and waited up to its grace period for running requests.
         await asyncio.to_thread(served.bridge.stop, shutdown_timeout)
@@ -357,26 +358,33 @@ def main(argv: list[str] | None = None) -> int:
 
     from mlxfun.load import load
 
+    rows = args.rows or args.batch_size or DEFAULT_ROWS
+    loaded: list[Model] = []
+
+    def make_engine() -> Engine:
+        # Runs on the engine thread: the model's arrays are made there too (MLX streams are per thread).
+        if not loaded:
+            loaded.append(load(args.model, dtype=args.dtype))
+            mx.eval(loaded[0].params)
+        return Engine(loaded[0], rows, prefill_step=args.prefill_step, max_kv_size=args.max_kv_size)
+
+    bridge = Bridge(make_engine, args.max_queued)
     try:
-        rows = args.rows or args.batch_size or DEFAULT_ROWS
         check_positive_int("batch_size", rows)
         check_positive_int("max_queued", args.max_queued)
         defaults = generation_config(args)
-        model = load(args.model, dtype=args.dtype)
-        mx.eval(model.params)
+        bridge.start()
+        model = bridge.engine.model
         requests(model, [[0]], dataclasses.replace(defaults, max_tokens=1))  # the flags, checked now
     except (MlxfunError, OSError) as e:
         print(f"mlxfun: error: {flag_message(str(e))}", file=sys.stderr)
+        bridge.stop()
         return 2
-
-    def make_engine() -> Engine:
-        return Engine(model, rows, prefill_step=defaults.prefill_step, max_kv_size=defaults.max_kv_size)
-
-    served = Served(model, Bridge(make_engine, args.max_queued), defaults,
-                    args.served_model_name or Path(model.source).name or "mlxfun", api.now())
+    served = Served(model, bridge, defaults, args.served_model_name or Path(model.source).name or "mlxfun", api.now())
     server = _uvicorn_server(make_app(served, args.shutdown_timeout), args)
     server.run()
-    return 0 if server.started else 1  # not started: the engine or the socket failed (logged)
+    bridge.stop(args.shutdown_timeout)  # already stopped at the app's shutdown, unless uvicorn failed to start
+    return 0 if server.started else 1  # not started: the socket failed (logged)
 
 
 if __name__ == "__main__":

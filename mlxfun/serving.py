@@ -9,6 +9,7 @@ event carries its Record, released (`Engine.take`) on the engine thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -16,7 +17,9 @@ from collections import deque
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
+from mlxfun import sampling
 from mlxfun.engine import Engine, Record
 from mlxfun.errors import MlxfunError
 from mlxfun.events import Event
@@ -73,9 +76,10 @@ class Bridge:
     def submit(self, requests: list[Request]) -> tuple[list[int], asyncio.Queue]:
         """Queue the requests together (all or none); their events share one asyncio queue.
         Raises Busy when the rows and the queue are full, InputError when one could never fit."""
-        # Settings are sliced lazily by `options.requests`; evaluated here, on the thread that made
-        # them (MLX streams are per thread on a GPU).
-        mx.eval([r.settings for r in requests])
+        # MLX streams are per thread: the engine thread gets settings copied from host memory, never
+        # arrays computed here (`options.requests` slices them lazily).
+        requests = [dataclasses.replace(r, settings=sampling.Settings(*(mx.array(np.array(f)) for f in r.settings)))
+                    for r in requests]
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         with self._lock:
             if not self.alive:
@@ -107,7 +111,8 @@ class Bridge:
             self._stop.set()
             for rid in list(self._targets):
                 self.engine.cancel(rid)
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def tokens_per_second(self) -> float:
         """Generated tokens/s over the last RATE_WINDOW seconds."""
