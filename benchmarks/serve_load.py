@@ -85,7 +85,7 @@ def client_process(args: tuple[str, list]) -> tuple[list[dict], float]:
 def drive(base_url: str, prompts: list[str], arrival: float, gen_tokens: int, seeded: bool, procs: int
           ) -> tuple[list[dict], float]:
     """All clients, spread over `procs` processes (so the client side is never the bottleneck)."""
-    t0 = time.time() + 1.0 + 0.2 * procs  # every worker is up before the first arrival
+    t0 = time.time() + (1.0 if procs <= 1 else 5.0)  # every worker is up before the first arrival
     n = len(prompts)
     jobs = [(p, t0 + arrival * i / n, gen_tokens, 1000 + i if seeded else None) for i, p in enumerate(prompts)]
     if procs <= 1:
@@ -197,6 +197,39 @@ def build_model(args):
     return Model(config, random_params(config, dtype), word_tokenizer(config.vocab_size), f"random {args.shape}")
 
 
+def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: list[str], args, log: Path
+            ) -> list[dict]:
+    """Start one server for n clients, warm it up and measure each mode; stop it."""
+    port = free_port()
+    t = time.perf_counter()
+    server = Server(argv_for(port, args.rows or n), port, log)
+    print(f"{name}: up in {time.perf_counter() - t:.1f} s ({n} clients, {procs} client processes)", flush=True)
+    out = []
+    try:
+        for mode in modes:
+            drive(server.url + "/v1", prompts[:n], args.arrival, 4, mode == "seeded", procs)  # warm-up
+            results, cpu = drive(server.url + "/v1", prompts[:n], args.arrival, args.gen_tokens, mode == "seeded",
+                                 procs)
+            row = dict(server=name, mode=mode, rows=args.rows or n, **summarize(results, cpu))
+            out.append(row)
+            print(f"  {name} {mode} {n} clients: {row['tok_s']:.1f} tok/s, TTFT p50/p99 {row['ttft_p50']:.3f}/"
+                  f"{row['ttft_p99']:.3f} s, ITL p50/p99 {row['itl_p50']:.4f}/{row['itl_p99']:.4f} s, "
+                  f"{row['tokens']} tokens, {row['failed']} failed", flush=True)
+    finally:
+        server.stop()
+    return out
+
+
+def best_runs(runs: list[dict]) -> list[dict]:
+    """Per (server, mode, clients), the run with the most tok/s (repeats on a shared machine)."""
+    best: dict[tuple, dict] = {}
+    for r in runs:
+        key = (r["server"], r["mode"], r["clients"])
+        if key not in best or r["tok_s"] > best[key]["tok_s"]:
+            best[key] = r
+    return sorted(best.values(), key=lambda r: (r["clients"], r["mode"], r["server"] != "mlxfun"))
+
+
 def table(rows: list[dict]) -> str:
     head = (f"{'server':8s} {'mode':7s} {'clients':>7s} {'tok/s':>9s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
             f"{'ITL p50':>8s} {'ITL p99':>8s} {'failed':>6s}")
@@ -230,6 +263,8 @@ def main(argv=None) -> int:
     p.add_argument("--mlx-lm", action="store_true", help="also run mlx_lm.server on the same weights and prompts")
     p.add_argument("--mlx-lm-python", default="python", help="the interpreter that has mlx-lm (its own venv)")
     p.add_argument("--mlx-lm-args", default="", help="extra arguments for mlx_lm.server, space-separated")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per server and client count, the servers' order alternating; the best is kept")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",")]
@@ -249,7 +284,7 @@ def main(argv=None) -> int:
     print(json.dumps(info))
     model = build_model(args)
     prompts = make_prompts(model, max(clients), args.prompt_tokens)
-    rows = []
+    rows, runs = [], []
     with tempfile.TemporaryDirectory(prefix="mlxfun-serve-load-") as tmp:
         folder = save(model, Path(tmp) / "model")
         del model
@@ -260,30 +295,19 @@ def main(argv=None) -> int:
                                                                   args.mlx_lm_args.split())))
         for n in clients:
             procs = args.client_procs or max(1, min(n // 32, (os.cpu_count() or 2) // 2))
-            for name, argv_for in servers:
-                port = free_port()
-                t = time.perf_counter()
-                server = Server(argv_for(port, args.rows or n), port, log)
-                print(f"{name}: up in {time.perf_counter() - t:.1f} s ({n} clients, {procs} client processes)",
-                      flush=True)
-                try:
-                    for mode in modes:
-                        drive(server.url + "/v1", prompts[:n], args.arrival, 4, mode == "seeded", procs)  # warm-up
-                        results, cpu = drive(server.url + "/v1", prompts[:n], args.arrival, args.gen_tokens,
-                                             mode == "seeded", procs)
-                        row = dict(server=name, mode=mode, rows=args.rows or n, **summarize(results, cpu))
-                        rows.append(row)
-                        print(f"  {name} {mode} {n} clients: {row['tok_s']:.1f} tok/s, TTFT p50/p99 "
-                              f"{row['ttft_p50']:.3f}/{row['ttft_p99']:.3f} s, ITL p50/p99 {row['itl_p50']:.4f}/"
-                              f"{row['itl_p99']:.4f} s, {row['tokens']} tokens, {row['failed']} failed", flush=True)
-                finally:
-                    server.stop()
+            for rep in range(args.repeats):
+                # Alternate which server goes first, so a machine's drift does not favour one.
+                for name, argv_for in (servers if rep % 2 == 0 else servers[::-1]):
+                    rows += measure(name, argv_for, n, procs, modes, prompts, args, log)
+        runs = rows
+        rows = best_runs(runs)
         if any(r["failed"] for r in rows):
             print(f"some requests failed; the servers' log: {log.read_text()[-3000:]}")
     print()
     print(table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "rows": rows, "runs": runs},
+                                              indent=2))
         print(f"results written to {args.json}")
     return 0
 

@@ -502,7 +502,7 @@ class Engine:
                 self._set_width(self._width(self._live()))
         cap = 0 if self.state is None else kv.capacity(self.state.cache)
         self.stats.capacity, self.stats.max_capacity = cap, max(self.stats.max_capacity, cap)
-        self.stats.kv_bytes = self._kv_bytes(cap)
+        self.stats.kv_bytes = len(self.owner) * cap * self.slot_bytes if cap else 0  # the rows held now
 
     def _width(self, live: int) -> int:
         """Rows the state holds for `live` requests: every row, or only the live ones (shrink_rows)."""
