@@ -10,7 +10,8 @@ requests sample at temperature 0.7 with a seed each (mlx-lm's server runs those 
 The model is saved once with `mlxfun.save` into a temporary folder that both servers load:
 the default model (its 4-bit weights), `--model`, or a random-weight Llama shape (`--shape 1B`,
 `--shape 8B`, with a word-level tokenizer). Each server is started for each client count with
-that many rows (`--rows` fixes it), warmed up with the same schedule and 4 tokens, then measured.
+that many rows (`--rows` fixes it), warmed up with the same schedule, other prompts and 4 tokens,
+then measured; `--repeats` alternates which server goes first and keeps each one's best run.
 mlx-lm runs from its own interpreter (`--mlx-lm-python`, a venv where mlx-lm is installed: it is
 never a dependency of mlxfun), with `--decode-concurrency` = the rows.
 
@@ -174,13 +175,14 @@ TEXT = ("The history of the Roman Empire spans many centuries, from the founding
 
 def make_prompts(model, n: int, length: int, seed: int = 0) -> list[str]:
     """n different prompts of about `length` tokens: random words for a word-level tokenizer,
-    windows of an English text for a real one."""
+    windows of an English text for a real one, each opening with its own number, so that no two
+    share more than a token or two (mlx-lm's server reuses the KV of a cached prompt prefix)."""
     rng = np.random.default_rng(seed)
     if model.tokenizer.token(1) == "t1":  # mlxfun.bench.word_tokenizer
         return [" ".join(f"t{t}" for t in rng.integers(1, model.config.vocab_size, length)) for _ in range(n)]
     ids = model.tokenizer.encode(TEXT * (1 + 4 * length // 60), add_special_tokens=False)
     starts = rng.integers(0, len(ids) - length, n)
-    return [model.tokenizer.decode(ids[s:s + length]) for s in starts]
+    return [f"{i}. " + model.tokenizer.decode(ids[s:s + length - 4]) for i, s in enumerate(starts)]
 
 
 def build_model(args):
@@ -207,7 +209,8 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
     out = []
     try:
         for mode in modes:
-            drive(server.url + "/v1", prompts[:n], args.arrival, 4, mode == "seeded", procs)  # warm-up
+            warm = prompts[len(prompts) // 2:][:n]  # other prompts: nothing of the measured ones is cached
+            drive(server.url + "/v1", warm, args.arrival, 4, mode == "seeded", procs)
             results, cpu = drive(server.url + "/v1", prompts[:n], args.arrival, args.gen_tokens, mode == "seeded",
                                  procs)
             row = dict(server=name, mode=mode, rows=args.rows or n, **summarize(results, cpu))
@@ -283,7 +286,7 @@ def main(argv=None) -> int:
         info["mlx_lm"], info["mlx_lm_mlx"] = v.stdout.split()
     print(json.dumps(info))
     model = build_model(args)
-    prompts = make_prompts(model, max(clients), args.prompt_tokens)
+    prompts = make_prompts(model, 2 * max(clients), args.prompt_tokens)  # the second half warms up
     rows, runs = [], []
     with tempfile.TemporaryDirectory(prefix="mlxfun-serve-load-") as tmp:
         folder = save(model, Path(tmp) / "model")
