@@ -84,9 +84,7 @@ def prompts_of(body: Common, chat: bool) -> list:
 def build(model: Model, prompts: list, config: GenerationConfig, n: int, explicit_max: bool) -> list[Request]:
     """n Requests per prompt (choice j of a seeded request samples with seed + j), all checked."""
     check_positive_int("n", n)
-    if config.seed is not None and n > 1:
-        if not isinstance(config.seed, int) or isinstance(config.seed, bool):
-            raise InputError(f"seed must be an integer, got {config.seed!r}")
+    if config.seed is not None and n > 1:  # an int: the request's (strict) or the --seed flag's
         config = dataclasses.replace(config, seed=[config.seed + j for _ in prompts for j in range(n)])
     reqs = requests(model, [p for p in prompts for _ in range(n)], config)
     context = model.config.max_position_embeddings
