@@ -31,7 +31,8 @@ class Oracle(speculative.Drafter):
         self.rng = random.Random(seed)
 
     def propose(self, engine: Engine, rows: list[int], k: int):
-        drafts, valid = np.zeros((engine.rows, k), np.int32), np.zeros((engine.rows, k), bool)
+        B = len(engine.owner)
+        drafts, valid = np.zeros((B, k), np.int32), np.zeros((B, k), bool)
         for r in rows:
             record = engine.requests[engine.owner[r]]
             done = len(record.row.text.tokens)

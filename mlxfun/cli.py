@@ -307,9 +307,10 @@ def run_cache_prompt(args: argparse.Namespace) -> int:
     return 0
 
 
-# Commands with parsers of their own: `mlxfun NAME ...` runs `mlxfun.NAME.main(argv)`.
-MODULE_COMMANDS = {"chat": "chat with the model, turn by turn", "bench": "benchmark throughput",
-                   "profile": "profile compile and step latency"}
+# Commands with parsers of their own: `mlxfun NAME ...` runs `mlxfun.NAME.main(argv)` (or MODULES[NAME]'s).
+MODULE_COMMANDS = {"chat": "chat with the model, turn by turn", "serve": "an OpenAI-compatible HTTP server",
+                   "bench": "benchmark throughput", "profile": "profile compile and step latency"}
+MODULES = {"serve": "server"}
 
 
 def version() -> str:
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] and argv[0] in MODULE_COMMANDS:
         import importlib
 
-        return importlib.import_module(f"mlxfun.{argv[0]}").main(argv[1:]) or 0
+        return importlib.import_module(f"mlxfun.{MODULES.get(argv[0], argv[0])}").main(argv[1:]) or 0
     parser = argparse.ArgumentParser(prog="mlxfun", description="Batched text generation with MLX",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"mlxfun {version()}")

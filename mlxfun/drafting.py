@@ -116,20 +116,25 @@ class DraftModel(Drafter):
         histories = [list(engine.requests[engine.owner[r]].request.prompt) +
                      engine.requests[engine.owner[r]].row.text.tokens for r in rows]
         self._feed(rows, [h[:-1] for h in histories])
-        positions = np.full(engine.rows, -1, np.int32)
-        tokens = np.zeros(engine.rows, np.int32)
-        valid = np.zeros((engine.rows, k), bool)
+        B = len(engine.owner)
+        positions = np.full(B, -1, np.int32)
+        tokens = np.zeros(B, np.int32)
+        valid = np.zeros((B, k), bool)
         for r, h in zip(rows, histories):
             positions[r], tokens[r] = len(h) - 1, h[-1]
             valid[r, :max(0, min(k, engine.remaining(r) - 1))] = True
             self.pages.ensure(r, len(h) - 1, len(h) - 1 + k)
             self.pages.drop_behind(r, len(h) - 1)
-        self.cache = prefill.ensure_pool(self.cache, self.pool.size)._replace(table=mx.array(self.pages.table))
+        self.cache = prefill.ensure_pool(self.cache, self.pool.size)._replace(table=mx.array(self.pages.table[:B]))
         mode = _mode([engine.requests[engine.owner[r]] for r in rows])
         steps = engine.state.steps
         drafts, q, self.cache = compiled_round(self.config, k, mode.sample, mode.sort)(
             self.model.params, self.cache, mx.array(tokens), mx.array(positions), engine._settings, steps)
         return drafts, mx.array(valid), q
+
+    def reorder(self, engine, keep: list[int]) -> None:
+        self.pages.reorder(keep)
+        self.draft_pos = [self.draft_pos[r] for r in keep] + [0] * (len(self.draft_pos) - len(keep))
 
     def verified(self, engine, rows: list[int], counts: list[int]) -> None:
         """The draft KV is right up to the last accepted draft (the k-th draft was never fed)."""

@@ -148,7 +148,7 @@ class Engine:
                  strategy: WeightStrategy | None = None, kv_memory: int | None = None, prefix_cache: bool = True,
                  prefix_cache_bytes: int | None = None, block_size: int = kv.BLOCK, draft=None,
                  num_draft_tokens: int = 4, policy: speculative.Policy | None = None,
-                 steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps):
+                 shrink_rows: bool | None = None, steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps):
         for name, value in (("rows", rows), ("prefill_step", prefill_step), ("block_size", block_size)):
             check_positive_int(name, value)
         for name, value in (("max_kv_size", max_kv_size), ("admit_min", admit_min), ("pad_multiple", pad_multiple),
@@ -176,6 +176,10 @@ class Engine:
         # rows of an 8B, two runs: 1.45 / 1.32x static batches; at an eighth 1.28 / 1.32x; at one
         # row 1.08 / 1.12x). On the CPU every token costs, so each free row is refilled at once.
         self.admit_min = admit_min or (max(1, rows // 4) if on_gpu else 1)
+        # On the CPU a row costs a step's share of work whether it holds a request or not (SmolLM2:
+        # 123 ms per step at batch 1, 805 at 8), so the decoded rows follow the live requests there;
+        # on a GPU a step costs about the same for 1 row or 32, and every width would compile anew.
+        self.shrink_rows = not on_gpu if shrink_rows is None else shrink_rows
         # Chunk lengths rounded up on a GPU, so attention kernels are built for few shapes.
         self.pad_multiple = pad_multiple or prefill.pad_multiple()
         # Bytes the cache may take: a share of the device's memory beside what is in use now (weights).
@@ -191,9 +195,10 @@ class Engine:
         self.stats = EngineStats(rows=rows)
         # Engine-thread state.
         self.pending: deque[int] = deque()
-        self.owner: list[int | None] = [None] * rows  # request id per row
-        self.pos = [-1] * rows  # the position each row's next decode step feeds (-1: no request)
-        self.need = [0] * rows  # blocks reserved for each row's request
+        # Per row of the state (as many as `_width` gives for the live requests):
+        self.owner: list[int | None] = [None] * self._width(0)  # request id
+        self.pos = [-1] * len(self.owner)  # the position its next decode step feeds (-1: no request)
+        self.need = [0] * len(self.owner)  # blocks reserved for its request
         self.state: DecodeState | None = None
         self._settings: sampling.Settings | None = None  # per-row settings of the live rows
         self._inflight: list[tuple[StepOut, list]] = []  # outputs queued, not yet handed out
@@ -349,21 +354,26 @@ class Engine:
         free rows, queued on the device (evaluated at once when no row is decoding: nothing to
         overlap). Their first tokens are handed out by the next `collect`."""
         events = self._drain()
-        free = self._free_rows()
-        if not free or not self.pending:
+        room = self.rows - self._live()
+        if not room or not self.pending:
             return events
         # With requests still decoding, wait until admit_min rows are free (or the queue fits),
         # so that one prefill serves several requests.
         busy = self._live() > 0
-        if busy and len(free) < min(self.admit_min, len(self.pending)):
+        if busy and room < min(self.admit_min, len(self.pending)):
             return events
-        records = self._admissible(len(free))
+        records = self._admissible(room)
         if not records:
             return events
         t0 = time.perf_counter()
         self.stats.admissions += 1
+        width = self._width(self._live() + len(records))
         if self.state is None:
+            self._resize_rows(width)
             self.state = self._empty_state()
+        else:
+            self._set_width(width)
+        free = self._free_rows()
         # Long prompts may run a dense copy of quantized weights, dropped after admission (mlxfun.strategy).
         params = params_for_prompts(self.config, self.params, [len(r.request.prompt) for r in records],
                                     self.prefill_step, self.strategy)
@@ -371,7 +381,7 @@ class Engine:
         for wave in self._waves(records):
             outs += self._prefill(params, wave, free)
         self._inflight += outs
-        self._settings = _stack([self.requests[o].request.settings if o is not None else _IDLE for o in self.owner])
+        self._restack()
         self.stats.prompt_tokens += sum(len(r.request.prompt) for r in records)
         if not busy:
             mx.eval([o[0] for o in outs], self.state)
@@ -443,8 +453,8 @@ class Engine:
         return events
 
     def _mask_buffer(self) -> np.ndarray:
-        if self._masks is None:
-            self._masks = np.ones((self.rows, structured.words(self.config.vocab_size)), np.uint32)
+        if self._masks is None or self._masks.shape[0] != len(self.owner):
+            self._masks = np.ones((len(self.owner), structured.words(self.config.vocab_size)), np.uint32)
         return self._masks
 
     def verify(self, t0: float | None = None) -> list[Event]:
@@ -568,6 +578,38 @@ class Engine:
     def _live(self) -> int:
         return sum(o is not None for o in self.owner)
 
+    def _width(self, live: int) -> int:
+        """Rows the state holds for `live` requests: every row, or only the live ones (shrink_rows)."""
+        return max(1, min(live, self.rows)) if self.shrink_rows else self.rows
+
+    def _resize_rows(self, width: int) -> None:
+        """The host's per-row lists at `width` rows, every row empty (no state yet)."""
+        self.owner, self.pos, self.need = [None] * width, [-1] * width, [0] * width
+
+    def _set_width(self, width: int) -> None:
+        """Hold `width` rows: the live ones (in order), then empty ones. Steps already queued keep
+        their own row -> request map (`_inflight`), so their tokens still reach the right requests;
+        the KV stays where it is (the rows' blocks move with them)."""
+        if width == len(self.owner):
+            return
+        keep = [r for r, o in enumerate(self.owner) if o is not None]
+        empty = width - len(keep)
+        self.owner = [self.owner[r] for r in keep] + [None] * empty
+        self.pos = [self.pos[r] for r in keep] + [-1] * empty
+        self.need = [self.need[r] for r in keep] + [0] * empty
+        self.pages.reorder(keep)
+        if self.drafter is not None:
+            self.drafter.reorder(self, keep)
+        self._vacated = []  # the new empty rows start at -1 below
+        s = self.state
+        self.state = s._replace(tokens=_rows(s.tokens, keep, width, 0), positions=_rows(s.positions, keep, width, -1),
+                                steps=_rows(s.steps, keep, width, 0), counts=_rows(s.counts, keep, width, 0))
+        self._restack()
+
+    def _restack(self) -> None:
+        """The per-row sampling settings of the rows as they are now."""
+        self._settings = _stack([self.requests[o].request.settings if o is not None else _IDLE for o in self.owner])
+
     def remaining(self, row: int) -> int:
         """Tokens the request in `row` may still generate (max_tokens, within the context)."""
         record = self.requests[self.owner[row]]
@@ -672,8 +714,8 @@ class Engine:
 
     def _empty_state(self) -> DecodeState:
         keys, values, positions = kv.pool(self.config, self.pool.size, self.pool.block_size, self.dtype)
-        B = self.rows
-        return DecodeState(kv.KVCache(keys, values, positions, mx.array(self.pages.table)),
+        B = len(self.owner)
+        return DecodeState(kv.KVCache(keys, values, positions, mx.array(self.pages.table[:B])),
                            tokens=mx.zeros((B,), mx.int32), positions=mx.full((B,), -1, mx.int32),
                            steps=mx.zeros((B,), mx.int32), counts=mx.zeros((B, self.config.vocab_size), mx.int32))
 
@@ -690,7 +732,7 @@ class Engine:
         """The device state caught up with the host: pool size, table, vacated rows."""
         cache = prefill.ensure_pool(self.state.cache, self.pool.size)
         if self.pages.dirty:
-            cache = cache._replace(table=mx.array(self.pages.table))
+            cache = cache._replace(table=mx.array(self.pages.table[:len(self.owner)]))
             self.pages.dirty = False
         positions = self.state.positions
         if self._vacated:
@@ -717,7 +759,10 @@ class Engine:
         if self.state is not None and self.idle and self.pool.cached == 0:
             self.state, self._settings = None, None
             self.pages.remap(self.pool.renumber(self.pool.compaction(), 1))  # only the scratch block is left
+            self._resize_rows(self._width(0))
         elif self.state is not None:
+            if self._width(self._live()) < len(self.owner):
+                self._set_width(self._width(self._live()))
             self.pages.fit_width()
             keep = self.pool.compaction()
             if self.pool.size > MIN_BLOCKS and 4 * len(keep) <= self.pool.size:
@@ -796,6 +841,13 @@ _IDLE = sampling.make_settings(1, seed=0)
 
 def _size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def _rows(a: mx.array, keep: list[int], width: int, fill) -> mx.array:
+    """a (B, ...) -> (width, ...): rows `keep` of a, then rows of `fill`."""
+    kept = a[mx.array(keep, mx.int32)] if keep else a[:0]
+    pad = mx.full((width - len(keep), *a.shape[1:]), fill, a.dtype)
+    return mx.concatenate([kept, pad]) if width > len(keep) else kept
 
 
 def _stack(settings: list[sampling.Settings]) -> sampling.Settings:

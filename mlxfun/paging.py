@@ -123,6 +123,14 @@ class Pages:
         for j in sorted(self.held[row]):
             self.table[row, j % self.width] = self.held[row][j]
 
+    def reorder(self, keep: list[int]) -> None:
+        """Rows `keep` become rows 0, 1, ... (the engine's rows followed its live requests); the
+        rest hold nothing."""
+        rows = len(self.held)
+        self.held = [self.held[r] for r in keep] + [{} for _ in range(rows - len(keep))]
+        self.table = np.concatenate([self.table[keep], np.zeros((rows - len(keep), self.width), np.int32)])
+        self.dirty = True
+
     def remap(self, new: np.ndarray) -> None:
         """Block ids renumbered by a compaction (`Pool.renumber`'s map)."""
         self.held = [{j: int(new[b]) for j, b in h.items()} for h in self.held]

@@ -116,6 +116,9 @@ class Drafter:
     def released(self, engine, row: int) -> None:
         pass
 
+    def reorder(self, engine, keep: list[int]) -> None:
+        """The engine's rows `keep` became its rows 0, 1, ... (`Engine.shrink_rows`)."""
+
 
 class LookupDrafter(Drafter):
     """Prompt lookup for the engine's rows: drafts from each row's own prompt and output."""
@@ -124,7 +127,8 @@ class LookupDrafter(Drafter):
         self.lookup = PromptLookup()
 
     def propose(self, engine, rows: list[int], k: int):
-        drafts, valid = np.zeros((engine.rows, k), np.int32), np.zeros((engine.rows, k), bool)
+        B = len(engine.owner)
+        drafts, valid = np.zeros((B, k), np.int32), np.zeros((B, k), bool)
         for r in rows:
             record = engine.requests[engine.owner[r]]
             left = engine.remaining(r) - 1  # tokens a draft may add before the row's limit

@@ -92,6 +92,26 @@ def test_add_while_running_and_cancel(tiny):
                                                           ignore_eos=True).token_ids[0]
 
 
+@pytest.mark.parametrize("shrink", [True, False])
+def test_rows_follow_the_live_requests(tiny, shrink):
+    """With shrink_rows (the CPU's default) the state holds only the live rows, growing when a
+    request arrives mid-run; tokens equal each prompt alone either way."""
+    engine = Engine(tiny, rows=4, shrink_rows=shrink)
+    prompts, max_tokens = [[3] * 5, [4] * 6, [5] * 7, [6] * 8], [3, 12, 6, 20]
+    ids = [engine.add(p, max_tokens=m, ignore_eos=True) for p, m in zip(prompts, max_tokens)]
+    widths, late = [], None
+    for event in engine.events():
+        widths.append(engine.state.tokens.shape[0] if engine.state is not None else 0)
+        if event.index == ids[3] and len(engine.requests[ids[3]].text.tokens) == 14:
+            late = engine.add([7] * 9, max_tokens=4, ignore_eos=True)
+    if shrink:
+        assert widths[0] == 4 and min(widths[1:-1]) == 1 and 2 in widths[widths.index(1):]
+    else:
+        assert set(widths[:-1]) == {4}
+    for rid, p, m in zip(ids + [late], prompts + [[7] * 9], max_tokens + [4]):
+        assert engine.take(rid).row.token_ids == generate(tiny, [p], max_tokens=m, ignore_eos=True).token_ids[0]
+
+
 def test_engine_grows_its_ring_without_losing_rows(tiny):
     """A long request admitted next to short ones forces the cache to grow (and unroll)."""
     prompts = [[3] * 10, [4] * 200, [5] * 30, [6] * 250]

@@ -1,0 +1,319 @@
+"""Load on `mlxfun serve`, and on `mlx_lm.server` with the same weights and prompts (`--mlx-lm`).
+
+N concurrent streaming clients (`--clients 8,32,128`) each send one /v1/completions request of
+`--prompt-tokens` tokens asking for `--gen-tokens` tokens, arriving spread evenly over the first
+`--arrival` seconds. Reported: aggregate generated tok/s (usage.completion_tokens over the time
+from the first request to the last token), time to first token p50 / p99, and inter-token
+latency p50 / p99 (gaps between a stream's chunks with text). `--modes greedy,seeded`: seeded
+requests sample at temperature 0.7 with a seed each (mlx-lm's server runs those one at a time).
+
+The model is saved once with `mlxfun.save` into a temporary folder that both servers load:
+the default model (its 4-bit weights), `--model`, or a random-weight Llama shape (`--shape 1B`,
+`--shape 8B`, with a word-level tokenizer). Each server is started for each client count with
+that many rows (`--rows` fixes it), warmed up with the same schedule, other prompts and 4 tokens,
+then measured; `--repeats` alternates which server goes first and keeps each one's best run.
+mlx-lm runs from its own interpreter (`--mlx-lm-python`, a venv where mlx-lm is installed: it is
+never a dependency of mlxfun), with `--decode-concurrency` = the rows.
+
+Run: python benchmarks/serve_load.py [--shape 1B] [--clients 8,32,128] [--mlx-lm --mlx-lm-python PATH]
+         [--modes greedy,seeded] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- the client side (also run in worker processes) ----
+
+
+async def one_stream(client, url_model: str, prompt: str, start: float, gen_tokens: int, seed: int | None) -> dict:
+    """One streaming request sent at wall-clock `start`; chunk times in wall-clock seconds."""
+    await asyncio.sleep(max(0.0, start - time.time()))
+    body = dict(model=url_model, prompt=prompt, max_tokens=gen_tokens, stream=True,
+                stream_options={"include_usage": True}, temperature=0.0 if seed is None else 0.7)
+    if seed is not None:
+        body["seed"] = seed
+    sent, times, usage, error = time.time(), [], None, None
+    try:
+        async with client.completions.with_streaming_response.create(**body) as response:
+            async for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    times.append(time.time())
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except Exception as e:  # reported, never hidden: a failed request counts as such
+        error = f"{type(e).__name__}: {e}"
+    return dict(sent=sent, times=times, end=time.time(), error=error,
+                tokens=usage["completion_tokens"] if usage else len(times),
+                prompt_tokens=usage["prompt_tokens"] if usage else None)
+
+
+async def run_clients(base_url: str, jobs: list[tuple[str, float, int, int | None]]) -> list[dict]:
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=3600) as client:
+        return await asyncio.gather(*(one_stream(client, "default_model", *job) for job in jobs))
+
+
+def client_process(args: tuple[str, list]) -> tuple[list[dict], float]:
+    """A worker's share of the clients -> (results, its CPU seconds)."""
+    base_url, jobs = args
+    cpu = time.process_time()
+    out = asyncio.run(run_clients(base_url, jobs))
+    return out, time.process_time() - cpu
+
+
+def drive(base_url: str, prompts: list[str], arrival: float, gen_tokens: int, seeded: bool, procs: int
+          ) -> tuple[list[dict], float]:
+    """All clients, spread over `procs` processes (so the client side is never the bottleneck)."""
+    t0 = time.time() + (1.0 if procs <= 1 else 5.0)  # every worker is up before the first arrival
+    n = len(prompts)
+    jobs = [(p, t0 + arrival * i / n, gen_tokens, 1000 + i if seeded else None) for i, p in enumerate(prompts)]
+    if procs <= 1:
+        return client_process((base_url, jobs))
+    shares = [(base_url, jobs[k::procs]) for k in range(procs)]
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        parts = pool.map(client_process, shares)
+    return [r for part, _ in parts for r in part], sum(cpu for _, cpu in parts)
+
+
+def summarize(results: list[dict], client_cpu_s: float) -> dict:
+    ok = [r for r in results if r["error"] is None and r["times"]]
+    ttft = [r["times"][0] - r["sent"] for r in ok]
+    itl = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
+    start, end = min(r["sent"] for r in results), max(r["end"] for r in results)
+    tokens = sum(r["tokens"] for r in ok)
+
+    def pct(xs, q):
+        return float(np.percentile(xs, q)) if xs else float("nan")
+
+    return dict(clients=len(results), failed=len(results) - len(ok), tokens=tokens, seconds=end - start,
+                tok_s=tokens / (end - start), ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99), itl_p50=pct(itl, 50),
+                itl_p99=pct(itl, 99), client_cpu_s=client_cpu_s,
+                errors=sorted({r["error"] for r in results if r["error"]})[:3])
+
+
+# ---- servers ----
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server subprocess on 127.0.0.1, up when /health answers; stopped with SIGTERM."""
+
+    def __init__(self, argv: list[str], port: int, log: Path, timeout: float = 900):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log, "a")
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{argv[:4]} exited with {self.proc.returncode}; see {log}")
+            try:
+                if urllib.request.urlopen(self.url + "/health", timeout=5).status == 200:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"{argv[:4]} did not start; see {log}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def mlxfun_argv(folder: Path, port: int, rows: int, gen_tokens: int) -> list[str]:
+    return [sys.executable, "-m", "mlxfun", "serve", "--model", str(folder), "--port", str(port), "--rows", str(rows),
+            "--max-tokens", str(gen_tokens), "--log-level", "warning"]
+
+
+def mlx_lm_argv(python: str, folder: Path, port: int, rows: int, gen_tokens: int, extra: list[str]) -> list[str]:
+    return [python, "-m", "mlx_lm", "server", "--model", str(folder), "--port", str(port), "--decode-concurrency",
+            str(rows), "--max-tokens", str(gen_tokens), "--log-level", "WARNING", *extra]
+
+
+# ---- the workload ----
+
+
+TEXT = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
+        "Constantinople. Its legions built roads, aqueducts and fortifications across Europe, North Africa and the "
+        "Middle East, and its law, language and institutions shaped the societies that followed. Trade moved grain, "
+        "wine, oil and metals along its sea lanes, while cities grew around markets, temples and baths. ")
+
+
+def make_prompts(model, n: int, length: int, seed: int = 0) -> list[str]:
+    """n different prompts of about `length` tokens: random words for a word-level tokenizer,
+    windows of an English text for a real one, each opening with its own number, so that no two
+    share more than a token or two (mlx-lm's server reuses the KV of a cached prompt prefix)."""
+    rng = np.random.default_rng(seed)
+    if model.tokenizer.token(1) == "t1":  # mlxfun.bench.word_tokenizer
+        return [" ".join(f"t{t}" for t in rng.integers(1, model.config.vocab_size, length)) for _ in range(n)]
+    ids = model.tokenizer.encode(TEXT * (1 + 4 * length // 60), add_special_tokens=False)
+    starts = rng.integers(0, len(ids) - length, n)
+    return [f"{i}. " + model.tokenizer.decode(ids[s:s + length - 4]) for i, s in enumerate(starts)]
+
+
+def build_model(args):
+    import mlx.core as mx
+
+    import mlxfun
+    from mlxfun.bench import DTYPES, SHAPES, random_params, word_tokenizer
+    from mlxfun.load import Model
+
+    if args.shape is None:
+        return mlxfun.load(args.model)
+    config = SHAPES[args.shape]
+    dtype = DTYPES[args.dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")]
+    return Model(config, random_params(config, dtype), word_tokenizer(config.vocab_size), f"random {args.shape}")
+
+
+def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: list[str], args, log: Path
+            ) -> list[dict]:
+    """Start one server for n clients, warm it up and measure each mode; stop it."""
+    port = free_port()
+    t = time.perf_counter()
+    server = Server(argv_for(port, args.rows or n), port, log)
+    print(f"{name}: up in {time.perf_counter() - t:.1f} s ({n} clients, {procs} client processes)", flush=True)
+    out = []
+    try:
+        for mode in modes:
+            warm = prompts[len(prompts) // 2:][:n]  # other prompts: nothing of the measured ones is cached
+            drive(server.url + "/v1", warm, args.arrival, 4, mode == "seeded", procs)
+            results, cpu = drive(server.url + "/v1", prompts[:n], args.arrival, args.gen_tokens, mode == "seeded",
+                                 procs)
+            row = dict(server=name, mode=mode, rows=args.rows or n, **summarize(results, cpu))
+            out.append(row)
+            print(f"  {name} {mode} {n} clients: {row['tok_s']:.1f} tok/s, TTFT p50/p99 {row['ttft_p50']:.3f}/"
+                  f"{row['ttft_p99']:.3f} s, ITL p50/p99 {row['itl_p50']:.4f}/{row['itl_p99']:.4f} s, "
+                  f"{row['tokens']} tokens, {row['failed']} failed", flush=True)
+    finally:
+        server.stop()
+    return out
+
+
+def best_runs(runs: list[dict]) -> list[dict]:
+    """Per (server, mode, clients), the run with the most tok/s (repeats on a shared machine)."""
+    best: dict[tuple, dict] = {}
+    for r in runs:
+        key = (r["server"], r["mode"], r["clients"])
+        if key not in best or r["tok_s"] > best[key]["tok_s"]:
+            best[key] = r
+    return sorted(best.values(), key=lambda r: (r["clients"], r["mode"], r["server"] != "mlxfun"))
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'server':8s} {'mode':7s} {'clients':>7s} {'tok/s':>9s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
+            f"{'ITL p50':>8s} {'ITL p99':>8s} {'failed':>6s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['server']:8s} {r['mode']:7s} {r['clients']:7d} {r['tok_s']:9.1f} {r['ttft_p50']:9.3f} "
+                     f"{r['ttft_p99']:9.3f} {r['itl_p50']:8.3f} {r['itl_p99']:8.3f} {r['failed']:6d}")
+    pairs = {(r["mode"], r["clients"]): r for r in rows if r["server"] == "mlx-lm"}
+    for r in rows:
+        other = pairs.get((r["mode"], r["clients"]))
+        if r["server"] == "mlxfun" and other and other["tok_s"]:
+            ratio = r["tok_s"] / other["tok_s"]
+            lines.append(f"mlxfun / mlx-lm, {r['mode']}, {r['clients']} clients: tok/s {ratio:.2f}x, "
+                         f"TTFT p99 {r['ttft_p99']:.3f} vs {other['ttft_p99']:.3f} s")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: the default model)")
+    p.add_argument("--shape", choices=("135M", "1B", "8B"), default=None, help="random-weight Llama shape instead")
+    p.add_argument("--dtype", default=None, help="dtype of random weights (default: bfloat16 on a GPU, else float32)")
+    p.add_argument("--clients", default="8,32,128", help="comma-separated concurrent clients (default: 8,32,128)")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--arrival", type=float, default=1.0, help="arrivals spread over this many seconds (default 1)")
+    p.add_argument("--modes", default="greedy", help="greedy, seeded or both (comma-separated)")
+    p.add_argument("--rows", type=int, default=None, help="rows of both servers (default: the client count)")
+    p.add_argument("--client-procs", type=int, default=None,
+                   help="client processes (default: 1 per 32 clients, at most half the cores)")
+    p.add_argument("--mlx-lm", action="store_true", help="also run mlx_lm.server on the same weights and prompts")
+    p.add_argument("--mlx-lm-python", default="python", help="the interpreter that has mlx-lm (its own venv)")
+    p.add_argument("--mlx-lm-args", default="", help="extra arguments for mlx_lm.server, space-separated")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per server and client count, the servers' order alternating; the best is kept")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    clients = [int(c) for c in args.clients.split(",")]
+    modes = args.modes.split(",")
+
+    from mlxfun import save
+    from mlxfun.bench import machine
+
+    info = machine()
+    if args.mlx_lm:
+        v = subprocess.run([args.mlx_lm_python, "-c", "import mlx_lm, mlx.core as mx; print(mlx_lm.__version__, "
+                            "mx.__version__)"], capture_output=True, text=True)
+        if v.returncode:
+            print(f"mlx-lm is not importable by {args.mlx_lm_python}: {v.stderr.strip()[-300:]}")
+            return 2
+        info["mlx_lm"], info["mlx_lm_mlx"] = v.stdout.split()
+    print(json.dumps(info))
+    model = build_model(args)
+    prompts = make_prompts(model, 2 * max(clients), args.prompt_tokens)  # the second half warms up
+    rows, runs = [], []
+    with tempfile.TemporaryDirectory(prefix="mlxfun-serve-load-") as tmp:
+        folder = save(model, Path(tmp) / "model")
+        del model
+        log = Path(tmp) / "server.log"
+        servers = [("mlxfun", lambda port, r: mlxfun_argv(folder, port, r, args.gen_tokens))]
+        if args.mlx_lm:
+            servers.append(("mlx-lm", lambda port, r: mlx_lm_argv(args.mlx_lm_python, folder, port, r, args.gen_tokens,
+                                                                  args.mlx_lm_args.split())))
+        for n in clients:
+            procs = args.client_procs or max(1, min(n // 32, (os.cpu_count() or 2) // 2))
+            for rep in range(args.repeats):
+                # Alternate which server goes first, so a machine's drift does not favour one.
+                for name, argv_for in (servers if rep % 2 == 0 else servers[::-1]):
+                    rows += measure(name, argv_for, n, procs, modes, prompts, args, log)
+        runs = rows
+        rows = best_runs(runs)
+        if any(r["failed"] for r in rows):
+            print(f"some requests failed; the servers' log: {log.read_text()[-3000:]}")
+    print()
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "rows": rows, "runs": runs},
+                                              indent=2))
+        print(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
