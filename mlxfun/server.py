@@ -32,7 +32,7 @@ except ImportError as e:  # pragma: no cover
 
 from mlxfun import openai_api as api
 from mlxfun.cli import add_generation_flags, add_model_flags, flag_message, generation_config
-from mlxfun.engine import Engine, Record
+from mlxfun.engine import Engine, Record, engine_for
 from mlxfun.errors import InputError, MlxfunError
 from mlxfun.load import Model
 from mlxfun.openai_api import ChatRequest, Common, CompletionRequest
@@ -361,10 +361,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def make_engine() -> Engine:
         # Runs on the engine thread: the model's arrays are made there too (MLX streams are per thread).
+        # The flags' scheduler options too: the prefix cache, a prompt cache, a draft model.
         if not loaded:
             loaded.append(load(args.model, dtype=args.dtype))
             mx.eval(loaded[0].params)
-        return Engine(loaded[0], rows, prefill_step=args.prefill_step, max_kv_size=args.max_kv_size)
+        return engine_for(loaded[0], rows, defaults)
 
     bridge = Bridge(make_engine, args.max_queued)
     try:
