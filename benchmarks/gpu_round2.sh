@@ -1,40 +1,54 @@
 #!/usr/bin/env bash
 # The H200 runs of round 2 (issues 14, 15, 16, 20, 21), recorded in benchmarks/README.md. On the lent
-# machine, from the repo root, after `. .gpu-b/install.sh`:
-#   bash benchmarks/gpu_round2.sh a   # kernel checks, smoke; the scheduler + paged KV against round 1's
-#                                     # code (carried in .old/), static 1B/8B and continuous 1B
-#   bash benchmarks/gpu_round2.sh b   # prefix reuse (1B), speculative decoding (8B oracle, 1B drafter)
-#   bash benchmarks/gpu_round2.sh c   # structured output, the server under load (needs .whl/), real-model
-#                                     # prompt lookup (needs the default model's GGUF in .gguf/)
+# machine, from the repo root, after `. .gpu-b/install.sh` (prepare.sh with mlx-lm==0.32.2), with
+# round 1's mlxfun (commit bb0fcea) in .old/, server wheels in .whl/ and SmolLM2's tokenizer in .tok/:
+#   bash benchmarks/gpu_round2.sh a   # kernel check, smoke; scheduler + paged KV against round 1, 1B static and
+#                                     # continuous
+#   bash benchmarks/gpu_round2.sh b   # 8B static; prefix reuse (1B); structured output (1B, a real tokenizer)
+#   bash benchmarks/gpu_round2.sh c   # speculative decoding (8B: oracle, a 1B drafter)
+#   bash benchmarks/gpu_round2.sh d   # the server under load beside mlx_lm.server (1B); multi-turn reuse
+# Each step has its own time limit and output file, so one failure costs only itself.
 set -u
 OUT=${OUT:-/tmp/mlxfun-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-old() { PYTHONPATH="$PWD/.old:${PYTHONPATH}" "$@"; }  # round 1's mlxfun (commit bb0fcea) first on the path
+old() { env PYTHONPATH="$PWD/.old:${PYTHONPATH}" "$@"; }  # round 1's mlxfun first on the path
+wheels() {  # the server's and structured output's packages, once per machine
+  [ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:${PYTHONPATH}"
+}
 static=(--batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16)
 case "${1:-a}" in
   a)
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-    timeout 100 python3 benchmarks/kernels_check.py --json "$OUT/r2-kernels.json" | tail -3
-    MLX_ENABLE_TF32=0 timeout 100 python3 benchmarks/smoke.py --json "$OUT/r2-smoke.json" | tail -3
-    for shape in 1B 8B; do
-      timeout 150 python3 -m mlxfun.bench --shape $shape "${static[@]}" --json "$OUT/r2-$shape-new.json" | tail -6
-      timeout 150 old python3 -m mlxfun.bench --shape $shape "${static[@]}" --json "$OUT/r2-$shape-old.json" | tail -6
-    done
-    timeout 100 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-new.json" | tail -2
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    timeout 100 python3 benchmarks/kernels_check.py --json "$OUT/r2-kernels.json" | grep -c '"ok": true'
+    MLX_ENABLE_TF32=0 timeout 100 python3 benchmarks/smoke.py --json "$OUT/r2-smoke.json" | tail -2
+    timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-new.json" | tail -4
+    timeout 110 old python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-old.json" | tail -4
+    timeout 100 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-new.json" \
+      | tail -1
     timeout 100 old python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-old.json" \
-      | tail -2
+      | tail -1
     ;;
   b)
+    wheels
+    timeout 200 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-new.json" | tail -4
     timeout 150 python3 -m mlxfun.bench --prefix --shape 1B --prompts 256 --shared-tokens 2000 --gen-tokens 64 \
-      --rows 64 --json "$OUT/r2-prefix-1B.json" | tail -6
-    timeout 330 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,8,32,128 --gen-tokens 128 \
-      --alphas 0.5,0.7,0.9 --ks 2,4,6 --draft-shape 1B --json "$OUT/r2-spec-8B.json" | tail -50
+      --rows 64 --json "$OUT/r2-prefix-1B.json" | tail -5
+    timeout 120 python3 -m mlxfun.bench --structured --shape 1B --tokenizer .tok --batch-sizes 32 --gen-tokens 64 \
+      --json "$OUT/r2-structured-1B.json" | tail -1
     ;;
   c)
-    timeout 120 python3 -m mlxfun.bench --structured --shape 1B --batch-sizes 32 --json "$OUT/r2-structured.json" \
-      | tail -6
-    timeout 200 python3 benchmarks/serve_load.py --shape 1B --clients 8,32,128 --mlx-lm \
-      --json "$OUT/r2-serve-1B.json" | tail -12
+    timeout 240 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1 --alphas 0.5,0.7,0.9 --ks 2,4,6 \
+      --gen-tokens 128 --json "$OUT/r2-spec-8B-b1.json" | tail -14
+    timeout 280 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 8,32,128 --alphas 0.7 --ks 4 \
+      --draft-shape 1B --gen-tokens 128 --json "$OUT/r2-spec-8B-bN.json" | tail -12
+    ;;
+  d)
+    wheels
+    timeout 330 python3 benchmarks/serve_load.py --shape 1B --clients 8,32 --modes greedy,seeded --mlx-lm \
+      --mlx-lm-python python3 --repeats 1 --json "$OUT/r2-serve-1B.json" | tail -12
+    timeout 150 python3 benchmarks/multiturn.py --shape 1B --conversations 32 --turns 6 \
+      --json "$OUT/r2-multiturn-1B.json" | tail -3
     ;;
 esac
