@@ -266,8 +266,8 @@ class Parser:
         self._opening: str | None = None  # the opening text, once seen
         self._region = ""  # everything after the opening
         self._pos = 0  # where the next object is looked for in _region
-        self._obj: int | None = None  # the object being read: its "{" in _region
-        self._args: int | None = None  # its call's arguments: start in _region, sent up to _sent
+        self._obj: _Scan | None = None  # the object being read
+        self._args: _Scan | None = None  # its call's arguments, sent up to _sent
         self._sent = 0
 
     def feed(self, text: str) -> list:
@@ -324,20 +324,20 @@ class Parser:
                 if i < 0:
                     self._pos = len(r)
                     return out
-                self._obj, self._args = i, None
-            if self._args is None and (m := _HEAD.match(r, self._obj)):
+                self._obj, self._args = _Scan(i), None
+            if self._args is None and (m := _HEAD.match(r, self._obj.start)):
                 out.append(self._start(json.loads(m.group(1))))
-                self._args = self._sent = m.end()
+                self._args, self._sent = _Scan(m.end()), m.end()
             if self._args is not None:
-                end = _json_end(r, self._args)
+                end = self._args.end(r)
                 stop = len(r) if end is None else end
                 if stop > self._sent:
                     out.append(self._more(r[self._sent:stop]))
                     self._sent = stop
-            end = _json_end(r, self._obj)
+            end = self._obj.end(r)
             if end is None:
                 return out
-            if self._args is None and (call := _as_call(r[self._obj:end])) is not None:
+            if self._args is None and (call := _as_call(r[self._obj.start:end])) is not None:
                 out += [self._start(call[0]), self._more(call[1])]  # not name first: whole, at its end
             self._obj, self._args, self._pos = None, None, end
 
@@ -350,27 +350,34 @@ class Parser:
         return Args(len(self.calls) - 1, text)
 
 
-def _json_end(text: str, start: int) -> int | None:
-    """The index after the object or array opening at `start`, or None while it is still open."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
+class _Scan:
+    """Where the JSON object or array opening at `start` of a growing text closes, read as the
+    text grows (each character once)."""
+
+    def __init__(self, start: int):
+        self.start, self._pos, self._depth, self._string, self._escaped, self._end = start, start, 0, False, False, None
+
+    def end(self, text: str) -> int | None:
+        """The index after the closing bracket, or None while it is still open."""
+        while self._end is None and self._pos < len(text):
+            c = text[self._pos]
+            self._pos += 1
+            if self._string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._string = False
             elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+                self._string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._end = self._pos
+        return self._end
 
 
 def _as_call(text: str) -> tuple[str, str] | None:
