@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mlxfun import tools
 from mlxfun.tokenizer import Tokenizer
 
 # ---- requests ----
@@ -46,6 +47,7 @@ class Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool | None = None  # vLLM's extension: generate max_tokens tokens past end-of-text
+    response_format: dict | None = None  # checked by mlxfun.structured, which names what is wrong
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for a field whose meaning this server does not implement, when set."""
@@ -56,10 +58,10 @@ class Common(BaseModel):
         return None
 
 
-# Fields the server does not implement -> the values that ask for nothing (accepted).
+# Fields the server does not implement -> the values that ask for nothing (accepted). Tools are
+# chat's fields (ChatRequest); on /v1/completions they land here.
 _INERT = {"logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
-          "suffix": (None, ""), "best_of": (None, 1), "echo": (None, False),
-          "response_format": (None, {"type": "text"})}
+          "suffix": (None, ""), "best_of": (None, 1), "echo": (None, False)}
 
 
 class TextPart(BaseModel):
@@ -80,11 +82,39 @@ class Message(BaseModel):
         return {**(self.model_extra or {}), "role": self.role, "content": content}
 
 
+class Function(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # accepted; "required" and a named function are always enforced
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatRequest(Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(Common):
@@ -125,7 +155,7 @@ _FIELDS = {"logprobs": "top_logprobs"}
 def field_error(message: str, chat: bool, request: Common) -> dict:
     """An InputError from `options.requests` as an OpenAI error naming the request's field."""
     prompt_field = "messages" if chat else "prompt"
-    name = message.split(" ", 1)[0]
+    name = message.split(" ", 1)[0].removesuffix(":")  # "response_format: ..." names response_format
     if name == "prompt" or message.startswith(("no prompts", "this model has no chat template", "chat template")):
         # "prompt 0: message 1 has ..." -> "message 1 has ..."; "prompt 0 has ..." -> "the prompt has ..."
         message = re.sub(r"^prompt \d+(: | )", lambda m: "" if ":" in m.group(1) else "the prompt ", message)
@@ -203,9 +233,29 @@ def completion_logprobs(tokenizer: Tokenizer, ids: list[int], logprobs: list[flo
             "text_offset": offsets}
 
 
-def chat_message_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_message_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
+                        calls: list[tools.ToolCall] = ()) -> dict:
+    message = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_delta(pieces: list) -> dict:
+    """A chunk's delta from a tools.Parser's pieces: content, then tool_calls entries (a call's
+    first names it: index, id, type, name; the next ones carry more of its arguments)."""
+    content = "".join(p.text for p in pieces if isinstance(p, tools.Text))
+    calls: list[dict] = []
+    for p in pieces:
+        if isinstance(p, tools.CallStart):
+            calls.append({"index": p.index, "id": p.id, "type": "function", "function": {"name": p.name,
+                                                                                        "arguments": ""}})
+        elif isinstance(p, tools.Args) and calls and calls[-1]["index"] == p.index:
+            calls[-1]["function"]["arguments"] += p.text
+        elif isinstance(p, tools.Args):
+            calls.append({"index": p.index, "function": {"arguments": p.text}})
+    return {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:

@@ -1,7 +1,9 @@
 """`mlxfun serve`: an OpenAI-compatible HTTP server on the continuous-batching engine.
 
 POST /v1/chat/completions and /v1/completions (server-sent events with `"stream": true`),
-GET /v1/models, /health and /metrics (Prometheus). The HTTP layer only translates: pydantic
+GET /v1/models, /health and /metrics (Prometheus). Both endpoints take `response_format`
+(mlxfun.structured); chat takes `tools` and `tool_choice` (mlxfun.tools), its answers carry
+`tool_calls` (streamed as deltas). The HTTP layer only translates: pydantic
 schemas in (`mlxfun.openai_api`), `options.requests` for every check (errors name the request
 field), the engine on a thread of its own (`mlxfun.serving`), OpenAI JSON out. Each of `n`
 choices is its own row; with a `seed`, choice i samples with seed + i. A seeded request is
@@ -31,6 +33,7 @@ except ImportError as e:  # pragma: no cover
     raise ImportError(f'mlxfun serve needs its extra: pip install "mlxfun[server]" ({e})') from None
 
 from mlxfun import openai_api as api
+from mlxfun import tools
 from mlxfun.cli import add_generation_flags, add_model_flags, flag_message, generation_config
 from mlxfun.engine import Engine, Record, engine_for
 from mlxfun.errors import InputError, MlxfunError
@@ -59,7 +62,8 @@ def request_config(defaults: GenerationConfig, body: Common, chat: bool) -> Gene
     given = body.model_fields_set
     fields = {name: getattr(body, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                                                      "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                                     "seed", "stop", "ignore_eos") if getattr(body, name) is not None}
+                                                     "seed", "stop", "ignore_eos", "response_format")
+              if getattr(body, name) is not None}
     if chat:
         if body.max_completion_tokens is not None:
             fields["max_tokens"] = body.max_completion_tokens
@@ -72,13 +76,27 @@ def request_config(defaults: GenerationConfig, body: Common, chat: bool) -> Gene
     return dataclasses.replace(defaults, **fields, chat=False)
 
 
-def prompts_of(body: Common, chat: bool) -> list:
-    if chat:
-        return [[m.as_dict() for m in body.messages]]
+def prompts_of(body: Common) -> list:
+    """A completion request's prompts."""
     p = body.prompt
     if isinstance(p, str):
         return [p]
     return [p] if p and isinstance(p[0], int) else list(p)
+
+
+def chat_plan(model: Model, body: ChatRequest, config: GenerationConfig) -> tuple[tools.Plan, GenerationConfig]:
+    """The conversation through the template with the request's tools, and the config with the
+    grammar that tool_choice "required" or a named function asks for."""
+    choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, api.NamedToolChoice) else body.tool_choice
+    plan = tools.prepare(model.tokenizer, model.config.vocab_size, [m.as_dict() for m in body.messages],
+                         None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools],
+                         choice, body.parallel_tool_calls)
+    if plan.response_format is None:
+        return plan, config
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        raise InputError("tool_choice: a required tool call is the answer's format; it cannot be combined with "
+                         "response_format")
+    return plan, dataclasses.replace(config, response_format=plan.response_format)
 
 
 def build(model: Model, prompts: list, config: GenerationConfig, n: int, explicit_max: bool) -> list[Request]:
@@ -137,7 +155,7 @@ async def _records(served: Served, ids: list[int], q: asyncio.Queue, http: HTTPR
 
 
 def _whole(served: Served, chat: bool, body: Common, reqs: list[Request], ids: list[int],
-           records: dict[int, Record]) -> dict:
+           records: dict[int, Record], fmt: tools.Format | None) -> dict:
     tk = served.model.tokenizer
     choices, completion = [], 0
     for i, rid in enumerate(ids):
@@ -147,7 +165,9 @@ def _whole(served: Served, chat: bool, body: Common, reqs: list[Request], ids: l
         text, reason = record.row.text.final_text, record.finish_reason
         if chat:
             lp = api.chat_logprobs(tk, tokens, lps, top) if reqs[i].logprobs >= 0 else None
-            choices.append(api.chat_message_choice(i, text, reason, lp))
+            content, calls = tools.parse(fmt, text) if fmt is not None else (text, [])
+            choices.append(api.chat_message_choice(i, content, "tool_calls" if calls and reason == "stop" else reason,
+                                                   lp, calls))
         else:
             lp = api.completion_logprobs(tk, tokens, lps, top) if reqs[i].logprobs >= 0 else None
             choices.append(api.completion_choice(i, text, reason, lp))
@@ -159,15 +179,16 @@ def _whole(served: Served, chat: bool, body: Common, reqs: list[Request], ids: l
 
 
 async def _stream(served: Served, chat: bool, body: Common, reqs: list[Request], ids: list[int],
-                  q: asyncio.Queue) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per token with text (or logprobs), the finish reasons, then
-    usage when asked (`stream_options.include_usage`) and [DONE]. Leaving early (the client went
-    away: Starlette cancels this generator) frees the rows."""
+                  q: asyncio.Queue, fmt: tools.Format | None) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per token with text (or tool-call pieces, or logprobs), the
+    finish reasons, then usage when asked (`stream_options.include_usage`) and [DONE]. Leaving
+    early (the client went away: Starlette cancels this generator) frees the rows."""
     tk = served.model.tokenizer
     rid_, created, kind = api.new_id("chatcmpl" if chat else "cmpl"), api.now(), "chat.completion.chunk" if chat \
         else "text_completion"
     choice = {rid: i for i, rid in enumerate(ids)}
     open_, offsets, counts = set(ids), [0] * len(ids), {"completion": 0, "cached": 0}
+    parsers = [tools.Parser(fmt) if fmt is not None else None for _ in ids]
     want_usage = body.stream_options is not None and body.stream_options.include_usage
 
     def chunk(choices: list[dict]) -> str:
@@ -189,11 +210,16 @@ async def _stream(served: Served, chat: bool, body: Common, reqs: list[Request],
             open_.discard(event.index)
             counts["completion"] += len(record.row.token_ids)
             counts["cached"] += record.cached_tokens if i % body.n == 0 else 0
-        if not (event.text or lp or event.finish_reason):
+        reason = event.finish_reason
+        if chat and parsers[i] is not None:
+            delta = api.chat_delta(parsers[i].feed(event.text) + (parsers[i].close() if reason else []))
+            reason = "tool_calls" if parsers[i].calls and reason == "stop" else reason
+        else:
+            delta = {"content": event.text} if event.text else {}
+        if not (delta or lp or reason):
             return ""
         if chat:
-            delta = {"content": event.text} if event.text else {}
-            return chunk([api.chat_delta_choice(i, delta, event.finish_reason, lp)])
+            return chunk([api.chat_delta_choice(i, delta, reason, lp)])
         return chunk([api.completion_choice(i, event.text, event.finish_reason, lp)])
 
     try:
@@ -228,10 +254,16 @@ async def complete(served: Served, body: Common, chat: bool, http: HTTPRequest):
     bad = body.unsupported()
     if bad is not None:
         return _json_error(400, api.error(bad[1], bad[0]))
+    fmt = None
     try:
         config = request_config(served.defaults, body, chat)
         explicit = body.max_tokens is not None or (chat and body.max_completion_tokens is not None)
-        reqs = build(served.model, prompts_of(body, chat), config, body.n, explicit)
+        if chat:
+            plan, config = chat_plan(served.model, body, config)
+            prompts, fmt = [plan.prompt], plan.format
+        else:
+            prompts = prompts_of(body)
+        reqs = build(served.model, prompts, config, body.n, explicit)
     except InputError as e:
         return _json_error(400, api.field_error(str(e), chat, body))
     try:
@@ -242,7 +274,7 @@ async def complete(served: Served, body: Common, chat: bool, http: HTTPRequest):
         param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
         return _json_error(413, api.error(f"{param}: {e}", param))
     if body.stream:
-        return StreamingResponse(_stream(served, chat, body, reqs, ids, q), media_type="text/event-stream",
+        return StreamingResponse(_stream(served, chat, body, reqs, ids, q, fmt), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     try:
         records = await _records(served, ids, q, http)
@@ -250,7 +282,7 @@ async def complete(served: Served, body: Common, chat: bool, http: HTTPRequest):
         return _json_error(500, api.error(str(e), None, "server_error"))
     if records is None:
         return JSONResponse({}, status_code=499)  # nobody reads it
-    return JSONResponse(_whole(served, chat, body, reqs, ids, records))
+    return JSONResponse(_whole(served, chat, body, reqs, ids, records, fmt))
 
 
 # ---- the app ----

@@ -68,8 +68,10 @@ class Tokenizer:
     def token(self, tid: int) -> str:
         return self.backend.id_to_token(tid)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...])."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]) and `tools` (OpenAI's
+        [{"type": "function", "function": {...}}], given to the template as Hugging Face's are)."""
         if not self.chat_template:
             raise InputError("this model has no chat template; pass chat=False")
         if self._template is None:
@@ -84,12 +86,17 @@ class Tokenizer:
                                strftime_now=lambda fmt: datetime.now().strftime(fmt))
             self._template = env.from_string(self.chat_template)
         bos = self.token(self.bos_token_id) if self.bos_token_id is not None else ""
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=bos, eos_token="")
+        from jinja2 import TemplateError
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=bos, eos_token="", tools=tools)
+        except TemplateError as e:  # e.g. a message without a field the template reads
+            raise InputError(f"chat template: {e}") from None
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # The template writes any BOS itself.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
 
 def from_gguf(metadata: dict) -> Tokenizer:

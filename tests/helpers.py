@@ -203,3 +203,17 @@ def left_pad(prompts: list[list[int]]) -> tuple[mx.array, mx.array]:
     tokens = [[0] * (L - len(p)) + list(p) for p in prompts]
     positions = [list(range(len(p) - L, len(p))) for p in prompts]
     return mx.array(tokens, dtype=mx.int32), mx.array(positions, dtype=mx.int32)
+
+
+def full_byte_tokenizer(added: tuple[str, ...] = (), chat_template: str | None = None) -> Tokenizer:
+    """Byte-level BPE with every byte (newlines too): id 0 is the end of text, 1 to 256 the bytes in
+    order, then `added` tokens (as a model's <tool_call> or [TOOL_CALLS]), 257 + len(added) in all."""
+    from mlxfun.openai_api import _BYTES
+
+    vocab = {"<|endoftext|>": 0, **{c: b + 1 for c, b in _BYTES.items()}}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    return Tokenizer(backend, eos_token_ids={0}, bos_token_id=None, add_bos=False, chat_template=chat_template)
