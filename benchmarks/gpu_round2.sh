@@ -12,7 +12,7 @@ set -u
 OUT=${OUT:-/tmp/mlxfun-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-old() { env PYTHONPATH="$PWD/.old:${PYTHONPATH}" "$@"; }  # round 1's mlxfun first on the path
+old() { (cd .old && "$@"); }  # round 1's mlxfun: python puts the working directory first on the path
 wheels() {  # the server's and structured output's packages, once per machine
   [ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:${PYTHONPATH}"

@@ -2,60 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 from helpers import tiny_config, tiny_model
+from real_prompts import REAL_TOKENS, alone
 
 import mlxfun
 from mlxfun.generate import generate, stream_generate
 from mlxfun.prefill import plan_groups
 
-# Real-model tests generate this many tokens (the CPU here costs ~0.1 s per row and token);
-# MLXFUN_REAL_TOKENS=64 runs the full-length check.
-REAL_TOKENS = int(os.environ.get("MLXFUN_REAL_TOKENS", "24"))
-
-LONG = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
-        "Constantinople. Its legions built roads, aqueducts and fortifications across Europe, North Africa and "
-        "the Middle East, and its law, language and institutions shaped the societies that followed. ") * 4
-
-REAL_PROMPTS = [
-    {"text": "Hi"},  # one token
-    {"text": "The capital of France is"},
-    {"text": "What is the boiling point of water?", "chat": True},
-    {"text": "def fibonacci(n):\n    "},
-    {"text": "東京は日本の首都です。人口は"},
-    {"text": "Écris une phrase sur la mer."},
-    {"text": "List three colors.", "chat": True},
-    {"text": "1, 2, 3, 4, 5,"},
-    {"text": "Привет! Как дела?"},
-    {"text": "import numpy as np\nx = np.arange(10)\nprint("},
-    {"text": "Summarize: " + LONG[:400], "chat": True},
-    {"text": LONG},  # about 200 tokens
-]
-
-
-def _ids(model, p):
-    if p.get("chat"):
-        return model.tokenizer.encode_chat([{"role": "user", "content": p["text"]}])
-    return model.tokenizer.encode(p["text"])
-
-
-def _alone(model):
-    """(prompt ids, each prompt's output alone)."""
-    prompts = [_ids(model, p) for p in REAL_PROMPTS]
-    return prompts, [generate(model, [p], max_tokens=REAL_TOKENS).token_ids[0] for p in prompts]
-
-
-@pytest.fixture(scope="module")
-def alone_f32(model_f32):
-    return _alone(model_f32)
-
 
 @pytest.fixture(scope="module")
 def alone_q4(model_q4):
-    return _alone(model_q4)
+    return alone(model_q4)
 
 
 def test_real_prompts_span_lengths(alone_q4):
@@ -63,25 +23,24 @@ def test_real_prompts_span_lengths(alone_q4):
     assert lengths[0] == 1 and lengths[-1] >= 200, lengths
 
 
-@pytest.mark.parametrize("name", ["f32", "q4"])
-def test_real_batch_equals_alone(name, request):
-    model = request.getfixturevalue(f"model_{name}")
-    prompts, alone = request.getfixturevalue(f"alone_{name}")
-    batched = generate(model, prompts, max_tokens=REAL_TOKENS)
-    for i, (b, a) in enumerate(zip(batched.token_ids, alone)):
-        assert b == a, f"{name}: prompt {i} differs in a batch"
-    assert all(len(a) > 0 for a in alone)
+def test_real_batch_equals_alone_q4(alone_q4, model_q4):
+    """4-bit weights; float32 in test_generate_f32.py (its own file, so the two run in parallel)."""
+    prompts, each = alone_q4
+    batched = generate(model_q4, prompts, max_tokens=REAL_TOKENS)
+    for i, (b, a) in enumerate(zip(batched.token_ids, each)):
+        assert b == a, f"q4: prompt {i} differs in a batch"
+    assert all(len(a) > 0 for a in each)
 
 
 def test_real_shuffled_and_sub_batches(model_q4, alone_q4):
     """One dtype suffices for reordering; both run the full batch above."""
-    model, (prompts, alone) = model_q4, alone_q4
+    model, (prompts, each) = model_q4, alone_q4
     order = list(range(len(prompts)))
     random.Random(0).shuffle(order)
     sub = order[:6]  # a random sub-batch, shuffled: new neighbours, new row positions, new padding
     out = generate(model, [prompts[i] for i in sub], max_tokens=REAL_TOKENS).token_ids
     for i, ids in zip(sub, out):
-        assert ids == alone[i], f"prompt {i} depends on its neighbours"
+        assert ids == each[i], f"prompt {i} depends on its neighbours"
     assert sorted(sub) != sub
 
 
