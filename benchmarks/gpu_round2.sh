@@ -2,11 +2,11 @@
 # The H200 runs of round 2 (issues 14, 15, 16, 20, 21), recorded in benchmarks/README.md. On the lent
 # machine, from the repo root, after `. .gpu-b/install.sh` (prepare.sh with mlx-lm==0.32.2), with
 # round 1's mlxfun (commit bb0fcea) in .old/, server wheels in .whl/ and SmolLM2's tokenizer in .tok/:
-#   bash benchmarks/gpu_round2.sh a   # smoke; scheduler + paged KV against round 1, 1B static and continuous
+#   bash benchmarks/gpu_round2.sh a   # kernel check, smoke; scheduler + paged KV against round 1, 1B static and continuous
 #   bash benchmarks/gpu_round2.sh b   # prefix reuse (1B); structured output (1B, a real tokenizer); multi-turn reuse
 #   bash benchmarks/gpu_round2.sh c   # speculative decoding (8B: oracle, a 1B drafter)
 #   bash benchmarks/gpu_round2.sh d   # the server under load beside mlx_lm.server (1B)
-#   bash benchmarks/gpu_round2.sh e   # kernel check; 8B static
+#   bash benchmarks/gpu_round2.sh e   # 8B static
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
 OUT=${OUT:-/tmp/mlxfun-out}
@@ -21,12 +21,13 @@ static=(--batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 --dtypes b
 case "${1:-a}" in
   a)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    timeout 100 python3 benchmarks/kernels_check.py --json "$OUT/r2-kernels.json" | grep -c '"ok": true'
     MLX_ENABLE_TF32=0 timeout 100 python3 benchmarks/smoke.py --json "$OUT/r2-smoke.json" | tail -2
     timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-new.json" | tail -4
-    timeout 110 old python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-old.json" | tail -4
+    old timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-old.json" | tail -4
     timeout 100 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-new.json" \
       | tail -1
-    timeout 100 old python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-old.json" \
+    old timeout 100 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-old.json" \
       | tail -1
     ;;
   b)
@@ -50,7 +51,6 @@ case "${1:-a}" in
       --mlx-lm-python python3 --repeats 1 --json "$OUT/r2-serve-1B.json" | tail -12
     ;;
   e)
-    timeout 100 python3 benchmarks/kernels_check.py --json "$OUT/r2-kernels.json" | grep -c '"ok": true'
     timeout 200 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-new.json" | tail -4
     ;;
 esac

@@ -46,15 +46,13 @@ from mlxfun.errors import InputError
 from mlxfun.events import Event, Stats
 from mlxfun.load import Model
 from mlxfun.options import GenerationConfig, Request, check_bool, check_positive_int, make_request
-from mlxfun.paging import Pages
+from mlxfun.paging import MIN_BLOCKS, Pages, pool_size
 from mlxfun.rows import Row, host_values
 from mlxfun.step import DecodeState, Mode, StepOut, Steps, compiled_steps, first_token
 from mlxfun.strategy import WeightStrategy, default_strategy, memory_limit, params_for_batch, params_for_prompts
 
 # Recent samples kept for latency percentiles.
 WINDOW = 1024
-# The pool never shrinks below this many blocks (a compaction's floor).
-MIN_BLOCKS = 64
 
 
 @dataclass
@@ -374,6 +372,8 @@ class Engine:
         else:
             self._set_width(width)
         free = self._free_rows()
+        # The pool grows once for what the rows may hold (each new size retraces the step).
+        self.pages.reserve(self._outstanding() + sum(self._blocks_needed(r.request) for r in records))
         # Long prompts may run a dense copy of quantized weights, dropped after admission (mlxfun.strategy).
         params = params_for_prompts(self.config, self.params, [len(r.request.prompt) for r in records],
                                     self.prefill_step, self.strategy)
@@ -638,7 +638,7 @@ class Engine:
         """Queued requests to admit now, in order: at most `free`, while the blocks the live rows
         hold or have reserved and theirs fit the memory budget."""
         live = [r for r, o in enumerate(self.owner) if o is not None]
-        committed = self.pool.used + sum(max(0, self.need[r] - len(self.pages.held[r])) for r in live)
+        committed = self.pool.used + self._outstanding()
         out = []
         for rid in list(self.pending)[:free]:
             record = self.requests[rid]
@@ -650,6 +650,10 @@ class Engine:
         for record in out:
             self.pending.remove(record.id)
         return out
+
+    def _outstanding(self) -> int:
+        """Blocks the live rows have reserved and do not hold yet."""
+        return sum(max(0, self.need[r] - len(self.pages.held[r])) for r, o in enumerate(self.owner) if o is not None)
 
     def _waves(self, records: list[Record]) -> list[list[Record]]:
         """Requests in prefill rounds: one that shares an uncached prefix with an earlier one
@@ -764,9 +768,12 @@ class Engine:
             if self._width(self._live()) < len(self.owner):
                 self._set_width(self._width(self._live()))
             self.pages.fit_width()
-            keep = self.pool.compaction()
-            if self.pool.size > MIN_BLOCKS and 4 * len(keep) <= self.pool.size:
-                size = max(MIN_BLOCKS, -(-2 * len(keep) // 64) * 64)
+            # Blocks held or cached, and reserved (an upper bound first: compaction() walks the pool).
+            reserved = self._outstanding()
+            bound = 1 + self.pool.used + self.pool.cached + reserved
+            keep = self.pool.compaction() if self.pool.size > MIN_BLOCKS and 4 * bound <= self.pool.size else None
+            if keep is not None and 4 * (len(keep) + reserved) <= self.pool.size:
+                size = pool_size(2 * (len(keep) + reserved), self.max_blocks)
                 cache = kv.take_blocks(self.state.cache, mx.array(keep))
                 self.pages.remap(self.pool.renumber(keep, size))
                 self.state = self.state._replace(cache=prefill.ensure_pool(cache, size))

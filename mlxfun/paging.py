@@ -16,6 +16,17 @@ import numpy as np
 from mlxfun import cache as kv
 from mlxfun.blocks import Pool
 
+MIN_BLOCKS = 64
+
+
+def pool_size(blocks: int, max_blocks: int) -> int:
+    """The pool size for at least `blocks` blocks: 64 * 2^k or 96 * 2^k (steps of 1.5x and
+    1.33x), or `max_blocks` when that is smaller."""
+    size = MIN_BLOCKS
+    while size < blocks:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return min(size, max_blocks)
+
 
 class Pages:
     def __init__(self, rows: int, pool: Pool, window: int | None, max_blocks: int):
@@ -60,10 +71,13 @@ class Pages:
 
     def ensure(self, row: int, start: int, end: int) -> None:
         """Blocks for positions [start, end) of a row, allocated where it holds none."""
+        added = False
         for j in range(start // self.bs, -(-end // self.bs)):
             if j not in self.held[row]:
                 self.held[row][j] = self._allocate()
-        self._settle(row)
+                added = True
+        if added:  # else the table row is as it was: no per-step rewrite, no upload
+            self._settle(row)
 
     def drop_behind(self, row: int, position: int) -> None:
         """A ring row releases the blocks a query at `position` can no longer see."""
@@ -94,16 +108,20 @@ class Pages:
         return [self.held[row].get(j, 0) for j in range(count)]
 
     def prepare(self, blocks: int) -> None:
-        """Make `blocks` allocations possible without growing the pool again soon: grow it (up to
-        `max_blocks`) by a quarter at least, in multiples of 64 blocks, so the compiled step
-        retraces for few pool sizes."""
+        """Make `blocks` allocations possible without growing the pool: grow it (up to
+        `max_blocks`) to the next size of `pool_size`'s grid. Every new pool size retraces the
+        compiled step (about a second on an H200), so sizes are few and the same across engines."""
         if self.pool.available() >= blocks:
             return
-        want = max(self.pool.size * 5 // 4, self.pool.size + blocks - self.pool.available())
-        size = min(self.max_blocks, -(-want // 64) * 64)
+        size = pool_size(self.pool.size + blocks - self.pool.available(), self.max_blocks)
         if size - self.pool.size + self.pool.available() < blocks:
             raise MemoryError(f"the KV pool is full ({self.pool.size} blocks)")  # reservations prevent this
         self.pool.grow(size)
+
+    def reserve(self, blocks: int) -> None:
+        """Grow the pool at once for `blocks` more allocations where the budget allows (an
+        admission reserves what its rows may need: one size, not a growth per decode step)."""
+        self.prepare(min(blocks, self.max_blocks - self.pool.size + self.pool.available()))
 
     # ---- internals ----
 

@@ -60,6 +60,18 @@ def test_retrace_once_per_capacity_bucket():
     assert traces[0] == 2
 
 
+def test_admission_sizes_the_pool_once():
+    # 16 rows of 10 + 200 tokens hold 224 blocks of 16: the pool would pass 64, 96, 128, 192 and
+    # 256 blocks growing on demand (a trace each); admission reserves them at once.
+    model = tiny_model(tiny_config(max_position_embeddings=1024))
+    steps, traces = counting_steps()
+    result, engine = run_engine(model, prompts_of([10] * 16, model.config.vocab_size), steps=steps,
+                                ignore_eos=True, max_tokens=200)
+    assert all(len(ids) == 200 for ids in result.token_ids)
+    assert engine.stats.peak_kv_bytes == 256 * engine.block_bytes
+    assert traces[0] == 1
+
+
 def test_new_batch_size_traces_once_more():
     model = tiny_model()
     steps, traces = counting_steps()

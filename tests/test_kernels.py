@@ -19,10 +19,13 @@ def test_layout_limits():
     assert not kernels.attention_fits(1, 2, 128, 16, mx.bfloat16)
 
 
-def test_batch_limit_follows_blocks():
-    assert kernels.attention_fits(32, 8, 128, 4, mx.bfloat16)  # 256 blocks
-    assert not kernels.attention_fits(33, 8, 128, 4, mx.bfloat16)
-    assert kernels.attention_fits(128, 2, 128, 4, mx.bfloat16)
+def test_kernel_serves_every_batch_size():
+    # The alternative copies every row's blocks out of the pool first: no batch falls back to it.
+    for batch in (32, 33, 128, 512):
+        assert kernels.attention_fits(batch, 8, 128, 4, mx.bfloat16)
+    # Many blocks: fewer warps each, and at most 2048 blocks with the parts.
+    assert kernels.launch(128, 8, 256, 64, 4, mx.bfloat16) == (8, 4, 2)
+    assert kernels.launch(512, 8, 256, 64, 4, mx.bfloat16) == (8, 4, 1)
 
 
 def test_keys_split_into_parts_of_at_most_four_rounds():

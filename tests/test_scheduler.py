@@ -4,6 +4,7 @@ process, memory budgets, and every boundary checked before any work."""
 from __future__ import annotations
 
 import random
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -106,7 +107,9 @@ def test_two_thousand_requests_keep_memory_and_records_flat(tiny):
               for _ in range(1999)]
     queue.reverse()
     done, capacities = 0, []
-    memory, records = defaultdict(int), defaultdict(int)  # per window of 250 requests: the largest seen
+    # Per window of 250 requests: active memory after each step (its median: a step's arrays in
+    # flight come and go with timing, a leak moves them all), and the largest record count.
+    memory, records = defaultdict(list), defaultdict(int)
     while done < 2000:
         while queue and 2000 - len(queue) - done < 12:  # 12 requests in the engine at a time
             p, m = queue.pop()
@@ -116,13 +119,13 @@ def test_two_thousand_requests_keep_memory_and_records_flat(tiny):
                 assert len(engine.take(e.index).row.text.tokens) >= 1
                 done += 1
         window = done // 250
-        memory[window] = max(memory[window], mx.get_active_memory())
+        memory[window].append(mx.get_active_memory())
         records[window] = max(records[window], len(engine.requests) + len(engine.pending) + len(engine._inflight))
         capacities.append(engine.stats.capacity)
     assert max(capacities) >= 1024 and capacities[-1] <= 256  # grew for the long request, then shrank
-    memory = [memory[w] for w in range(2, 8)]  # after a warm-up of 500 requests
+    memory = [statistics.median(memory[w]) for w in range(2, 8)]  # after a warm-up of 500 requests
     records = [records[w] for w in range(2, 8)]
-    print(f"largest active memory per 250 requests after 500: {memory}; records: {records}")
+    print(f"median active memory per 250 requests after 500: {memory}; records: {records}")
     assert max(memory) <= 1.1 * min(memory)
     assert max(records) <= 1.1 * min(records)
     assert len(engine.stats.ttft) == min(WINDOW, 2000) and len(engine.stats.itl) == WINDOW
