@@ -32,18 +32,16 @@ case "${1:-a}" in
     ;;
   b)
     wheels
-    timeout 150 python3 -m mlxfun.bench --prefix --shape 1B --prompts 256 --shared-tokens 2000 --gen-tokens 64 \
-      --rows 64 --json "$OUT/r2-prefix-1B.json" | tail -5
-    timeout 120 python3 -m mlxfun.bench --structured --shape 1B --tokenizer .tok --batch-sizes 32 --gen-tokens 64 \
+    timeout 150 python3 -m mlxfun.bench --prefix --shape 1B --prompts 128 --shared-tokens 2000 --gen-tokens 32 \
+      --rows 32 --json "$OUT/r2-prefix-1B.json" | tail -5
+    timeout 120 python3 -m mlxfun.bench --structured --shape 1B --tokenizer .tok --batch-sizes 32 --gen-tokens 32 \
       --json "$OUT/r2-structured-1B.json" | tail -1
     timeout 150 python3 benchmarks/multiturn.py --shape 1B --conversations 32 --turns 6 \
       --json "$OUT/r2-multiturn-1B.json" | tail -3
     ;;
   c)
-    timeout 240 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1 --alphas 0.5,0.7,0.9 --ks 2,4,6 \
-      --gen-tokens 128 --json "$OUT/r2-spec-8B-b1.json" | tail -14
-    timeout 280 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 8,32,128 --alphas 0.7 --ks 4 \
-      --draft-shape 1B --gen-tokens 128 --json "$OUT/r2-spec-8B-bN.json" | tail -12
+    timeout 300 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,8 --alphas 0.7 --ks 4 \
+      --draft-shape 1B --gen-tokens 64 --json "$OUT/r2-spec-8B.json" | tail -8
     ;;
   d)
     wheels

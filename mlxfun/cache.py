@@ -1,9 +1,11 @@
 """The KV cache as an immutable value: a pool of fixed-size blocks and a block table per row.
 
-`keys[i]` / `values[i]` (N, bs, Hkv, D) hold N blocks of bs slots for layer i, and `positions`
-(N, bs) the position each slot holds (< 0: empty). `table` (B, W) lists each row's blocks: the
-positions [j * bs, (j + 1) * bs) of row b live in block `table[b, j % W]`, so where a row is meant
-to outrun W * bs slots (windowed layers, `max_kv_size`) its columns are reused as a ring.
+`keys[i]` / `values[i]` (N * bs, Hkv, D) hold N blocks of bs slots for layer i, slot by slot
+(block n is rows n * bs ... n * bs + bs - 1, so a write is one scatter along the first axis,
+with no reshape around it: a decode step is host-bound on a GPU, each graph node costs), and
+`positions` (N, bs) the position each slot holds (< 0: empty). `table` (B, W) lists each row's
+blocks: the positions [j * bs, (j + 1) * bs) of row b live in block `table[b, j % W]`, so where a
+row is meant to outrun W * bs slots (windowed layers, `max_kv_size`) its columns are reused as a ring.
 
 A token's slot follows from its position (`slots`), so there is no cursor, and rows advance at
 their own pace. Block 0 is scratch: padding tokens (negative positions) are written there with
@@ -31,8 +33,8 @@ BLOCK = 16  # slots per block in the scheduler's pool
 
 
 class KVCache(NamedTuple):
-    keys: tuple[mx.array, ...]  # per layer (N, bs, Hkv, D): a pool of N blocks of bs slots
-    values: tuple[mx.array, ...]  # per layer (N, bs, Hkv, D)
+    keys: tuple[mx.array, ...]  # per layer (N * bs, Hkv, D): a pool of N blocks of bs slots
+    values: tuple[mx.array, ...]  # per layer (N * bs, Hkv, D)
     positions: mx.array  # (N, bs) int32: position held by each slot, < 0 for empty or scratch
     table: mx.array  # (B, W) int32: row b's j-th block of positions is table[b, j % W]
 
@@ -40,7 +42,7 @@ class KVCache(NamedTuple):
 def pool(config: ModelConfig, blocks: int, block_size: int, dtype: mx.Dtype
          ) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...], mx.array]:
     """Empty pool arrays: (keys, values, positions) of `blocks` blocks (block 0: scratch)."""
-    shape = (blocks, block_size, config.num_kv_heads, config.head_dim)
+    shape = (blocks * block_size, config.num_kv_heads, config.head_dim)
     return (tuple(mx.zeros(shape, dtype) for _ in range(config.num_layers)),
             tuple(mx.zeros(shape, dtype) for _ in range(config.num_layers)),
             mx.full((blocks, block_size), -1, mx.int32))
@@ -74,14 +76,12 @@ def slots(table: mx.array, positions: mx.array, block_size: int) -> mx.array:
 
 
 def write(buf: mx.array, new: mx.array, slots: mx.array) -> mx.array:
-    """buf (N, bs, H, D) with new (B, H, T, D) written at flat slots (B, T)."""
-    N, bs, H, D = buf.shape
-    B, T = slots.shape
-    flat = buf.reshape(N * bs, H, D)
+    """buf (N * bs, H, D) with new (B, H, T, D) written at flat slots (B, T)."""
+    B, H, T, D = new.shape
     # One token per row: (B, H, 1, D) is already (B, H, D); a chunk goes token-major.
     rows = new.reshape(B, H, D) if T == 1 else new.transpose(0, 2, 1, 3).reshape(B * T, H, D)
-    index = mx.broadcast_to(slots.reshape(B * T, 1, 1), rows.shape)
-    return mx.put_along_axis(flat, index, rows, axis=0).reshape(N, bs, H, D)
+    index = mx.broadcast_to(slots.reshape(B * T, 1, 1), rows.shape)  # the same for every layer: traced once
+    return mx.put_along_axis(buf, index, rows, axis=0)
 
 
 def write_positions(positions: mx.array, slots: mx.array, new: mx.array) -> mx.array:
@@ -91,11 +91,12 @@ def write_positions(positions: mx.array, slots: mx.array, new: mx.array) -> mx.a
     return mx.put_along_axis(positions.reshape(N * bs), slots.reshape(-1), held, axis=0).reshape(N, bs)
 
 
-def gather(buf: mx.array, table: mx.array) -> mx.array:
-    """buf (N, bs, H, D), table (B, W) -> (B, H, W * bs, D): each row's keys (or values)."""
+def gather(buf: mx.array, table: mx.array, block_size: int) -> mx.array:
+    """buf (N * bs, H, D), table (B, W) -> (B, H, W * bs, D): each row's keys (or values)."""
     B, W = table.shape
-    _, bs, H, D = buf.shape
-    return buf[table].reshape(B, W * bs, H, D).transpose(0, 2, 1, 3)
+    H, D = buf.shape[1:]
+    blocks = buf.reshape(-1, block_size, H, D)  # (N, bs, H, D)
+    return blocks[table].reshape(B, W * block_size, H, D).transpose(0, 2, 1, 3)
 
 
 def gather_positions(positions: mx.array, table: mx.array) -> mx.array:
@@ -157,18 +158,25 @@ def with_blocks(cache: KVCache, blocks: int) -> KVCache:
     if extra <= 0:
         return cache
 
-    def pad(a: mx.array, value) -> mx.array:
-        return mx.pad(a, [(0, extra)] + [(0, 0)] * (a.ndim - 1), constant_values=value)
+    def pad(a: mx.array, rows: int, value) -> mx.array:
+        return mx.pad(a, [(0, rows)] + [(0, 0)] * (a.ndim - 1), constant_values=value)
 
-    return KVCache(tuple(pad(k, 0) for k in cache.keys), tuple(pad(v, 0) for v in cache.values),
-                   pad(cache.positions, -1), cache.table)
+    slots = extra * block_size(cache)
+    return KVCache(tuple(pad(k, slots, 0) for k in cache.keys), tuple(pad(v, slots, 0) for v in cache.values),
+                   pad(cache.positions, extra, -1), cache.table)
 
 
 def take_blocks(cache: KVCache, blocks: mx.array) -> KVCache:
     """A pool of the given blocks (B',) in that order (a compaction: block 0 first, kept as
     scratch); the caller renumbers its tables."""
-    return KVCache(tuple(k[blocks] for k in cache.keys), tuple(v[blocks] for v in cache.values),
+    slots = block_slots(blocks, block_size(cache))
+    return KVCache(tuple(k[slots] for k in cache.keys), tuple(v[slots] for v in cache.values),
                    cache.positions[blocks], cache.table)
+
+
+def block_slots(blocks: mx.array, block_size: int) -> mx.array:
+    """blocks (M,) -> the pool rows (slots) they span, in order (M * bs,)."""
+    return (blocks[:, None] * block_size + mx.arange(block_size, dtype=mx.int32)).reshape(-1)
 
 
 def updated(a: mx.array, index, values: mx.array) -> mx.array:

@@ -327,9 +327,10 @@ class Engine:
             self.state = self._empty_state()
         c = prefill.ensure_pool(self.state.cache, self.pool.size)
         index = mx.array(blocks, mx.int32)
+        slots = kv.block_slots(index, bs)
 
         def put(pool: mx.array, new: mx.array) -> mx.array:
-            return kv.updated(pool, index, new[:m * bs].reshape(m, bs, *new.shape[1:]))
+            return kv.updated(pool, slots, new[:m * bs])
 
         self.state = self.state._replace(cache=c._replace(
             keys=tuple(put(p, k) for p, k in zip(c.keys, cache.keys)),

@@ -25,9 +25,9 @@ _ATTENTION = compact(r"""
     // the group share each key read. A warp takes KPW keys at once (LPK lanes per key, PER
     // elements per lane, 16-byte loads), U rounds of them per iteration so loads overlap.
     constexpr int LPK = D / PER, KPW = 32 / LPK, U = 2;
-    // Keys and values are a pool of blocks (N, BS, K, D); row b's s-th slot is in block
+    // Keys and values are a pool of blocks (N * BS, K, D); row b's s-th slot is in block
     // table[b][s / BS], so rows that share a prefix read the same blocks.
-    const int K = keys_shape[2], W = table_shape[1], S = W * BS, HK = qk_shape[1], H = HK - K;
+    const int K = keys_shape[1], W = table_shape[1], S = W * BS, HK = qk_shape[1], H = HK - K;
     const int P = gridDim.y / K;  // a runtime value: one compiled kernel serves every cache size
     const int b = blockIdx.z, kh = blockIdx.y / P, p = blockIdx.y % P;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % LPK, grp = lane / LPK;
@@ -204,12 +204,12 @@ def launch(batch: int, num_kv_heads: int, keys: int, head_dim: int, group: int, 
 
 def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, table: mx.array, mask: mx.array,
                      num_heads: int) -> mx.array:
-    """qk (B, H + K, 1, D) rotated queries then keys, keys/values (N, bs, K, D) pools after this
+    """qk (B, H + K, 1, D) rotated queries then keys, keys/values (N * bs, K, D) pools after this
     step's write, table (B, W) int32 each row's blocks, mask (B, 1, W * bs) bool -> (B, H * D):
     softmax(q k^T / sqrt(D)) v over the visible keys."""
     B, _, _, D = qk.shape
-    bs, K = keys.shape[1], keys.shape[2]
-    S = table.shape[1] * bs
+    S, K = mask.shape[-1], keys.shape[1]
+    bs = S // table.shape[1]
     G = num_heads // K
     per, warps, P = launch(B, K, S, D, G, qk.dtype)
     template = [("T", qk.dtype), ("D", D), ("G", G), ("PER", per), ("NW", warps), ("BS", bs)]

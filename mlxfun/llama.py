@@ -130,9 +130,10 @@ def rope(config: ModelConfig, x: mx.array, offset: mx.array) -> mx.array:
 class LayerCache(NamedTuple):
     """One layer's view of the cache in a forward pass (see `hidden`)."""
 
-    keys: mx.array  # (N, bs, K, D) the pool before this pass's write
-    values: mx.array  # (N, bs, K, D)
+    keys: mx.array  # (N * bs, K, D) the pool before this pass's write
+    values: mx.array  # (N * bs, K, D)
     table: mx.array  # (B, W) each row's blocks
+    block_size: int
     slots: mx.array  # (B, T) where this pass's tokens are written
     wraps: bool  # the write may overwrite slots the chunk's own queries see
 
@@ -168,16 +169,16 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
     if cache is None:
         keys, values = k, v
     else:
-        written = (kv.write(cache.keys, k, cache.slots), kv.write(cache.values, v, cache.slots))  # (N, bs, K, D)
+        written = (kv.write(cache.keys, k, cache.slots), kv.write(cache.values, v, cache.slots))  # (N * bs, K, D)
         if fast and x.ndim == 2 and layer.q_norm is None and kernels.available(x) and \
                 kernels.attention_fits(B, K, D, H // K, x.dtype):
             out = kernels.decode_attention(qk, *written, cache.table, mask, H)  # (B, H * D)
             return reduce(config, linear(layer.o, out, fast)), written
         if T == 1 or not cache.wraps:
-            keys, values = kv.gather(written[0], cache.table), kv.gather(written[1], cache.table)  # (B, K, S, D)
+            keys, values = (kv.gather(w, cache.table, cache.block_size) for w in written)  # (B, K, S, D)
         else:
-            keys = mx.concatenate([kv.gather(cache.keys, cache.table), k], axis=2)  # (B, K, S + T, D)
-            values = mx.concatenate([kv.gather(cache.values, cache.table), v], axis=2)
+            keys = mx.concatenate([kv.gather(cache.keys, cache.table, cache.block_size), k], axis=2)  # (B, K, S + T, D)
+            values = mx.concatenate([kv.gather(cache.values, cache.table, cache.block_size), v], axis=2)
     if not fused_masked_attention() and (T == 1 or B * H * T * keys.shape[2] <= GROUPED_MAX_SCORES):
         out = grouped_attention(q, keys, values, mask, D**-0.5)
     else:
@@ -274,7 +275,8 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     offset = positions[:, 0]  # (B,) RoPE starts here in each row
     new_keys, new_values = [], []
     for i, layer in enumerate(params.layers):
-        layer_cache = None if cache is None else LayerCache(cache.keys[i], cache.values[i], cache.table, slots, wraps)
+        layer_cache = None if cache is None else LayerCache(cache.keys[i], cache.values[i], cache.table, bs, slots,
+                                                            wraps)
         a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
                                offset, layer_mask[config.layer_windows[i]], layer_cache, fast)
         h = h + a

@@ -69,8 +69,9 @@ def cache_prompt(model: Model, prompt, *, chat: bool = False) -> PromptCache:
     config = model.config
     cache = kv.empty(config, 1, len(ids), weights.compute_dtype(model.params), block_size=len(ids))
     _, cache = llama.hidden(config, model.params, mx.array([ids]), mx.arange(len(ids))[None], cache=cache)
-    keys = tuple(kv.gather(k, cache.table)[0].transpose(1, 0, 2) for k in cache.keys)  # (T, K, D)
-    values = tuple(kv.gather(v, cache.table)[0].transpose(1, 0, 2) for v in cache.values)
+    bs = kv.block_size(cache)
+    keys = tuple(kv.gather(k, cache.table, bs)[0].transpose(1, 0, 2) for k in cache.keys)  # (T, K, D)
+    values = tuple(kv.gather(v, cache.table, bs)[0].transpose(1, 0, 2) for v in cache.values)
     mx.eval(keys, values)
     return PromptCache(tuple(ids), keys, values, identity(model))
 

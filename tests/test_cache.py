@@ -121,13 +121,13 @@ def test_rows_sharing_prefix_blocks_equal_full_forward():
     a = kv.KVCache(keys, values, positions, mx.array([[1, 2, 3]], mx.int32))
     a_tokens = np.concatenate([prefix, a_rest])[None]
     a_logits, a = llama.forward(config, params, mx.array(a_tokens), mx.arange(12)[None], cache=a)
-    before = [np.array(x) for x in (a.keys[0], a.positions)]
+    before = [np.array(a.keys[0]).reshape(5, 4, -1), np.array(a.positions)]  # (blocks, slots, K * D)
     b = a._replace(table=mx.array([[1, 2, 4]], mx.int32))
     b_logits, b = llama.forward(config, params, mx.array(b_rest[None]), mx.arange(8, 12)[None], cache=b)
     b_tokens = np.concatenate([prefix, b_rest])[None]
     assert rel_error(a_logits, reference_forward(config, w, a_tokens, np.arange(12)[None])) < 1e-4
     assert rel_error(b_logits, reference_forward(config, w, b_tokens, np.arange(12)[None])[:, 8:]) < 1e-4
-    after = [np.array(x) for x in (b.keys[0], b.positions)]
+    after = [np.array(b.keys[0]).reshape(5, 4, -1), np.array(b.positions)]
     for block in (1, 2, 3):
         assert np.array_equal(after[0][block], before[0][block]) and np.array_equal(after[1][block], before[1][block])
     assert np.array(b.positions)[4].tolist() == [8, 9, 10, 11]

@@ -38,7 +38,7 @@ def test_keys_split_into_parts_of_at_most_four_rounds():
 
 
 def paged(keys, values, mask, block_size, seed=0):
-    """keys/values (B, K, S, D) and mask (B, 1, S) as a shuffled pool of blocks (N, bs, K, D),
+    """keys/values (B, K, S, D) and mask (B, 1, S) as a shuffled pool of blocks (N * bs, K, D),
     a table (B, W) and a mask padded to W * bs slots."""
     B, K, S, D = keys.shape
     W = -(-S // block_size)
@@ -50,7 +50,8 @@ def paged(keys, values, mask, block_size, seed=0):
         for w in range(W):
             for pool, a in zip(pools, (keys, values)):
                 pool[table[b, w]] = a[b, :, w * block_size:(w + 1) * block_size].transpose(1, 0, 2)
-    return pools[0], pools[1], table, np.pad(mask, [(0, 0), (0, 0), (0, pad)])
+    flat = [p.reshape(-1, K, D) for p in pools]  # the cache's layout: slot by slot
+    return flat[0], flat[1], table, np.pad(mask, [(0, 0), (0, 0), (0, pad)])
 
 
 def emulated_attention(qk, keys, values, mask, num_heads, source=None, block_size=16):
@@ -58,7 +59,7 @@ def emulated_attention(qk, keys, values, mask, num_heads, source=None, block_siz
     the keys and values laid out as a shuffled pool of blocks."""
     B, _, _, D = qk.shape
     keys, values, table, mask = paged(keys, values, mask, block_size, seed=B)
-    K, S = keys.shape[2], table.shape[1] * block_size
+    K, S = keys.shape[1], table.shape[1] * block_size
     G = num_heads // K
     per, warps, P = kernels.launch(B, K, S, D, G, mx.float32)
     body = source or kernels._ATTENTION
@@ -176,7 +177,8 @@ def test_kernels_run_in_steps_only(monkeypatch):
     monkeypatch.setattr(qmv, "product", stand_in("qmv", lambda x, w, s, b, gs: mx.quantized_matmul(
         x, w, s, b, group_size=gs, bits=4)))
     monkeypatch.setattr(kernels, "decode_attention", stand_in("attention", lambda qk, k, v, t, m, h: (
-        llama.grouped_attention(qk[:, :h], kv.gather(k, t), kv.gather(v, t), m, k.shape[-1]**-0.5)
+        llama.grouped_attention(qk[:, :h], kv.gather(k, t, m.shape[-1] // t.shape[1]),
+                                kv.gather(v, t, m.shape[-1] // t.shape[1]), m, k.shape[-1]**-0.5)
         .reshape(qk.shape[0], -1))))
     tokens, positions = mx.array([[5], [9]]), mx.array([[0], [0]])
     cache = kv.empty(config, 2, 8, mx.float32)
