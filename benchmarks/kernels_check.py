@@ -26,8 +26,8 @@ def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed
     W = -(-S // bs)
     S = W * bs
     qk = mx.random.normal((B, H + K, 1, D)).astype(dtype)
-    keys = mx.random.normal((1 + B * W, bs, K, D)).astype(dtype)  # block 0: scratch, never in a table
-    values = mx.random.normal((1 + B * W, bs, K, D)).astype(dtype)
+    keys = mx.random.normal(((1 + B * W) * bs, K, D)).astype(dtype)  # block 0: scratch, never in a table
+    values = mx.random.normal(((1 + B * W) * bs, K, D)).astype(dtype)
     table = (1 + mx.random.permutation(B * W)).astype(mx.int32).reshape(B, W)
     visible = mx.random.uniform(shape=(B, 1, S)) < 0.7
     visible = visible & (mx.arange(S) >= mx.arange(B)[:, None, None] * 7)  # left padding, per row
@@ -37,8 +37,8 @@ def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed
     got = kernels.decode_attention(qk, keys, values, table, visible, H).astype(mx.float32)
     with mx.stream(mx.cpu):  # exact float32 (CUDA matmuls may use TF32)
         f32 = [a.astype(mx.float32) for a in (qk, keys, values)]
-        want = llama.grouped_attention(f32[0][:, :H], kv.gather(f32[1], table), kv.gather(f32[2], table), visible,
-                                       D**-0.5)  # (B, H, 1, D)
+        want = llama.grouped_attention(f32[0][:, :H], kv.gather(f32[1], table, bs), kv.gather(f32[2], table, bs),
+                                       visible, D**-0.5)  # (B, H, 1, D)
         want = want.reshape(B, H * D)
         err = mx.abs(got - want).max().item()
     tol = {mx.float32: 1e-4, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}[dtype]

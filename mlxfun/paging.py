@@ -100,7 +100,13 @@ class Pages:
     def slots(self, row: int, positions: np.ndarray) -> np.ndarray:
         """Flat pool slots of a row's positions (0, the scratch slot, for negative positions)."""
         held = self.held[row]
-        blocks = np.array([held[p // self.bs] if p >= 0 else 0 for p in positions.tolist()], np.int32)
+        logical = np.maximum(positions, 0) // self.bs
+        lookup = np.zeros(int(logical.max(initial=0)) + 1, np.int32)  # logical block -> block (0: none)
+        for j, block in held.items():
+            if j < len(lookup):
+                lookup[j] = block
+        blocks = lookup[logical]
+        assert (blocks[positions >= 0] > 0).all(), "a position without a block (ensure it first)"
         return np.where(positions >= 0, blocks * self.bs + positions % self.bs, 0).astype(np.int32)
 
     def blocks(self, row: int, count: int) -> list[int]:
