@@ -82,8 +82,9 @@ def oracle(model: Model, prompts: list[list[int]], max_tokens: int, alphas: list
     _, plain = _run(model, prompts, max_tokens, ids_out=continuation)
     out = []
     for k in ks:
-        _run(model, prompts[:1], 4, draft=Oracle(dict.fromkeys(range(1), [0] * 8), 1.0, 2), k=k,
-             policy=speculative.Always())  # compile the verify step of this k
+        # Compile the verify step of this k at this batch size (a first trace costs seconds on a GPU).
+        _run(model, prompts, 4, draft=Oracle({i: [0] * 8 for i in range(len(prompts))}, 1.0, 2), k=k,
+             policy=speculative.Always())
         for alpha in alphas:
             # Request ids restart at 0 in each engine, so the continuations are found by id.
             drafter = Oracle(continuation, alpha, model.config.vocab_size)

@@ -99,7 +99,9 @@ def continuous_table(r: ContinuousResult) -> str:
 
 
 def as_json(rows) -> list[dict] | dict:
-    return [asdict(r) for r in rows] if isinstance(rows, list) else {**asdict(rows), "ratio": rows.ratio}
+    if isinstance(rows, list):
+        return [asdict(r) for r in rows]
+    return asdict(rows) | ({} if callable(rows.ratio) else {"ratio": rows.ratio})  # PrefixResult: ratio(field)
 
 
 # ---- shared prefixes ----
