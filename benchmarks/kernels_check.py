@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         for B, H, K, D, S in ((1, 32, 8, 128, 256), (3, 32, 8, 128, 512), (5, 32, 8, 64, 96), (2, 9, 3, 64, 40),
                               (4, 8, 8, 32, 33), (2, 16, 2, 128, 1024), (32, 32, 8, 128, 64), (1, 16, 16, 256, 7),
                               (3, 8, 2, 32, 70), (128, 32, 8, 64, 256), (128, 32, 8, 128, 300)):
-            if not kernels.attention_fits(B, K, D, H // K, dtype):
+            if not kernels.attention_fits(D, H // K, dtype):
                 continue
             results.append(attention_case(B, H, K, D, S, dtype, seed=B * S))
         for M, OUT, IN, gs, R in ((1, 6144, 4096, 64, 4), (3, 100, 14336, 64, 2), (8, 4096, 576, 32, 4),

@@ -168,7 +168,7 @@ def _lane_split(head_dim: int, dtype: mx.Dtype) -> int:
     return max(16 // dtype.size, head_dim // 32)
 
 
-def attention_fits(batch: int, num_kv_heads: int, head_dim: int, group: int, dtype: mx.Dtype) -> bool:
+def attention_fits(head_dim: int, group: int, dtype: mx.Dtype) -> bool:
     """Whether the kernel serves this step: its layout (a key's lanes divide a warp; the G = H / K
     query heads of a group and their partial outputs fit in registers). At every batch size: the
     alternative gathers each row's blocks into a contiguous copy first (1B on an H200, batch 128:

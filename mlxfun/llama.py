@@ -171,7 +171,7 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
     else:
         written = (kv.write(cache.keys, k, cache.slots), kv.write(cache.values, v, cache.slots))  # (N * bs, K, D)
         if fast and x.ndim == 2 and layer.q_norm is None and kernels.available(x) and \
-                kernels.attention_fits(B, K, D, H // K, x.dtype):
+                kernels.attention_fits(D, H // K, x.dtype):
             out = kernels.decode_attention(qk, *written, cache.table, mask, H)  # (B, H * D)
             return reduce(config, linear(layer.o, out, fast)), written
         if T == 1 or not cache.wraps:

@@ -12,18 +12,17 @@ from mlxfun import kernels, qmv
 
 def test_layout_limits():
     # 8B / 1B shapes in bfloat16: a key's 16 or 8 lanes divide a warp.
-    assert kernels.attention_fits(1, 8, 128, 4, mx.bfloat16)
-    assert kernels.attention_fits(1, 8, 64, 4, mx.bfloat16)
+    assert kernels.attention_fits(128, 4, mx.bfloat16)
+    assert kernels.attention_fits(64, 4, mx.bfloat16)
     # 96 / 8 = 12 lanes per key do not divide a warp; 16 query heads x 8 elements exceed the registers.
-    assert not kernels.attention_fits(1, 8, 96, 4, mx.bfloat16)
-    assert not kernels.attention_fits(1, 2, 128, 16, mx.bfloat16)
+    assert not kernels.attention_fits(96, 4, mx.bfloat16)
+    assert not kernels.attention_fits(128, 16, mx.bfloat16)
 
 
-def test_kernel_serves_every_batch_size():
-    # The alternative copies every row's blocks out of the pool first: no batch falls back to it.
-    for batch in (32, 33, 128, 512):
-        assert kernels.attention_fits(batch, 8, 128, 4, mx.bfloat16)
-    # Many blocks: fewer warps each, and at most 2048 blocks with the parts.
+def test_kernel_launch_for_many_blocks():
+    # No batch falls back to MLX ops (they copy every row's blocks out of the pool first; the
+    # dispatch is checked in test_kernels_run_in_steps_only). Many blocks: fewer warps each, and at
+    # most 2048 blocks with the parts.
     assert kernels.launch(128, 8, 256, 64, 4, mx.bfloat16) == (8, 4, 2)
     assert kernels.launch(512, 8, 256, 64, 4, mx.bfloat16) == (8, 4, 1)
 
@@ -187,6 +186,14 @@ def test_kernels_run_in_steps_only(monkeypatch):
     fast = llama.logits(params, llama.hidden(config, params, tokens, positions, None, cache, fast=True)[0], fast=True)
     assert calls.count("attention") == config.num_layers and calls.count("qmv") == 4 * config.num_layers + 1
     np.testing.assert_allclose(np.array(fast), np.array(plain), rtol=1e-5, atol=1e-5)
+
+    # Every batch size: 129 rows x 2 key heads are 258 blocks, past the limit the kernel once had.
+    for batch in (33, 129):
+        calls.clear()
+        wide = kv.empty(config, batch, 8, mx.float32)
+        ids, at = mx.arange(batch)[:, None] % config.vocab_size, mx.zeros((batch, 1), mx.int32)
+        llama.hidden(config, params, ids, at, None, wide, fast=True)
+        assert calls.count("attention") == config.num_layers
 
     calls.clear()
 
