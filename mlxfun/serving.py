@@ -127,6 +127,14 @@ class Bridge:
 
     def _run(self) -> None:
         try:
+            self._serve()
+        finally:
+            # MLX leaves a thread's streams to the interpreter's teardown, which aborted the server
+            # now and then at exit ("terminate called without an active exception"): free them here.
+            mx.clear_streams()
+
+    def _serve(self) -> None:
+        try:
             self.engine = self._make_engine()
         except BaseException as e:  # reported by start()
             self._start_error = e
