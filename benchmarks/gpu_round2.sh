@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_round2.sh c   # speculative decoding (8B: oracle, a 1B drafter)
 #   bash benchmarks/gpu_round2.sh d   # the server under load beside mlx_lm.server (1B)
 #   bash benchmarks/gpu_round2.sh e   # 8B static
+#   bash benchmarks/gpu_round2.sh f   # kernel check, smoke, where verify rounds and admissions spend their time
+#   bash benchmarks/gpu_round2.sh g   # prefix reuse at the full workload (256 requests, 64 tokens)
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
 OUT=${OUT:-/tmp/mlxfun-out}
@@ -47,6 +49,17 @@ case "${1:-a}" in
     wheels
     timeout 330 python3 benchmarks/serve_load.py --shape 1B --clients 8,32 --modes greedy,seeded --mlx-lm \
       --mlx-lm-python python3 --repeats 1 --json "$OUT/r2-serve-1B.json" | tail -12
+    ;;
+  f)
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    timeout 100 python3 benchmarks/kernels_check.py --json "$OUT/r2-kernels.json" | grep -c '"ok": true'
+    MLX_ENABLE_TF32=0 timeout 100 python3 benchmarks/smoke.py --json "$OUT/r2-smoke.json" | tail -2
+    timeout 150 python3 benchmarks/step_costs.py --shape 8B --batch-sizes 1,8 --json "$OUT/r2-costs-8B.json"
+    timeout 100 python3 benchmarks/step_costs.py --shape 1B --batch-sizes 1,32,128 --json "$OUT/r2-costs-1B.json"
+    ;;
+  g)
+    timeout 400 python3 -m mlxfun.bench --prefix --shape 1B --prompts 256 --shared-tokens 2000 --gen-tokens 64 \
+      --rows 32 --json "$OUT/r2-prefix-1B-full.json" | tail -5
     ;;
   e)
     timeout 200 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-new.json" | tail -4
