@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 old() { (cd .old && "$@"); }  # round 1's mlxfun: python puts the working directory first on the path
 wheels() {  # the server's and structured output's packages, once per machine
-  [ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  [ -d /tmp/site/httpx2 ] || python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:${PYTHONPATH}"
 }
 static=(--batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16)

@@ -1,8 +1,9 @@
 """Load on `mlxfun serve`, and on `mlx_lm.server` with the same weights and prompts (`--mlx-lm`).
 
-N concurrent streaming clients (`--clients 8,32,128`) each send one /v1/completions request of
+N concurrent streaming clients (`--clients 8,32,128`) send /v1/completions requests of
 `--prompt-tokens` tokens asking for `--gen-tokens` tokens, arriving spread evenly over the first
-`--arrival` seconds. Reported: aggregate generated tok/s (usage.completion_tokens over the time
+`--arrival` seconds; with `--requests R` (default: one per client) each client sends its share of
+the R requests one after another, the next as soon as the last has ended (a closed loop). Reported: aggregate generated tok/s (usage.completion_tokens over the time
 from the first request to the last token), time to first token p50 / p99, and inter-token
 latency p50 / p99 (gaps between a stream's chunks with text). `--modes greedy,seeded`: seeded
 requests sample at temperature 0.7 with a seed each (mlx-lm's server runs those one at a time).
@@ -68,11 +69,17 @@ async def one_stream(client, url_model: str, prompt: str, start: float, gen_toke
                 prompt_tokens=usage["prompt_tokens"] if usage else None)
 
 
-async def run_clients(base_url: str, jobs: list[tuple[str, float, int, int | None]]) -> list[dict]:
+async def one_client(client, jobs: list[tuple[str, float, int, int | None]]) -> list[dict]:
+    """A client's requests in turn: the first at its arrival time, each next one when the last ends."""
+    return [await one_stream(client, "default_model", *job) for job in jobs]
+
+
+async def run_clients(base_url: str, clients: list[list[tuple[str, float, int, int | None]]]) -> list[dict]:
     import openai
 
     async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=3600) as client:
-        return await asyncio.gather(*(one_stream(client, "default_model", *job) for job in jobs))
+        done = await asyncio.gather(*(one_client(client, jobs) for jobs in clients))
+    return [r for results in done for r in results]
 
 
 def client_process(args: tuple[str, list]) -> tuple[list[dict], float]:
@@ -83,12 +90,13 @@ def client_process(args: tuple[str, list]) -> tuple[list[dict], float]:
     return out, time.process_time() - cpu
 
 
-def drive(base_url: str, prompts: list[str], arrival: float, gen_tokens: int, seeded: bool, procs: int
-          ) -> tuple[list[dict], float]:
-    """All clients, spread over `procs` processes (so the client side is never the bottleneck)."""
+def drive(base_url: str, prompts: list[str], clients: int, arrival: float, gen_tokens: int, seeded: bool,
+          procs: int) -> tuple[list[dict], float]:
+    """One request per prompt from `clients` clients (client c sends prompts c, c + clients, ...),
+    spread over `procs` processes (so the client side is never the bottleneck)."""
     t0 = time.time() + (1.0 if procs <= 1 else 5.0)  # every worker is up before the first arrival
-    n = len(prompts)
-    jobs = [(p, t0 + arrival * i / n, gen_tokens, 1000 + i if seeded else None) for i, p in enumerate(prompts)]
+    jobs = [[(p, t0 + arrival * c / clients, gen_tokens, 1000 + i if seeded else None)
+             for i, p in list(enumerate(prompts))[c::clients]] for c in range(clients)]
     if procs <= 1:
         return client_process((base_url, jobs))
     shares = [(base_url, jobs[k::procs]) for k in range(procs)]
@@ -107,7 +115,7 @@ def summarize(results: list[dict], client_cpu_s: float) -> dict:
     def pct(xs, q):
         return float(np.percentile(xs, q)) if xs else float("nan")
 
-    return dict(clients=len(results), failed=len(results) - len(ok), tokens=tokens, seconds=end - start,
+    return dict(requests=len(results), failed=len(results) - len(ok), tokens=tokens, seconds=end - start,
                 tok_s=tokens / (end - start), ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99), itl_p50=pct(itl, 50),
                 itl_p99=pct(itl, 99), client_cpu_s=client_cpu_s,
                 errors=sorted({r["error"] for r in results if r["error"]})[:3])
@@ -209,11 +217,12 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
     out = []
     try:
         for mode in modes:
+            requests = args.requests or n
             warm = prompts[len(prompts) // 2:][:n]  # other prompts: nothing of the measured ones is cached
-            drive(server.url + "/v1", warm, args.arrival, 4, mode == "seeded", procs)
-            results, cpu = drive(server.url + "/v1", prompts[:n], args.arrival, args.gen_tokens, mode == "seeded",
-                                 procs)
-            row = dict(server=name, mode=mode, rows=args.rows or n, **summarize(results, cpu))
+            drive(server.url + "/v1", warm, n, args.arrival, 4, mode == "seeded", procs)
+            results, cpu = drive(server.url + "/v1", prompts[:requests], n, args.arrival, args.gen_tokens,
+                                 mode == "seeded", procs)
+            row = dict(server=name, mode=mode, rows=args.rows or n, clients=n, **summarize(results, cpu))
             out.append(row)
             print(f"  {name} {mode} {n} clients: {row['tok_s']:.1f} tok/s, TTFT p50/p99 {row['ttft_p50']:.3f}/"
                   f"{row['ttft_p99']:.3f} s, ITL p50/p99 {row['itl_p50']:.4f}/{row['itl_p99']:.4f} s, "
@@ -256,6 +265,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=("135M", "1B", "8B"), default=None, help="random-weight Llama shape instead")
     p.add_argument("--dtype", default=None, help="dtype of random weights (default: bfloat16 on a GPU, else float32)")
     p.add_argument("--clients", default="8,32,128", help="comma-separated concurrent clients (default: 8,32,128)")
+    p.add_argument("--requests", type=int, default=None, help="requests in all (default: one per client)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--arrival", type=float, default=1.0, help="arrivals spread over this many seconds (default 1)")
@@ -286,7 +296,7 @@ def main(argv=None) -> int:
         info["mlx_lm"], info["mlx_lm_mlx"] = v.stdout.split()
     print(json.dumps(info))
     model = build_model(args)
-    prompts = make_prompts(model, 2 * max(clients), args.prompt_tokens)  # the second half warms up
+    prompts = make_prompts(model, 2 * max(clients + [args.requests or 0]), args.prompt_tokens)  # the second half warms up
     rows, runs = [], []
     with tempfile.TemporaryDirectory(prefix="mlxfun-serve-load-") as tmp:
         folder = save(model, Path(tmp) / "model")

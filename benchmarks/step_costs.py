@@ -54,7 +54,7 @@ def costs(model: Model, batch: int, prompt_tokens: int, k: int, repeats: int) ->
     for attempt in ("warm", "timed"):
         engine = Engine(model, batch, draft=Zero(), num_draft_tokens=k, policy=speculative.Always())
         for p in prompts:
-            engine.add(p, max_tokens=10_000, ignore_eos=True)
+            engine.add(p, max_tokens=96, ignore_eos=True)  # a small pool: no copy is large
         mx.synchronize()
         t0 = time.perf_counter()
         engine._drain()
@@ -103,6 +103,9 @@ def costs(model: Model, batch: int, prompt_tokens: int, k: int, repeats: int) ->
         engine.verify()
 
     out["round_ms"] = median_ms(round_, repeats)
+    from mlxfun.profile import matmul_time
+    out["matmuls_1_ms"] = matmul_time(model, params, batch) * 1e3
+    out[f"matmuls_{k + 1}_ms"] = matmul_time(model, params, batch * (k + 1)) * 1e3
     return out
 
 

@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -69,6 +70,7 @@ class Record:
     cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed
     matcher: structured.Matcher | None = None  # the row's place in its constraint (structured output)
     error: str | None = None  # why a constrained row had to end early (an error of the grammar engine)
+    complete: bool = False  # nothing but EOS may follow in its constraint (as of the last token matched)
 
     @property
     def finish_reason(self) -> str | None:
@@ -202,6 +204,7 @@ class Engine:
         self._inflight: list[tuple[StepOut, list]] = []  # outputs queued, not yet handed out
         self._vacated: list[int] = []  # rows released since the last step: their positions go to -1
         self._masks: np.ndarray | None = None  # (rows, V/32) uint32: the constrained rows' allowed tokens
+        self._masker: ThreadPoolExecutor | None = None  # computes them while the engine thread hands out tokens
         # Speculative decoding: a drafter (`speculative.PromptLookup`, `drafting.DraftModel`) and
         # the measured rule that turns it on and off.
         self.drafter, self.num_draft_tokens = drafter_for(draft, self), num_draft_tokens
@@ -432,18 +435,28 @@ class Engine:
 
     def masked_decode(self) -> list[Event]:
         """A decode step when some live row is constrained (structured output): the forward pass
-        is queued first (its input token stays on the device), then the last step's tokens are
-        handed out and advance the rows' matchers, and their masks are computed while the device
-        runs the forward pass; then the sampling half is queued with them."""
+        is queued first (its input token stays on the device); the tokens in flight are read and
+        advance the rows' matchers; the next masks are computed on a worker thread (llguidance,
+        without the GIL) while this one hands the tokens out; then the sampling half is queued
+        with them. The device runs the forward pass meanwhile."""
         mode, state = self._prepare_step()
         steps = self.steps(self.config, mode)
         logits, state = steps.forward(self.params, state)
         mx.async_eval(logits, state)
         owners = list(self.owner)
         self._advanced(state)
-        events = self.collect()
-        matchers = [self.requests[o].matcher if o is not None else None for o in self.owner]
-        masks = structured.fill_masks(matchers, self._mask_buffer())
+        ready, self._inflight = self._inflight, []
+        values = [host_values(out) for out, _ in ready]
+        for (_, step_owners), (tokens, _, _) in zip(ready, values):
+            self._match(step_owners, tokens)
+        job = structured.fill_masks_async([self._mask_matcher(o) for o in self.owner], self._mask_buffer(),
+                                          self._mask_pool())
+        events = []
+        for (out, step_owners), v in zip(ready, values):
+            events += self._take(out, step_owners, v, matched=True)
+        self._count_rows()
+        masks = job.result()
+        masks[[r for r, o in enumerate(self.owner) if o is None]] = 0xFFFFFFFF  # rows freed just now
         out, state = steps.sample(logits, mx.array(masks), self.state if mode.penalties else
                                   self.state._replace(counts=None), self._settings)
         self.state = state if state.counts is not None else state._replace(counts=self.state.counts)
@@ -452,6 +465,34 @@ class Engine:
         self.stats.busy_row_steps += sum(o is not None for o in owners)
         self._inflight.append((out, owners))
         return events
+
+    def _match(self, owners: list, tokens: list[int]) -> None:
+        """Constrained rows' matchers take their new tokens (before the tokens are handed out, so
+        the next masks can be computed meanwhile); an EOS is never taken (the row ends on it)."""
+        for rid, token in zip(owners, tokens):
+            record = self.requests.get(rid) if rid is not None else None
+            if record is None or record.matcher is None or record.finish_reason is not None or record.error:
+                continue
+            if token in record.request.eos:
+                continue
+            try:
+                record.matcher.advance(token)
+                record.complete = record.matcher.is_finished
+            except RuntimeError as e:  # the grammar engine failed (a resource limit): the row ends, saying why
+                record.error = str(e)
+
+    def _mask_matcher(self, rid: int | None) -> structured.Matcher | None:
+        """The matcher whose mask a row's next token needs; None (no mask) for a free row and a row
+        that ends now (its matcher failed, or nothing but EOS may follow)."""
+        record = self.requests.get(rid) if rid is not None else None
+        if record is None or record.matcher is None or record.finish_reason is not None or record.error:
+            return None
+        return None if record.complete else record.matcher
+
+    def _mask_pool(self) -> ThreadPoolExecutor:
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="mlxfun-masks")
+        return self._masker
 
     def _mask_buffer(self) -> np.ndarray:
         if self._masks is None or self._masks.shape[0] != len(self.owner):
@@ -494,8 +535,11 @@ class Engine:
         self._inflight = [item for item in self._inflight if item[0] is keep]
         for out, owners in ready:
             events += self._take(out, owners)
-        self.stats.running, self.stats.queued = self._live(), len(self.pending) + self._inbox.qsize()
+        self._count_rows()
         return events
+
+    def _count_rows(self) -> None:
+        self.stats.running, self.stats.queued = self._live(), len(self.pending) + self._inbox.qsize()
 
     # ---- internals ----
 
@@ -561,16 +605,18 @@ class Engine:
                     break
         return events
 
-    def _advance(self, record: Record, event: Event) -> Event:
-        """A constrained row's matcher takes its new token; once nothing but EOS can follow, the
-        row ends ("stop", as EOS would end it a step later)."""
+    def _advance(self, record: Record, event: Event, matched: bool = False) -> Event:
+        """A constrained row's matcher takes its new token (unless `matched`: it has); once nothing
+        but EOS can follow, the row ends ("stop", as EOS would end it a step later)."""
         if record.matcher is None or event.finish_reason is not None:
             return event
-        try:
-            record.matcher.advance(event.token)
-            done = record.matcher.is_finished
-        except RuntimeError as e:  # the grammar engine failed (a resource limit): end the row, say why
-            record.error, done = str(e), True
+        if not matched and record.error is None:
+            try:
+                record.matcher.advance(event.token)
+                record.complete = record.matcher.is_finished
+            except RuntimeError as e:  # the grammar engine failed (a resource limit): end the row, say why
+                record.error = str(e)
+        done = record.error is not None or record.complete  # (while masks are computed, matchers are not read)
         if not done:
             return event
         record.row.finish_reason = "stop"
@@ -786,9 +832,11 @@ class Engine:
         self.stats.peak_kv_used_bytes = max(self.stats.peak_kv_used_bytes, self.stats.kv_used_bytes)
         self.stats.cached_blocks, self.stats.prefix_hits = self.pool.cached, self.pool.hits
 
-    def _take(self, out: StepOut, owners: list) -> list[Event]:
-        """Hand out one step's tokens: `owners[i]` is the request that row i held when it ran."""
-        tokens, logprob, top = host_values(out)
+    def _take(self, out: StepOut, owners: list, values=None, matched: bool = False) -> list[Event]:
+        """Hand out one step's tokens: `owners[i]` is the request that row i held when it ran.
+        `values`: the step's `host_values`, when read already; `matched`: whether the constrained
+        rows' matchers have taken these tokens (`_match`)."""
+        tokens, logprob, top = values or host_values(out)
         now = time.perf_counter()
         events = []
         for i, rid in enumerate(owners):
@@ -804,7 +852,7 @@ class Engine:
             before = len(record.row.text.tokens)
             event = self._advance(record, record.row.accept(
                 rid, tokens[i], record.request.eos, self.config.max_position_embeddings,
-                None if logprob is None else logprob[i], None if top is None else top[i]))
+                None if logprob is None else logprob[i], None if top is None else top[i]), matched)
             self.stats.generation_tokens += len(record.row.text.tokens) - before  # a closing EOS is not output
             if event.finish_reason is not None:
                 self.stats.requests += 1

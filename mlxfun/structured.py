@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import difflib
 import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -78,11 +80,14 @@ class Matcher:
 
     def fill_mask(self, row: np.ndarray) -> None:
         """row (W,) uint32, C-contiguous <- the tokens allowed next."""
+        self.check_row(row)
+        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self._fixed(row)
+
+    def check_row(self, row: np.ndarray) -> None:
         if row.dtype != np.uint32 or row.shape != (words(self.constraint.vocab_size),) or not row.flags.c_contiguous:
             raise ValueError(f"a mask row must be a contiguous ({words(self.constraint.vocab_size)},) uint32 array, "
                              f"got {row.dtype} {row.shape}")
-        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-        self._fixed(row)
 
     def advance(self, token: int) -> None:
         """Take the row's next token (not an EOS: the row ends there)."""
@@ -117,20 +122,61 @@ class Matcher:
 def fill_masks(matchers: Sequence[Matcher | None], out: np.ndarray) -> np.ndarray:
     """out (B, W) uint32, C-contiguous <- row i: what matchers[i] allows next; all ones where
     matchers[i] is None (a free row). The constrained rows run in parallel on llguidance's
-    threads, without the GIL, so the host can do this while the device runs a forward pass."""
+    threads, without the GIL."""
+    _compute(matchers, out)
+    return fixed(matchers, out)
+
+
+def fill_masks_async(matchers: Sequence[Matcher | None], out: np.ndarray, pool: ThreadPoolExecutor) -> MaskJob:
+    """`fill_masks` with llguidance's part on `pool`'s thread, so the host can hand out tokens
+    meanwhile. `matchers` and `out` belong to the job until its `result()`.
+
+    The job holds the GIL only to enter llguidance, and this call waits until it has: a thread
+    that wants the GIL while another runs Python waits up to the switch interval (5 ms) for it."""
+    inside = threading.Event()
+
+    def job() -> None:
+        inside.set()  # the GIL passes back to the caller once llguidance releases it
+        _compute(matchers, out)
+
+    future = pool.submit(job)
+    inside.wait()
+    return MaskJob(future, matchers, out)
+
+
+class MaskJob(NamedTuple):
+    future: Future
+    matchers: Sequence[Matcher | None]
+    out: np.ndarray
+
+    def result(self) -> np.ndarray:
+        """The masks (`fill_masks`'s result), once computed; raises as fill_masks does."""
+        self.future.result()
+        return fixed(self.matchers, self.out)
+
+
+def _compute(matchers: Sequence[Matcher | None], out: np.ndarray) -> None:
+    """llguidance's masks into the constrained rows of out, all ones in the free rows."""
     if out.dtype != np.uint32 or out.ndim != 2 or out.shape[0] != len(matchers) or not out.flags.c_contiguous:
         raise ValueError(f"masks must be a contiguous ({len(matchers)}, W) uint32 array, got {out.dtype} {out.shape}")
     rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
     out[[i for i, m in enumerate(matchers) if m is None]] = 0xFFFFFFFF
     if len(rows) == 1:
-        rows[0][0].fill_mask(out[rows[0][1]])
+        m, i = rows[0]
+        m.check_row(out[i])
+        m._m.unsafe_compute_mask_ptr(out[i].ctypes.data, out[i].nbytes)
     elif rows:
         width = words(rows[0][0].constraint.vocab_size)
         if out.shape[1] != width or any(m.constraint.vocab_size != rows[0][0].constraint.vocab_size for m, _ in rows):
             raise ValueError(f"masks must be (B, {width}) for every matcher's vocabulary, got {out.shape}")
         _executor().unsafe_compute_mask_ptr([(m._m, i) for m, i in rows], out.ctypes.data, out.shape[1] * 4,
                                             out.shape[0])
-        for m, i in rows:
+
+
+def fixed(matchers: Sequence[Matcher | None], out: np.ndarray) -> np.ndarray:
+    """The rows' own EOS ids in their computed masks (`Matcher._fixed`); raises a row's error."""
+    for i, m in enumerate(matchers):
+        if m is not None:
             m._fixed(out[i])
     return out
 
