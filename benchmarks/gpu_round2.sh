@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_round2.sh e   # 8B static
 #   bash benchmarks/gpu_round2.sh f   # kernel check, smoke, where verify rounds and admissions spend their time
 #   bash benchmarks/gpu_round2.sh g   # prefix reuse at the full workload (256 requests, 64 tokens)
+#   bash benchmarks/gpu_round2.sh h   # structured output; prefix reuse with 128 rows; the server, 32 clients x 128 requests
+#   bash benchmarks/gpu_round2.sh s   # 1B static against round 1 only
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
 OUT=${OUT:-/tmp/mlxfun-out}
@@ -60,6 +62,19 @@ case "${1:-a}" in
   g)
     timeout 400 python3 -m mlxfun.bench --prefix --shape 1B --prompts 256 --shared-tokens 2000 --gen-tokens 64 \
       --rows 32 --json "$OUT/r2-prefix-1B-full.json" | tail -5
+    ;;
+  h)
+    wheels
+    timeout 120 python3 -m mlxfun.bench --structured --shape 1B --tokenizer .tok --batch-sizes 32 --gen-tokens 32 \
+      --json "$OUT/r2-structured-1B.json" | tail -1
+    timeout 100 python3 -m mlxfun.bench --prefix --shape 1B --prompts 256 --shared-tokens 2000 --gen-tokens 64 \
+      --rows 128 --json "$OUT/r2-prefix-1B-rows128.json" | tail -3
+    timeout 300 python3 benchmarks/serve_load.py --shape 1B --clients 32 --requests 128 --modes greedy,seeded \
+      --mlx-lm --mlx-lm-python python3 --json "$OUT/r2-serve-1B-128.json" | tail -8
+    ;;
+  s)
+    timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-new.json" | tail -4
+    old timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-old.json" | tail -4
     ;;
   e)
     timeout 200 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-new.json" | tail -4

@@ -136,6 +136,7 @@ class LayerCache(NamedTuple):
     block_size: int
     slots: mx.array  # (B, T) where this pass's tokens are written
     wraps: bool  # the write may overwrite slots the chunk's own queries see
+    fresh: bool = False  # the rows hold nothing before this chunk: it attends over itself alone
 
 
 def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, mask: mx.array,
@@ -174,7 +175,9 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
                 kernels.attention_fits(D, H // K, x.dtype):
             out = kernels.decode_attention(qk, *written, cache.table, mask, H)  # (B, H * D)
             return reduce(config, linear(layer.o, out, fast)), written
-        if T == 1 or not cache.wraps:
+        if cache.fresh:
+            keys, values = k, v  # (B, K, T, D): nothing to read from the pool
+        elif T == 1 or not cache.wraps:
             keys, values = (kv.gather(w, cache.table, cache.block_size) for w in written)  # (B, K, S, D)
         else:
             keys = mx.concatenate([kv.gather(cache.keys, cache.table, cache.block_size), k], axis=2)  # (B, K, S + T, D)
@@ -239,7 +242,7 @@ def silu(x: mx.array) -> mx.array:
 
 def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
            mask: mx.array | None = None, cache: kv.KVCache | None = None, *, slots: mx.array | None = None,
-           wraps: bool = True, fast: bool = False, check: bool = True):
+           wraps: bool = True, fresh: bool = False, fast: bool = False, check: bool = True):
     """tokens (B, T), positions (B, T) -> (final hidden states (B, T, E), new cache or None).
 
     With a cache, each token's keys and values are written at the slot its position maps to
@@ -248,7 +251,9 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     `attention` for their order); None derives it from positions (`masks.causal`). Layer windows
     are applied on top. `wraps=False` promises that the write overwrites no slot the chunk's own
     queries see (no ring wraps within it), so it attends after writing (S = W * bs) instead of
-    over the slots before the write followed by the chunk (S = W * bs + T). `fast`: on CUDA, run
+    over the slots before the write followed by the chunk (S = W * bs + T). `fresh` promises that
+    the rows hold no keys before this chunk (a prompt's first chunk): it attends over itself
+    alone (S = T), reading nothing from the pool, and still writes it. `fast`: on CUDA, run
     mlxfun's kernels where they apply (`kernels`: one-token attention; `qmv`: few-row 4-bit
     products). They have no gradients: the decode and prefill steps of `mlxfun.step` set it, and
     everything else (scoring, `mx.grad`) runs MLX ops, the same math. `check`: raise InputError,
@@ -267,7 +272,9 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
         bs = kv.block_size(cache)
         slots = kv.slots(cache.table, positions, bs) if slots is None else slots  # (B, T)
         held = kv.write_positions(cache.positions, slots, positions)  # (N, bs)
-        if tokens.shape[1] == 1 or not wraps:
+        if fresh:
+            key_pos = positions  # (B, T)
+        elif tokens.shape[1] == 1 or not wraps:
             key_pos = kv.gather_positions(held, cache.table)  # (B, S)
         else:
             key_pos = mx.concatenate([kv.gather_positions(cache.positions, cache.table), positions], axis=1)
@@ -276,7 +283,7 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     new_keys, new_values = [], []
     for i, layer in enumerate(params.layers):
         layer_cache = None if cache is None else LayerCache(cache.keys[i], cache.values[i], cache.table, bs, slots,
-                                                            wraps)
+                                                            wraps, fresh)
         a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
                                offset, layer_mask[config.layer_windows[i]], layer_cache, fast)
         h = h + a

@@ -86,9 +86,11 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
         slots = np.stack([pages.slots(r, p) for r, p in zip(rows, positions)])
         # One token writes no slot it sees (the block it may displace is out of its window).
         wraps = ring and size > 1
+        # A first chunk of rows without a cached prefix sees only itself: no keys are read from the pool.
+        fresh = offset == 0 and not any(starts)
         cache = ensure_pool(cache, pages.pool.size)
         out, cache = steps.prefill(params, mx.array(ids), mx.array(positions), cache._replace(
-            table=mx.array(before if wraps else pages.table[rows])), mx.array(slots), mx.array(last), wraps)
+            table=mx.array(before if wraps else pages.table[rows])), mx.array(slots), mx.array(last), wraps, fresh)
         h = out if h is None else mx.where(mx.array(ends)[:, None], out, h)
         for r, prompt, p in zip(rows, prompts, positions):
             real = p[p >= 0]
