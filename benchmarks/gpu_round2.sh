@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_round2.sh g   # prefix reuse at the full workload (256 requests, 64 tokens)
 #   bash benchmarks/gpu_round2.sh h   # structured output; prefix reuse with 128 rows; the server, 32 clients x 128 requests
 #   bash benchmarks/gpu_round2.sh s   # 1B static against round 1 only
+#   bash benchmarks/gpu_round2.sh k   # the few-row dense product (mlxfun.dmv): checked, then off / on at small batches and in verify
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
 OUT=${OUT:-/tmp/mlxfun-out}
@@ -75,6 +76,17 @@ case "${1:-a}" in
   s)
     timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-new.json" | tail -4
     old timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-old.json" | tail -4
+    ;;
+  k)
+    timeout 100 python3 benchmarks/kernels_check.py --json "$OUT/r2-kernels.json" | tail -1
+    for dense in 0 1; do
+      MLXFUN_DENSE_KERNEL=$dense timeout 150 python3 -m mlxfun.bench --shape 1B --batch-sizes 1,2,4,8 \
+        --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16 --json "$OUT/r2-1B-dmv$dense.json" | tail -5
+    done
+    for dense in 0 1; do
+      MLXFUN_DENSE_KERNEL=$dense timeout 250 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1 \
+        --alphas 0.7 --ks 4 --gen-tokens 64 --json "$OUT/r2-spec-8B-dmv$dense.json" | tail -3
+    done
     ;;
   e)
     timeout 200 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-new.json" | tail -4

@@ -3,7 +3,8 @@
 decode_attention (reading a shuffled paged pool through its block table) vs `llama.grouped_attention`
 over the gathered keys in exact float32 (on the CPU) on the same rounded inputs, under masks with
 left padding, holes (ring slots) and a single visible key; qmv against
-a float32 product with the dequantized weights (relative to the largest output).
+a float32 product with the dequantized weights, and dmv (the few-row dense product, whatever
+$MLXFUN_DENSE_KERNEL says) against a float32 product (relative to the largest output).
 Run: python benchmarks/kernels_check.py [--json PATH]
 """
 
@@ -16,7 +17,7 @@ import sys
 import mlx.core as mx
 
 from mlxfun import cache as kv
-from mlxfun import kernels, llama, qmv
+from mlxfun import dmv, kernels, llama, qmv
 
 
 def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed: int) -> dict:
@@ -68,6 +69,20 @@ def qmv_case(M: int, OUT: int, IN: int, group_size: int, per_warp: int | None, d
     return out
 
 
+def dmv_case(M: int, OUT: int, IN: int, per_warp: int, dtype: mx.Dtype) -> dict:
+    mx.random.seed(M * OUT + IN)
+    w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(dtype)
+    x = mx.random.normal((M, IN)).astype(dtype)
+    got = dmv.product(x, w, per_warp).astype(mx.float32)
+    with mx.stream(mx.cpu):
+        want = x.astype(mx.float32) @ w.astype(mx.float32).T
+        err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
+    tol = {mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]
+    out = dict(kernel="dmv", M=M, OUT=OUT, IN=IN, per_warp=per_warp, dtype=str(dtype), rel_err=err, ok=err < tol)
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
@@ -86,6 +101,9 @@ def main(argv=None) -> int:
         if dtype != mx.float32:  # tensor cores: bf16 and fp16 inputs
             for M, OUT, IN, gs in ((1, 6144, 4096, 64), (8, 4096, 14336, 64), (3, 1000, 576, 32), (5, 40, 2048, 128)):
                 results.append(qmv_case(M, OUT, IN, gs, None, dtype))
+            for M, OUT, IN, R in ((5, 6144, 4096, 4), (8, 28672, 4096, 4), (2, 4096, 14336, 2), (3, 1001, 576, 1),
+                                  (5, 128256, 4096, 4)):
+                results.append(dmv_case(M, OUT, IN, R, dtype))
     ok = all(r["ok"] for r in results)
     print("KERNELS", "OK" if ok else "FAILED", flush=True)
     if args.json:

@@ -324,7 +324,9 @@ def parse_args(argv):
     p.add_argument("--gen-tokens", type=int, default=128 if gpu else 32, help="default: 128 on a GPU, 32 on the CPU")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per configuration; the best is kept "
                                                           "(use 2-3 on a shared, noisy machine)")
-    p.add_argument("--warmup-tokens", type=int, default=4, help="tokens of the untimed run that compiles each config")
+    p.add_argument("--warmup-tokens", type=int, default=None,
+                   help="tokens of the untimed run that compiles each config (default: on a GPU as many as the "
+                        "timed run, so it meets the same pool and table sizes and traces nothing; on the CPU 4)")
     p.add_argument("--dtypes", default=None,
                    help="weights variants among float32, bfloat16, float16, q4, q8 "
                         "(default: bfloat16,q4 on a GPU, float32,q4 on the CPU)")
@@ -364,6 +366,9 @@ def parse_args(argv):
     distributed.add_flags(p)  # under mlx.launch: mlxfun.bench_distributed
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.warmup_tokens is None:
+        # A run of fewer tokens reserves a smaller pool: the timed run would trace its step again.
+        args.warmup_tokens = args.gen_tokens if gpu else 4
     args.dtypes = (args.dtypes or ("bfloat16,q4" if gpu else "float32,q4")).split(",")
     args.base_dtype = args.base_dtype or ("bfloat16" if gpu else "float32")
     for d in args.dtypes:
@@ -418,7 +423,8 @@ def main_prefix(args) -> int:
         model = workload_model(args)
         prompts, shared = bw.random_prefix_prompts(model.config.vocab_size, args.prompts, args.shared_tokens or 2000,
                                                    50)
-        found = bw.prefix_reuse(model, prompts, shared, rows=args.rows, max_tokens=args.gen_tokens)
+        found = bw.prefix_reuse(model, prompts, shared, rows=args.rows, max_tokens=args.gen_tokens,
+                                full_warmup=on_gpu())
     print(bw.prefix_table(found))
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "result": bw.as_json(found) | {

@@ -157,20 +157,23 @@ def random_prefix_prompts(vocab_size: int, n: int, shared_tokens: int, suffix_to
     return [system + [rng.randrange(1, vocab_size) for _ in range(suffix_tokens)] for _ in range(n)], shared_tokens
 
 
-def prefix_reuse(model: Model, prompts: list[list[int]], shared: int, rows: int, max_tokens: int) -> PrefixResult:
+def prefix_reuse(model: Model, prompts: list[list[int]], shared: int, rows: int, max_tokens: int,
+                 full_warmup: bool = False) -> PrefixResult:
     """The same prompts through an engine of `rows` rows, without and with the prefix cache (after
-    a warm-up run of each that compiles their shapes)."""
+    a warm-up run of each: 2 prompts and 2 tokens, or with `full_warmup` one wave of `rows` prompts
+    and `max_tokens` tokens, which compiles the steps at the measured run's pool and table sizes;
+    each first trace costs about a second on an H200)."""
     from mlxfun.engine import Engine
 
     runs = []
     for reuse in (False, True, False, True):
         engine = Engine(model, rows, prefix_cache=reuse)
         warm = len(runs) < 2
-        work = prompts[:2] if warm else prompts
+        work = (prompts[:rows] if full_warmup else prompts[:2]) if warm else prompts
         mx.clear_cache()
         t0 = time.perf_counter()
         for p in work:
-            engine.add(p, max_tokens=2 if warm else max_tokens, ignore_eos=True)
+            engine.add(p, max_tokens=max_tokens if full_warmup or not warm else 2, ignore_eos=True)
         for _ in engine.events():
             pass
         seconds = time.perf_counter() - t0

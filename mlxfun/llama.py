@@ -13,7 +13,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from mlxfun import cache as kv
-from mlxfun import kernels, masks, qmv
+from mlxfun import dmv, kernels, masks, qmv
 from mlxfun.config import ModelConfig
 from mlxfun.errors import InputError
 
@@ -64,17 +64,21 @@ def dequantize(q: Quantized, in_features: int) -> mx.array:
 
 
 def linear(p: Linear, x: mx.array, fast: bool = False) -> mx.array:
-    """x (..., in) -> (..., out). `fast`: 4-bit weights and at most `qmv.MAX_ROWS` rows run
-    mlxfun's CUDA product (on CUDA; it has no gradient)."""
+    """x (..., in) -> (..., out). `fast`: on CUDA, 4-bit weights and at most `qmv.MAX_ROWS` rows
+    run mlxfun's 4-bit product, and dense weights at 2 to `dmv.MAX_ROWS` rows its few-row product
+    where enabled (`dmv`); they have no gradient."""
+    # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
+    rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
     if isinstance(p, Quantized):
         group_size, bits = quant_shape(p, x.shape[-1])
-        # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
-        rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
         if fast and kernels.available(x) and qmv.fits(rows.shape[0], x.shape[-1], group_size, bits):
             y = qmv.product(rows, p.weight, p.scales, p.biases, group_size)
         else:
             y = mx.quantized_matmul(rows, p.weight, p.scales, p.biases, transpose=True,
                                     group_size=group_size, bits=bits)
+        y = y if x.ndim == 2 else y.reshape(*x.shape[:-1], -1)
+    elif fast and kernels.available(x) and dmv.fits(rows, p.weight):
+        y = dmv.product(rows, p.weight)
         y = y if x.ndim == 2 else y.reshape(*x.shape[:-1], -1)
     else:
         y = x @ p.weight.T

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from cuda_emulator import QMV_HEADER, run
 
-from mlxfun import kernels, qmv
+from mlxfun import dmv, kernels, qmv
 
 
 def test_layout_limits():
@@ -155,6 +155,61 @@ def test_emulated_qmv_mma_matches_reference(M, OUT, IN, group_size, warps, in_fl
     template = [("T", 0), ("GS", group_size), ("M", M), ("KW", warps), ("U", in_flight)]
     (got,) = run(qmv._MMA, inputs, {"y": (M, OUT)}, template, (grid, 1, 1), block, header=QMV_HEADER)
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("M,OUT,IN,per_warp", [(2, 70, 256, 4), (5, 33, 576, 4), (8, 40, 512, 2), (3, 9, 4100, 1)])
+def test_emulated_dense_product_matches_reference(M, OUT, IN, per_warp):
+    """The few-row dense product: features past a warp's share (OUT not a multiple of 4 x 4),
+    chunks past the end of a lane's loop (4100 inputs: 1025 chunks of 4 float32 values)."""
+    rng = np.random.default_rng(M * OUT)
+    x = rng.standard_normal((M, IN)).astype(np.float32)
+    w = (rng.standard_normal((OUT, IN)) * IN**-0.5).astype(np.float32)
+    grid, block = dmv.grid(OUT, per_warp)  # as dmv.product launches it
+    (got,) = run(dmv._DMV, dict(x=x, w=w), {"y": (M, OUT)}, [("T", 0), ("M", M), ("R", per_warp)], (grid, 1, 1),
+                 block)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), atol=1e-4)
+
+
+def test_dense_product_limits(monkeypatch):
+    monkeypatch.setattr(dmv, "ENABLED", True)
+    x, w = mx.zeros((5, 4096), mx.bfloat16), mx.zeros((128, 4096), mx.bfloat16)
+    assert dmv.fits(x, w)
+    assert not dmv.fits(x[:1], w)  # one row: MLX's matrix-vector kernel
+    assert not dmv.fits(mx.zeros((9, 4096), mx.bfloat16), w)  # more: MLX's matrix product
+    assert not dmv.fits(x.astype(mx.float32), w.astype(mx.float32))  # bf16 and fp16 only
+    assert not dmv.fits(mx.zeros((5, 4100), mx.bfloat16), mx.zeros((128, 4100), mx.bfloat16))  # 16-byte chunks
+    monkeypatch.setattr(dmv, "ENABLED", False)
+    assert not dmv.fits(x, w)  # opt-in ($MLXFUN_DENSE_KERNEL=1 at import)
+
+
+def test_dense_product_runs_in_few_row_steps_only(monkeypatch):
+    """Enabled and with kernels available (a stand-in here), dense maps of 2-8 rows in a `fast`
+    pass (a verify pass, a small decode step) run the few-row product; one row, more rows, and
+    passes that are not `fast` run MLX's."""
+    from mlxfun import bench, llama
+
+    config = tiny_dense_config()
+    params = bench.random_params(config, mx.bfloat16)
+    calls = []
+    monkeypatch.setattr(dmv, "ENABLED", True)
+    monkeypatch.setattr(kernels, "available", lambda x: True)
+    monkeypatch.setattr(dmv, "product", lambda x, w: calls.append(x.shape[0]) or x @ w.T)
+    monkeypatch.setattr(kernels, "attention_fits", lambda *a: False)  # attention: MLX ops here
+    maps = 4 * config.num_layers + 1  # qkv, o, gate_up, down per layer; the head
+    for B, T, fast, want in ((1, 5, True, [5] * maps), (4, 1, True, [4] * maps), (1, 1, True, []),
+                             (3, 3, True, []), (1, 5, False, [])):
+        calls.clear()
+        tokens = mx.arange(B * T).reshape(B, T) % config.vocab_size
+        h, _ = llama.hidden(config, params, tokens, mx.broadcast_to(mx.arange(T), (B, T)), fast=fast)
+        llama.logits(params, h, fast=fast)
+        assert calls == want, (B, T, fast)
+
+
+def tiny_dense_config():
+    from mlxfun.config import ModelConfig
+
+    return ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
 
 
 def test_kernels_run_in_steps_only(monkeypatch):

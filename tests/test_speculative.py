@@ -196,3 +196,27 @@ def test_real_model_float32_target_with_its_4bit_weights_as_draft(model_q4, mode
     out, engine = run(model_f32, prompts, draft=model_q4, k=2, max_tokens=5, ignore_eos=True)
     assert [r.token_ids for r in out] == plain
     assert engine.stats.verify_rounds > 0 and engine.stats.accepted > 0
+
+
+def test_oracle_drafts_of_a_predictable_model_are_accepted_at_its_rate():
+    """The benchmark's oracle: on `predictable` random weights (bf16, as on a GPU) a draft of the
+    greedy continuation is always accepted, so alpha sets the acceptance; the continuation is the
+    same with and without speculation."""
+    from mlxfun import bench_speculative as bs
+
+    raw = tiny_model(tiny_config(vocab_size=512))
+    bf16 = Model(raw.config, weights.cast(raw.config, raw.params, mx.bfloat16), raw.tokenizer, raw.source)
+    model = bs.predictable(bf16)
+    prompts = [[5, 9, 17, 33], [7, 8]]
+    plain: dict = {}
+    bs._run(model, prompts, 12, ids_out=plain)
+    assert all(ids == [p[-1]] * 12 for ids, p in zip(plain.values(), prompts))  # each step echoes its input
+    for alpha, low, high in ((1.0, 1.0, 1.0), (0.0, 0.0, 0.05)):  # a random draft may hit (1 in 512)
+        drafter = bs.Oracle(plain, alpha, model.config.vocab_size, seed=1)
+        engine, _ = bs._run(model, prompts, 12, draft=drafter, k=3, policy=speculative.Always())
+        s = engine.stats
+        assert low <= s.accepted / s.drafted <= high
+    spec: dict = {}
+    bs._run(model, prompts, 12, draft=bs.Oracle(plain, 0.5, model.config.vocab_size), k=3,
+            policy=speculative.Always(), ids_out=spec)
+    assert spec == plain
