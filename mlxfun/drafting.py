@@ -105,10 +105,16 @@ class DraftModel(Drafter):
         rows_, hist = [r for r, _ in todo], [h for _, h in todo]
         starts = [self.draft_pos[r] for r in rows_]
         _, self.cache = prefill.prefill_rows(compiled_steps(self.config, Mode()), self.model.params,
-                                             self.cache._replace(table=mx.array(self.pages.table[rows_])),
+                                             self._detach()._replace(table=mx.array(self.pages.table[rows_])),
                                              self.pages, rows_, hist, starts, 512)
         for r, h in todo:
             self.draft_pos[r] = len(h)
+
+    def _detach(self) -> kv.KVCache:
+        """The draft cache, no longer held here: nothing else references its pool, so the prefill
+        writes it in place (see `Engine._detach_cache`)."""
+        cache, self.cache = self.cache, None
+        return cache
 
     def propose(self, engine, rows: list[int], k: int) -> tuple[mx.array, mx.array, mx.array | None]:
         """-> drafts (B, k), valid (B, k), q (B, k, V) (or None when every row is greedy)."""

@@ -420,6 +420,7 @@ class Engine:
         """Queue one decode step for every row (rows without a live request decode idly)."""
         fn, args = self.next_decode()
         out, state = fn(*args)
+        del args  # with no reference left to the old state, the step writes the KV pool in place
         self._advanced(state)
         mx.async_eval(out, self.state)
         now = time.perf_counter()
@@ -442,9 +443,9 @@ class Engine:
         mode, state = self._prepare_step()
         steps = self.steps(self.config, mode)
         logits, state = steps.forward(self.params, state)
-        mx.async_eval(logits, state)
         owners = list(self.owner)
-        self._advanced(state)
+        self._advanced(state)  # the old state unreferenced: the pool is written in place
+        mx.async_eval(logits, self.state)
         ready, self._inflight = self._inflight, []
         values = [host_values(out) for out, _ in ready]
         for (_, step_owners), (tokens, _, _) in zip(ready, values):
@@ -742,8 +743,8 @@ class Engine:
                 self.pages.attach(row, blocks)
             if self.drafter is not None:
                 self.drafter.admitted(self, rows)
-            h, cache = prefill.prefill_rows(self.steps(self.config, Mode()), params, self.state.cache, self.pages, rows,
-                                            [list(r.request.prompt) for r, _ in chosen],
+            h, cache = prefill.prefill_rows(self.steps(self.config, Mode()), params, self._detach_cache(), self.pages,
+                                            rows, [list(r.request.prompt) for r, _ in chosen],
                                             [r.cached_tokens for r, _ in chosen], self.prefill_step,
                                             self.pad_multiple)
             self.state = self.state._replace(cache=cache)
@@ -751,6 +752,15 @@ class Engine:
             self._merge(rows, out.tokens, [len(r.request.prompt) for r, _ in chosen])
             outs.append((out, [r.id for r, _ in chosen]))
         return outs
+
+    def _detach_cache(self) -> kv.KVCache:
+        """The state's cache, which the state then no longer holds: a write into an array that
+        nothing else references happens in place, where any other reference (an old state kept
+        while the step runs) makes MLX copy the whole pool first (a 134 MB pool: 74 ms per write
+        on this CPU against 0.07)."""
+        cache = self.state.cache
+        self.state = self.state._replace(cache=None)
+        return cache
 
     def _first_token(self, params, h: mx.array, records: list[Record]) -> StepOut:
         """Not compiled: group sizes vary, and each new shape would trace and build kernels again."""
