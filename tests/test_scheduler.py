@@ -334,8 +334,8 @@ def test_steps_write_the_kv_pool_in_place():
     decode step that kept the old state alive copied the entire KV pool, every layer, every step
     (571 ms against 56 per step for a 1,536-block pool on this CPU). With the pool 64x what the
     rows hold, the memory decode steps add stays far below one pool. (A prefill is written in
-    place the same way, `Engine._detach_cache`; on the CPU MLX decides on donation when its stream
-    runs, after the engine has let go of the old state, so only a GPU shows a prefill copying.)"""
+    place the same way, `Engine._detach_cache`, but here it showed no copy without that either:
+    on the CPU the write may run after the engine has let go of the old state.)"""
     model = tiny_model(tiny_config(max_position_embeddings=8192))
     engine = Engine(model, 2, shrink_rows=False)
     for p in ([5, 6, 7], [9, 10, 11, 12]):
