@@ -169,11 +169,12 @@ def prefix_reuse(model: Model, prompts: list[list[int]], shared: int, rows: int,
     for reuse in (False, True, False, True):
         engine = Engine(model, rows, prefix_cache=reuse)
         warm = len(runs) < 2
-        work = (prompts[:rows] if full_warmup else prompts[:2]) if warm else prompts
+        work, tokens = (prompts, max_tokens) if not warm else \
+            (prompts[:rows], max_tokens) if full_warmup else (prompts[:2], 2)
         mx.clear_cache()
         t0 = time.perf_counter()
         for p in work:
-            engine.add(p, max_tokens=max_tokens if full_warmup or not warm else 2, ignore_eos=True)
+            engine.add(p, max_tokens=tokens, ignore_eos=True)
         for _ in engine.events():
             pass
         seconds = time.perf_counter() - t0

@@ -76,12 +76,11 @@ def linear(p: Linear, x: mx.array, fast: bool = False) -> mx.array:
         else:
             y = mx.quantized_matmul(rows, p.weight, p.scales, p.biases, transpose=True,
                                     group_size=group_size, bits=bits)
-        y = y if x.ndim == 2 else y.reshape(*x.shape[:-1], -1)
     elif fast and kernels.available(x) and dmv.fits(rows, p.weight):
         y = dmv.product(rows, p.weight)
-        y = y if x.ndim == 2 else y.reshape(*x.shape[:-1], -1)
     else:
         y = x @ p.weight.T
+    y = y if y.ndim == x.ndim else y.reshape(*x.shape[:-1], -1)  # the kernels' (rows, out) back to x's shape
     return y if p.bias is None else y + p.bias
 
 

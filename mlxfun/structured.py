@@ -80,14 +80,15 @@ class Matcher:
 
     def fill_mask(self, row: np.ndarray) -> None:
         """row (W,) uint32, C-contiguous <- the tokens allowed next."""
-        self.check_row(row)
-        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self._compute(row)
         self._fixed(row)
 
-    def check_row(self, row: np.ndarray) -> None:
+    def _compute(self, row: np.ndarray) -> None:
+        """llguidance's mask into row, before `_fixed`."""
         if row.dtype != np.uint32 or row.shape != (words(self.constraint.vocab_size),) or not row.flags.c_contiguous:
             raise ValueError(f"a mask row must be a contiguous ({words(self.constraint.vocab_size)},) uint32 array, "
                              f"got {row.dtype} {row.shape}")
+        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
     def advance(self, token: int) -> None:
         """Take the row's next token (not an EOS: the row ends there)."""
@@ -162,9 +163,7 @@ def _compute(matchers: Sequence[Matcher | None], out: np.ndarray) -> None:
     rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
     out[[i for i, m in enumerate(matchers) if m is None]] = 0xFFFFFFFF
     if len(rows) == 1:
-        m, i = rows[0]
-        m.check_row(out[i])
-        m._m.unsafe_compute_mask_ptr(out[i].ctypes.data, out[i].nbytes)
+        rows[0][0]._compute(out[rows[0][1]])
     elif rows:
         width = words(rows[0][0].constraint.vocab_size)
         if out.shape[1] != width or any(m.constraint.vocab_size != rows[0][0].constraint.vocab_size for m, _ in rows):

@@ -182,6 +182,14 @@ def test_dense_product_limits(monkeypatch):
     assert not dmv.fits(x, w)  # opt-in ($MLXFUN_DENSE_KERNEL=1 at import)
 
 
+def tiny_dense_config():
+    """Untied, so the output head is a map of its own."""
+    from mlxfun.config import ModelConfig
+
+    return ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
+
+
 def test_dense_product_runs_in_few_row_steps_only(monkeypatch):
     """Enabled and with kernels available (a stand-in here), dense maps of 2-8 rows in a `fast`
     pass (a verify pass, a small decode step) run the few-row product; one row, more rows, and
@@ -205,22 +213,13 @@ def test_dense_product_runs_in_few_row_steps_only(monkeypatch):
         assert calls == want, (B, T, fast)
 
 
-def tiny_dense_config():
-    from mlxfun.config import ModelConfig
-
-    return ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
-
-
 def test_kernels_run_in_steps_only(monkeypatch):
     """With kernels available (stand-ins here), the decoder uses them only when asked (`fast`, as
     mlxfun.step asks): by default a one-token cached pass is MLX ops and differentiable."""
     from mlxfun import bench, llama, weights
     from mlxfun import cache as kv
-    from mlxfun.config import ModelConfig
 
-    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
+    config = tiny_dense_config()
     params = weights.quantize(config, bench.random_params(config, mx.float32), bits=4, group_size=32)
     calls = []
 
