@@ -12,11 +12,18 @@
 #   bash benchmarks/gpu_round2.sh h   # structured output; prefix reuse with 128 rows; the server, 32 clients x 128 requests
 #   bash benchmarks/gpu_round2.sh s   # 1B static against round 1 only
 #   bash benchmarks/gpu_round2.sh k   # the few-row dense product (mlxfun.dmv): checked, then off / on at small batches and in verify
+#   bash benchmarks/gpu_round2.sh t1  # kernels checked, dmv timed; a constrained step's parts; 8B verify parts, dmv off / on
+#   bash benchmarks/gpu_round2.sh t2  # 1B static and continuous against round 1; prefix reuse with 256 rows
+#   bash benchmarks/gpu_round2.sh t3  # structured output against the code before (.prev); prefix reuse, 256 rows; prefill's parts;
+#                                     dmv checked and timed; a constrained step's parts
+#   bash benchmarks/gpu_round2.sh t4  # continuous against round 1; speculative decoding, 8B with a 1B drafter, dmv on
+# A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
 OUT=${OUT:-/tmp/mlxfun-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+[ -n "${PYTHONPATH:-}" ] || export PYTHONPATH=$HOME/gpu-site:$PWD
 old() { (cd .old && "$@"); }  # round 1's mlxfun: python puts the working directory first on the path
 wheels() {  # the server's and structured output's packages, once per machine
   [ -d /tmp/site/httpx2 ] || python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -87,6 +94,48 @@ case "${1:-a}" in
       MLXFUN_DENSE_KERNEL=$dense timeout 250 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1 \
         --alphas 0.7 --ks 4 --gen-tokens 64 --json "$OUT/r2-spec-8B-dmv$dense.json" | tail -3
     done
+    ;;
+  t1)
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    timeout 100 python3 benchmarks/kernels_check.py --time-dmv --json "$OUT/r2-kernels.json" | grep -v '"ok": true'
+    wheels
+    timeout 150 python3 benchmarks/structured_costs.py --shape 1B --tokenizer .tok --batch 32 \
+      --json "$OUT/r2-structured-costs-1B.json"
+    for dense in 0 1; do
+      MLXFUN_DENSE_KERNEL=$dense timeout 110 python3 benchmarks/step_costs.py --shape 8B --batch-sizes 1 \
+        --json "$OUT/r2-costs-8B-dmv$dense.json"
+    done
+    ;;
+  t3)
+    wheels
+    structured=(--structured --shape 1B --batch-sizes 32 --gen-tokens 64)
+    timeout 150 python3 -m mlxfun.bench "${structured[@]}" --tokenizer .tok --json "$OUT/r2-structured-new.json" | tail -1
+    (cd .prev && timeout 150 python3 -m mlxfun.bench "${structured[@]}" --tokenizer ../.tok \
+      --json "$OUT/r2-structured-prev.json" | tail -1)
+    timeout 150 python3 -m mlxfun.bench --prefix --shape 1B --prompts 256 --shared-tokens 2000 --gen-tokens 64 \
+      --rows 256 --json "$OUT/r2-prefix-1B-rows256.json" | tail -3
+    timeout 90 python3 benchmarks/prefill_costs.py --shape 1B --batch-sizes 8,32,128 --json "$OUT/r2-prefill-costs-1B.json"
+    timeout 120 python3 benchmarks/kernels_check.py --only dmv --time-dmv --json "$OUT/r2-kernels-dmv.json" | tail -10
+    timeout 100 python3 benchmarks/structured_costs.py --shape 1B --tokenizer .tok --batch 32 \
+      --json "$OUT/r2-structured-costs-1B.json"
+    ;;
+  t4)
+    timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-new.json" \
+      | tail -2
+    old timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-old.json" \
+      | tail -2
+    MLXFUN_DENSE_KERNEL=1 timeout 290 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,8 --alphas 0.7 \
+      --ks 4 --draft-shape 1B --gen-tokens 64 --json "$OUT/r2-spec-8B-dmv1.json" | tail -8
+    ;;
+  t2)
+    timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-new.json" | tail -4
+    old timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-old.json" | tail -4
+    timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-new.json" \
+      | tail -1
+    old timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-old.json" \
+      | tail -1
+    timeout 150 python3 -m mlxfun.bench --prefix --shape 1B --prompts 256 --shared-tokens 2000 --gen-tokens 64 \
+      --rows 256 --json "$OUT/r2-prefix-1B-rows256.json" | tail -3
     ;;
   e)
     timeout 200 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-new.json" | tail -4

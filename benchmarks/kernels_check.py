@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import mlx.core as mx
 
@@ -83,32 +84,56 @@ def dmv_case(M: int, OUT: int, IN: int, per_warp: int, dtype: mx.Dtype) -> dict:
     return out
 
 
+def dmv_timing(M: int, OUT: int, IN: int, calls: int = 50) -> dict:
+    """Microseconds per product of M bf16 rows with an (OUT, IN) weight: dmv against MLX's matmul,
+    `calls` products queued, then waited for (each reads the weight: 8B maps are larger than L2)."""
+    w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(mx.bfloat16)
+    xs = [mx.random.normal((M, IN)).astype(mx.bfloat16) for _ in range(calls)]
+    mx.eval(w, xs)
+    out = dict(M=M, OUT=OUT, IN=IN)
+    for name, fn in (("matmul", lambda x: x @ w.T), ("dmv", lambda x: dmv.product(x, w))):
+        mx.eval([fn(x) for x in xs[:3]])
+        t = time.perf_counter()
+        mx.eval([fn(x) for x in xs])
+        out[f"{name}_us"] = (time.perf_counter() - t) / calls * 1e6
+    out["GB_s_dmv"] = OUT * IN * 2 / out["dmv_us"] / 1e3
+    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
+    p.add_argument("--time-dmv", action="store_true", help="also time dmv against MLX's matmul at 1-8 rows")
+    p.add_argument("--only", choices=("attention", "qmv", "dmv"), default=None, help="check one kernel only")
     args = p.parse_args(argv)
     results = []
     for dtype in (mx.float32, mx.bfloat16, mx.float16):
         for B, H, K, D, S in ((1, 32, 8, 128, 256), (3, 32, 8, 128, 512), (5, 32, 8, 64, 96), (2, 9, 3, 64, 40),
                               (4, 8, 8, 32, 33), (2, 16, 2, 128, 1024), (32, 32, 8, 128, 64), (1, 16, 16, 256, 7),
                               (3, 8, 2, 32, 70), (128, 32, 8, 64, 256), (128, 32, 8, 128, 300)):
-            if not kernels.attention_fits(D, H // K, dtype):
+            if args.only not in (None, "attention") or not kernels.attention_fits(D, H // K, dtype):
                 continue
             results.append(attention_case(B, H, K, D, S, dtype, seed=B * S))
         for M, OUT, IN, gs, R in ((1, 6144, 4096, 64, 4), (3, 100, 14336, 64, 2), (8, 4096, 576, 32, 4),
                                   (5, 33, 256, 128, 1), (2, 1026, 4096, 64, 4)):
-            results.append(qmv_case(M, OUT, IN, gs, R, dtype))
-        if dtype != mx.float32:  # tensor cores: bf16 and fp16 inputs
+            if args.only in (None, "qmv"):
+                results.append(qmv_case(M, OUT, IN, gs, R, dtype))
+        if dtype != mx.float32 and args.only in (None, "qmv"):  # tensor cores: bf16 and fp16 inputs
             for M, OUT, IN, gs in ((1, 6144, 4096, 64), (8, 4096, 14336, 64), (3, 1000, 576, 32), (5, 40, 2048, 128)):
                 results.append(qmv_case(M, OUT, IN, gs, None, dtype))
+        if dtype != mx.float32 and args.only in (None, "dmv"):
             for M, OUT, IN, R in ((5, 6144, 4096, 4), (8, 28672, 4096, 4), (2, 4096, 14336, 2), (3, 1001, 576, 1),
                                   (5, 128256, 4096, 4)):
                 results.append(dmv_case(M, OUT, IN, R, dtype))
     ok = all(r["ok"] for r in results)
     print("KERNELS", "OK" if ok else "FAILED", flush=True)
+    timings = [dmv_timing(M, OUT, IN) for OUT, IN in ((28672, 4096), (4096, 14336)) for M in (1, 2, 5, 8)] \
+        if args.time_dmv else []
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(mx.default_device()), "results": results, "ok": ok}, f, indent=2)
+            json.dump({"device": str(mx.default_device()), "results": results, "ok": ok, "dmv_timings": timings},
+                      f, indent=2)
     return 0 if ok else 1
 
 

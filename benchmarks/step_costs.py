@@ -1,7 +1,8 @@
 """Where a verify round's and an admission's time goes: the parts timed apart, synchronously.
 
 For a random-weight shape at batch B (prompts of --prompt-tokens):
-- decode: the compiled decode step, evaluated each call (device + launch, no pipelining);
+- decode: the compiled decode step, evaluated each call (device + launch, no pipelining), and
+  pipelined: 20 steps queued one after another, timed together;
 - forward T=1 / T=k+1: the decoder alone over 1 and k+1 positions (what verifying k drafts adds);
 - verify: the compiled verify step (decoder, verdict, state), evaluated each call;
 - round: `Engine.verify` whole (drafts from a zero-cost drafter, table, step, reading the verdict,
@@ -95,6 +96,19 @@ def costs(model: Model, batch: int, prompt_tokens: int, k: int, repeats: int) ->
         engine.verify()
 
     out["round_ms"] = median_ms(round_, repeats)
+
+    def pipelined(n: int = 20) -> float:
+        """Decode steps queued one after another, each on the last one's state (written in place)."""
+        s = state
+        mx.eval(steps.decode(params, s, settings))
+        t = time.perf_counter()
+        for _ in range(n):
+            o, s = steps.decode(params, s, settings)
+            mx.async_eval(o, s)
+        mx.eval(o, s)
+        return (time.perf_counter() - t) / n * 1e3
+
+    out["decode_pipelined_ms"] = min(pipelined() for _ in range(3))
     from mlxfun.profile import matmul_time
     out["matmuls_1_ms"] = matmul_time(model, params, batch) * 1e3
     out[f"matmuls_{k + 1}_ms"] = matmul_time(model, params, batch * (k + 1)) * 1e3

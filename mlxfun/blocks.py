@@ -27,13 +27,20 @@ class Node:
     key: bytes
 
 
-def chain(tokens: Sequence[int], block_size: int, parent: bytes = b"") -> list[tuple[bytes, tuple[int, ...]]]:
-    """(key, tokens) of each full block of `tokens`, each key a digest of its parent's and its tokens."""
-    out = []
-    for i in range(len(tokens) // block_size):
-        part = tuple(int(t) for t in tokens[i * block_size:(i + 1) * block_size])
-        parent = hashlib.blake2b(parent + np.array(part, np.int64).tobytes(), digest_size=16).digest()
-        out.append((parent, part))
+Chain = list[tuple[bytes, tuple[int, ...]]]
+
+
+def chain(tokens: Sequence[int], block_size: int, known: Chain = ()) -> Chain:
+    """(key, tokens) of each full block of `tokens`, each key a digest of its parent's and its
+    tokens. `known`: the chain of a prefix of `tokens` (a request's prompt, computed once), reused."""
+    n = len(tokens) // block_size
+    out = list(known[:n])
+    parent, first = (out[-1][0] if out else b""), len(out)
+    flat = np.asarray(tokens[first * block_size:n * block_size], np.int64)  # one conversion for every block
+    data, ints, step = flat.tobytes(), flat.tolist(), block_size * 8
+    for i in range(n - first):
+        parent = hashlib.blake2b(parent + data[i * step:(i + 1) * step], digest_size=16).digest()
+        out.append((parent, tuple(ints[i * block_size:(i + 1) * block_size])))
     return out
 
 
@@ -116,35 +123,36 @@ class Pool:
 
     # ---- the prefix cache ----
 
-    def peek(self, tokens: Sequence[int], limit: int) -> list[bytes]:
-        """Keys of the cached blocks holding the first full blocks of `tokens` (at most `limit`)."""
+    def peek(self, tokens: Sequence[int], limit: int, known: Chain = ()) -> list[bytes]:
+        """Keys of the cached blocks holding the first full blocks of `tokens` (at most `limit`;
+        `known` as for `chain`)."""
         found = []
         if not self.nodes:
             return found
-        for key, part in chain(tokens[:limit * self.block_size], self.block_size):
+        for key, part in chain(tokens[:limit * self.block_size], self.block_size, known):
             node = self.nodes.get(key)
             if node is None or node.tokens != part:
                 break
             found.append(key)
         return found
 
-    def match(self, tokens: Sequence[int], limit: int) -> list[int]:
+    def match(self, tokens: Sequence[int], limit: int, known: Chain = ()) -> list[int]:
         """Cached blocks holding the first full blocks of `tokens`, at most `limit` of them, each
         now referenced by the caller."""
-        found = [self.nodes[key].block for key in self.peek(tokens, limit)]
+        found = [self.nodes[key].block for key in self.peek(tokens, limit, known)]
         for block in found:
             self.ref(block)
         self.lookups += max(0, min(limit, len(tokens) // self.block_size))
         self.hits += len(found)
         return found
 
-    def register(self, tokens: Sequence[int], blocks: Sequence[int], always: bool = False) -> None:
+    def register(self, tokens: Sequence[int], blocks: Sequence[int], always: bool = False, known: Chain = ()) -> None:
         """Cache the full blocks of `tokens`, held in `blocks` (a row's blocks in order, which it
         still references; 0 where it holds none). A prefix already cached in another block keeps
         that one. Only with a prefix cache (`max_cached` > 0), unless `always`."""
         if self.max_cached <= 0 and not always:
             return
-        for (key, part), block in zip(chain(tokens, self.block_size), blocks):
+        for (key, part), block in zip(chain(tokens, self.block_size, known), blocks):
             if key in self.nodes or block in self.keys or block == 0:
                 continue
             self.nodes[key] = Node(block, part, key)

@@ -12,7 +12,9 @@ Threads. One thread runs the engine: it calls `events`, `serve` or `step` (and `
 `decode`, `collect`, `take`, and reads `requests`). Any thread may call `submit`, `add` and
 `cancel`: they only put a message in a thread-safe inbox, which the engine thread drains at the
 start of each step, so a cancelled request leaves its row within one step. `stats` may be read
-from any thread (a snapshot that may be one step old).
+from any thread (a snapshot that may be one step old). With structured output, the engine's mask
+worker reads each step's tokens and advances the constrained rows' matchers while the engine
+thread queues the next forward pass; the engine thread waits for it before touching the records.
 
 Memory. Every request gets exactly one closing event (its finish reason: "stop", "length" or
 "cancelled"); its record then waits in `requests` until `take` releases it. Statistics keep
@@ -71,6 +73,13 @@ class Record:
     matcher: structured.Matcher | None = None  # the row's place in its constraint (structured output)
     error: str | None = None  # why a constrained row had to end early (an error of the grammar engine)
     complete: bool = False  # nothing but EOS may follow in its constraint (as of the last token matched)
+    keys: list | None = None  # its prompt's block keys (`blocks.chain`), once a prefix cache needs them
+
+    def prompt_chain(self, block_size: int) -> list:
+        """The prompt's `blocks.chain`, computed once (admission looks it up several times)."""
+        if self.keys is None:
+            self.keys = chain(self.request.prompt, block_size)
+        return self.keys
 
     @property
     def finish_reason(self) -> str | None:
@@ -148,7 +157,8 @@ class Engine:
                  strategy: WeightStrategy | None = None, kv_memory: int | None = None, prefix_cache: bool = True,
                  prefix_cache_bytes: int | None = None, block_size: int = kv.BLOCK, draft=None,
                  num_draft_tokens: int = 4, policy: speculative.Policy | None = None,
-                 shrink_rows: bool | None = None, steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps):
+                 shrink_rows: bool | None = None, reserve_shapes: bool | None = None,
+                 steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps):
         for name, value in (("rows", rows), ("prefill_step", prefill_step), ("block_size", block_size)):
             check_positive_int(name, value)
         for name, value in (("max_kv_size", max_kv_size), ("admit_min", admit_min), ("pad_multiple", pad_multiple),
@@ -180,6 +190,11 @@ class Engine:
         # 123 ms per step at batch 1, 805 at 8), so the decoded rows follow the live requests there;
         # on a GPU a step costs about the same for 1 row or 32, and every width would compile anew.
         self.shrink_rows = not on_gpu if shrink_rows is None else shrink_rows
+        # For the same reason, on a GPU the block table is as wide as the admitted rows may come to
+        # need from their admission on (not widened as they grow), and the pool is compacted only
+        # when that frees an eighth of the KV budget: each new table width or pool size retraces
+        # the step (a second or more on an H200), and a static batch would pay it several times.
+        self.reserve_shapes = on_gpu if reserve_shapes is None else reserve_shapes
         # Chunk lengths rounded up on a GPU, so attention kernels are built for few shapes.
         self.pad_multiple = pad_multiple or prefill.pad_multiple()
         # Bytes the cache may take: a share of the device's memory beside what is in use now (weights).
@@ -188,6 +203,7 @@ class Engine:
         self.slot_bytes = kv.slot_bytes(self.config, self.dtype)
         self.block_bytes = block_size * self.slot_bytes
         self.max_blocks = max(2, self.kv_memory // self.block_bytes)
+        self.compact_min_blocks = self.max_blocks // 8 if self.reserve_shapes else 0
         cached = (self.kv_memory // 8 if prefix_cache_bytes is None else prefix_cache_bytes) // self.block_bytes
         self.pool = Pool(1, block_size, cached if prefix_cache else 0)
         self.pages = Pages(rows, self.pool, self.config.max_window, self.max_blocks)
@@ -204,7 +220,7 @@ class Engine:
         self._inflight: list[tuple[StepOut, list]] = []  # outputs queued, not yet handed out
         self._vacated: list[int] = []  # rows released since the last step: their positions go to -1
         self._masks: np.ndarray | None = None  # (rows, V/32) uint32: the constrained rows' allowed tokens
-        self._masker: ThreadPoolExecutor | None = None  # computes them while the engine thread hands out tokens
+        self._masker: ThreadPoolExecutor | None = None  # computes them while the engine thread queues the forward pass
         # Speculative decoding: a drafter (`speculative.PromptLookup`, `drafting.DraftModel`) and
         # the measured rule that turns it on and off.
         self.drafter, self.num_draft_tokens = drafter_for(draft, self), num_draft_tokens
@@ -378,6 +394,8 @@ class Engine:
         free = self._free_rows()
         # The pool grows once for what the rows may hold (each new size retraces the step).
         self.pages.reserve(self._outstanding() + sum(self._blocks_needed(r.request) for r in records))
+        self.pages.fit_width(max(self._reach(), *(len(r.request.prompt) + self._limit(r.request) for r in records))
+                             if self.reserve_shapes else 0)
         # Long prompts may run a dense copy of quantized weights, dropped after admission (mlxfun.strategy).
         params = params_for_prompts(self.config, self.params, [len(r.request.prompt) for r in records],
                                     self.prefill_step, self.strategy)
@@ -435,29 +453,22 @@ class Engine:
         return out
 
     def masked_decode(self) -> list[Event]:
-        """A decode step when some live row is constrained (structured output): the forward pass
-        is queued first (its input token stays on the device); the tokens in flight are read and
-        advance the rows' matchers; the next masks are computed on a worker thread (llguidance,
-        without the GIL) while this one hands the tokens out; then the sampling half is queued
-        with them. The device runs the forward pass meanwhile."""
+        """A decode step when some live row is constrained (structured output). The mask worker
+        reads the tokens in flight, advances the constrained rows' matchers by them and computes
+        the next masks (llguidance, without the GIL), while this thread queues the forward pass
+        (it needs only the tokens already on the device): the host's two longest parts overlap.
+        Then the sampling half is queued with the masks, and the tokens read are handed out while
+        the device runs it."""
         mode, state = self._prepare_step()
         steps = self.steps(self.config, mode)
-        logits, state = steps.forward(self.params, state)
+        ready, self._inflight = self._inflight, []
+        mx.async_eval([step_out for step_out, _ in ready])  # scheduled here: the worker thread has no stream
         owners = list(self.owner)
+        job = self._mask_pool().submit(self._read_and_mask, ready, owners, self._mask_buffer())
+        logits, state = steps.forward(self.params, state)
         self._advanced(state)  # the old state unreferenced: the pool is written in place
         mx.async_eval(logits, self.state)
-        ready, self._inflight = self._inflight, []
-        values = [host_values(out) for out, _ in ready]
-        for (_, step_owners), (tokens, _, _) in zip(ready, values):
-            self._match(step_owners, tokens)
-        job = structured.fill_masks_async([self._mask_matcher(o) for o in self.owner], self._mask_buffer(),
-                                          self._mask_pool())
-        events = []
-        for (out, step_owners), v in zip(ready, values):
-            events += self._take(out, step_owners, v, matched=True)
-        self._count_rows()
-        masks = job.result()
-        masks[[r for r, o in enumerate(self.owner) if o is None]] = 0xFFFFFFFF  # rows freed just now
+        values, masks = job.result()
         out, state = steps.sample(logits, mx.array(masks), self.state if mode.penalties else
                                   self.state._replace(counts=None), self._settings)
         self.state = state if state.counts is not None else state._replace(counts=self.state.counts)
@@ -465,7 +476,20 @@ class Engine:
         self.stats.steps += 1
         self.stats.busy_row_steps += sum(o is not None for o in owners)
         self._inflight.append((out, owners))
+        events = []
+        for (step_out, step_owners), v in zip(ready, values):
+            events += self._take(step_out, step_owners, v, matched=True)
+        self._count_rows()
         return events
+
+    def _read_and_mask(self, ready: list, owners: list, out: np.ndarray) -> tuple[list, np.ndarray]:
+        """On the mask worker (`masked_decode`): the steps in flight read (waiting for the device
+        without the GIL), the constrained rows' matchers advanced by their tokens, and out (B, W)
+        <- the masks of the rows `owners` hold for the next token. -> (each step's host values, out)."""
+        values = [host_values(step_out) for step_out, _ in ready]
+        for (_, step_owners), (tokens, _, _) in zip(ready, values):
+            self._match(step_owners, tokens)
+        return values, structured.fill_masks([self._mask_matcher(o) for o in owners], out)
 
     def _match(self, owners: list, tokens: list[int]) -> None:
         """Constrained rows' matchers take their new tokens (before the tokens are handed out, so
@@ -663,6 +687,14 @@ class Engine:
         record = self.requests[self.owner[row]]
         return self._limit(record.request) - len(record.row.text.tokens)
 
+    def _reach(self) -> int:
+        """Positions the live rows may come to hold (their prompts and every token they may
+        generate) where the engine reserves its table's width (`reserve_shapes`), else 0."""
+        if not self.reserve_shapes:
+            return 0
+        return max((len(self.requests[o].request.prompt) + self._limit(self.requests[o].request)
+                    for o in self.owner if o is not None), default=0)
+
     def _free_rows(self) -> list[int]:
         return [r for r, o in enumerate(self.owner) if o is None]
 
@@ -712,8 +744,9 @@ class Engine:
         for r in records:
             prompt = r.request.prompt
             limit = (len(prompt) - 1) // self.pool.block_size
-            keys = [k for k, _ in chain(prompt[:limit * self.pool.block_size], self.pool.block_size)]
-            cached = len(self.pool.peek(prompt, limit))
+            known = r.prompt_chain(self.pool.block_size)
+            keys = [k for k, _ in known[:limit]]
+            cached = len(self.pool.peek(prompt, limit, known))
             if cached < len(keys) and keys[cached] in seen:
                 second.append(r)
             else:
@@ -727,7 +760,8 @@ class Engine:
         starts = []
         for r in records:
             prompt = r.request.prompt
-            blocks = self.pool.match(prompt, (len(prompt) - 1) // self.pool.block_size)
+            blocks = self.pool.match(prompt, (len(prompt) - 1) // self.pool.block_size,
+                                     r.prompt_chain(self.pool.block_size) if self.pool.nodes else ())
             r.cached_tokens = len(blocks) * self.pool.block_size
             self.stats.cached_tokens += r.cached_tokens
             starts.append((r, blocks))
@@ -746,7 +780,8 @@ class Engine:
             h, cache = prefill.prefill_rows(self.steps(self.config, Mode()), params, self._detach_cache(), self.pages,
                                             rows, [list(r.request.prompt) for r, _ in chosen],
                                             [r.cached_tokens for r, _ in chosen], self.prefill_step,
-                                            self.pad_multiple)
+                                            self.pad_multiple, [r.prompt_chain(self.pool.block_size)
+                                                                if self.pool.max_cached > 0 else () for r, _ in chosen])
             self.state = self.state._replace(cache=cache)
             out = self._first_token(params, h, [r for r, _ in chosen])
             self._merge(rows, out.tokens, [len(r.request.prompt) for r, _ in chosen])
@@ -808,7 +843,8 @@ class Engine:
         if self.pages.ring is None:
             tokens = list(record.request.prompt) + record.row.text.tokens
             valid = min(self.pos[row], len(tokens))
-            self.pool.register(tokens[:valid], self.pages.blocks(row, valid // self.pool.block_size))
+            self.pool.register(tokens[:valid], self.pages.blocks(row, valid // self.pool.block_size),
+                               known=record.keys or ())
         self.pages.release(row)
         if self.drafter is not None:
             self.drafter.released(self, row)
@@ -824,11 +860,12 @@ class Engine:
         elif self.state is not None:
             if self._width(self._live()) < len(self.owner):
                 self._set_width(self._width(self._live()))
-            self.pages.fit_width()
+            self.pages.fit_width(self._reach())
             # Blocks held or cached, and reserved (an upper bound first: compaction() walks the pool).
             reserved = self._outstanding()
             bound = 1 + self.pool.used + self.pool.cached + reserved
-            keep = self.pool.compaction() if self.pool.size > MIN_BLOCKS and 4 * bound <= self.pool.size else None
+            keep = self.pool.compaction() if (self.pool.size > MIN_BLOCKS and 4 * bound <= self.pool.size
+                                              and self.pool.size - bound >= self.compact_min_blocks) else None
             if keep is not None and 4 * (len(keep) + reserved) <= self.pool.size:
                 size = pool_size(2 * (len(keep) + reserved), self.max_blocks)
                 cache = kv.take_blocks(self.state.cache, mx.array(keep))

@@ -218,12 +218,13 @@ def encode(model: Model, prompt, i: int, chat: bool) -> list[int]:
             if array.ndim != 1:
                 raise InputError(f"prompt {i}: a token-id array must be 1-D, got shape {array.shape}")
             prompt = array.tolist()
-        if not isinstance(prompt, (list, tuple)) or not all(is_int(t) for t in prompt):
+        # Plain ints checked by type first: isinstance against numbers.Integral costs ~1 us a token.
+        if not isinstance(prompt, (list, tuple)) or not all(type(t) is int or is_int(t) for t in prompt):
             raise InputError(f"prompt {i} must be a string, a list of token ids or a list of messages, "
                              f"got {prompt!r:.80}")
         ids = [int(t) for t in prompt]
         vocab = model.config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
             raise InputError(f"prompt {i} has token ids outside [0, {vocab})")
     if not ids:
         raise InputError(f"prompt {i} is empty")

@@ -62,13 +62,13 @@ def chunk_arrays(tokens: list[list[int]], starts: list[int], offset: int, size: 
 
 
 def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, rows: list[int],
-                 prompts: list[list[int]], starts: list[int], chunk: int, multiple: int = 1
-                 ) -> tuple[mx.array, KVCache]:
+                 prompts: list[list[int]], starts: list[int], chunk: int, multiple: int = 1,
+                 chains: list | None = None) -> tuple[mx.array, KVCache]:
     """Each row's prompt from its start (the end of its cached prefix) on, in chunks of at most
     `chunk` tokens (the group's longest rounded up to `multiple`) -> (the hidden state of each
     row's last token (G, E), cache with the table `cache.table`), queued, not evaluated. `pages`
     allocates each chunk's blocks (the device pool grows to match), and the prefix cache learns
-    each full block as soon as it is written."""
+    each full block as soon as it is written (`chains`: each prompt's `blocks.chain`, if known)."""
     tokens = [p[s:] for p, s in zip(prompts, starts)]
     longest = max(len(t) for t in tokens)
     length = -(-longest // multiple) * multiple
@@ -92,11 +92,11 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
         out, cache = steps.prefill(params, mx.array(ids), mx.array(positions), cache._replace(
             table=mx.array(before if wraps else pages.table[rows])), mx.array(slots), mx.array(last), wraps, fresh)
         h = out if h is None else mx.where(mx.array(ends)[:, None], out, h)
-        for r, prompt, p in zip(rows, prompts, positions):
+        for r, prompt, p, known in zip(rows, prompts, positions, chains or [()] * len(rows)):
             real = p[p >= 0]
             if real.size:
                 end = int(real[-1]) + 1
-                pages.pool.register(prompt[:end], pages.blocks(r, end // pages.bs))
+                pages.pool.register(prompt[:end], pages.blocks(r, end // pages.bs), known=known)
                 pages.drop_behind(r, end)
         mx.async_eval(h, cache)  # bounds the graph per chunk without waiting for the device
     return h, cache._replace(table=table)

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import difflib
 import json
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -126,34 +124,6 @@ def fill_masks(matchers: Sequence[Matcher | None], out: np.ndarray) -> np.ndarra
     threads, without the GIL."""
     _compute(matchers, out)
     return fixed(matchers, out)
-
-
-def fill_masks_async(matchers: Sequence[Matcher | None], out: np.ndarray, pool: ThreadPoolExecutor) -> MaskJob:
-    """`fill_masks` with llguidance's part on `pool`'s thread, so the host can hand out tokens
-    meanwhile. `matchers` and `out` belong to the job until its `result()`.
-
-    The job holds the GIL only to enter llguidance, and this call waits until it has: a thread
-    that wants the GIL while another runs Python waits up to the switch interval (5 ms) for it."""
-    inside = threading.Event()
-
-    def job() -> None:
-        inside.set()  # the GIL passes back to the caller once llguidance releases it
-        _compute(matchers, out)
-
-    future = pool.submit(job)
-    inside.wait()
-    return MaskJob(future, matchers, out)
-
-
-class MaskJob(NamedTuple):
-    future: Future
-    matchers: Sequence[Matcher | None]
-    out: np.ndarray
-
-    def result(self) -> np.ndarray:
-        """The masks (`fill_masks`'s result), once computed; raises as fill_masks does."""
-        self.future.result()
-        return fixed(self.matchers, self.out)
 
 
 def _compute(matchers: Sequence[Matcher | None], out: np.ndarray) -> None:

@@ -1,0 +1,155 @@
+"""Where a constrained decode step's time goes, against a free one: host phases and device parts.
+
+B rows of a random-weight shape with a real tokenizer (a Hugging Face folder), every row with
+`bench_structured`'s JSON schema (sampled at temperature 0.7, seeded) or none:
+- device parts, synchronous (evaluated per call, median): the fused decode step, the split step's
+  forward half and sampling half, and each call's host launch alone (queued, not waited for);
+- the engine run whole, ms per step, and per step the host time spent in each engine phase
+  (wrapped methods; time in a phase includes its waits for the device).
+
+Run: python benchmarks/structured_costs.py --shape 1B --tokenizer .tok --batch 32 [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlxfun import bench, bench_structured, sampling, structured
+from mlxfun import engine as engine_mod
+from mlxfun import tokenizer as tok
+from mlxfun.engine import Engine
+from mlxfun.load import Model
+
+PHASES = ("admit", "_prepare_step", "decode", "collect", "masked_decode", "_read_and_mask", "_match", "_take",
+          "_fit_cache")  # _read_and_mask runs on the mask worker, beside masked_decode
+
+
+def median_ms(fn, repeats: int = 20) -> float:
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def device_parts(engine: Engine) -> dict:
+    """The steps of a decoding engine timed synchronously, and their launches alone."""
+    mode, state = engine._prepare_step()
+    steps = engine.steps(engine.config, mode)
+    params, settings = engine.params, engine._settings
+    masks = mx.array(np.full((len(engine.owner), structured.words(engine.config.vocab_size)), 0xFFFFFFFF, np.uint32))
+    logits, _ = steps.forward(params, state)
+    mx.eval(logits)
+    out = {}
+    out["decode_ms"] = median_ms(lambda: mx.eval(steps.decode(params, state, settings)))
+    out["forward_ms"] = median_ms(lambda: mx.eval(steps.forward(params, state)))
+    out["sample_ms"] = median_ms(lambda: mx.eval(steps.sample(logits, masks, state, settings)))
+    for name, call in (("decode", lambda: steps.decode(params, state, settings)),
+                       ("forward", lambda: steps.forward(params, state)),
+                       ("sample", lambda: steps.sample(logits, masks, state, settings))):
+        ts = []
+        for _ in range(20):
+            t = time.perf_counter()
+            r = call()
+            mx.async_eval(r)
+            ts.append(time.perf_counter() - t)
+            mx.eval(r)
+        out[f"{name}_launch_ms"] = statistics.median(ts) * 1e3
+    return out
+
+
+def run(model: Model, batch: int, gen_tokens: int, constrained: bool, prompt: list[int]) -> dict:
+    engine = Engine(model, batch)
+    for i in range(batch):
+        engine.add(prompt, max_tokens=gen_tokens, ignore_eos=True,
+                   response_format=bench_structured.FORMAT if constrained else None,
+                   settings=sampling.make_settings(1, temperature=0.7, seed=i))
+    times: dict[str, float] = collections.defaultdict(float)
+    saved = {}
+    for name in PHASES:
+        f = getattr(Engine, name)
+        saved[name] = f
+
+        def timed(*a, _f=f, _n=name, **k):
+            t = time.perf_counter()
+            try:
+                return _f(*a, **k)
+            finally:
+                times[_n] += time.perf_counter() - t
+        setattr(Engine, name, timed)
+    values = engine_mod.host_values
+
+    def read(out):
+        t = time.perf_counter()
+        try:
+            return values(out)
+        finally:
+            times["host_values"] += time.perf_counter() - t
+    engine_mod.host_values = read
+    try:
+        t0 = time.perf_counter()
+        first = None
+        for _ in engine.events():
+            if first is None and engine.stats.steps > 1:
+                first = (time.perf_counter(), engine.stats.steps, dict(times))
+        total = time.perf_counter() - t0
+    finally:
+        for name, f in saved.items():
+            setattr(Engine, name, f)
+        engine_mod.host_values = values
+    t1, s1, before = first
+    steps = engine.stats.steps - s1  # after admission: decoding steps only
+    phases = {k: (v - before.get(k, 0.0)) * 1e3 / steps for k, v in times.items()}
+    return {"constrained": constrained, "total_s": total, "steps": engine.stats.steps,
+            "tokens": engine.stats.generation_tokens, "step_ms": (time.perf_counter() - t1) * 1e3 / steps,
+            "phase_ms_per_step": phases}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="1B", choices=sorted(bench.SHAPES))
+    p.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer folder (byte-level BPE)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape (CPU smoke runs)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    tokenizer = tok.from_folder(Path(args.tokenizer), {})
+    config = dataclasses.replace(bench.SHAPES[args.shape], vocab_size=tokenizer.vocab_size)
+    if args.layers:
+        config = dataclasses.replace(config, num_layers=args.layers, layer_windows=None)
+    dtype = mx.bfloat16 if bench.on_gpu() else mx.float32
+    model = Model(config, bench.random_params(config, dtype), tokenizer, f"random {args.shape}")
+    prompt = tokenizer.encode("Describe a person as a JSON object with name, age, email, role, tags, score, address.")
+    rows = []
+    for constrained in (False, True, False, True):  # the first of each compiles
+        rows.append(run(model, args.batch, args.gen_tokens, constrained, prompt))
+        r = rows[-1]
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else
+                              {a: round(b, 3) for a, b in v.items()} if isinstance(v, dict) else v)
+                          for k, v in r.items()}), flush=True)
+    engine = Engine(model, args.batch)
+    for _ in range(args.batch):
+        engine.add(prompt, max_tokens=96, ignore_eos=True)  # a small pool: the held state's copy is small
+    engine.admit()
+    parts = device_parts(engine)
+    print(json.dumps({k: round(v, 3) for k, v in parts.items()}), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": bench.machine(), "shape": args.shape, "batch": args.batch,
+                                               "runs": rows[2:], "device": parts}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
