@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu_round2.sh t3  # structured output against the code before (.prev); prefix reuse, 256 rows; prefill's parts;
 #                                     dmv checked and timed; a constrained step's parts
 #   bash benchmarks/gpu_round2.sh t4  # continuous against round 1; speculative decoding, 8B with a 1B drafter, dmv on
+#   bash benchmarks/gpu_round2.sh t5  # t3, continuous against round 1, then t4's speculative run at batch 1 (one lease)
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
@@ -118,6 +119,15 @@ case "${1:-a}" in
     timeout 120 python3 benchmarks/kernels_check.py --only dmv --time-dmv --json "$OUT/r2-kernels-dmv.json" | tail -10
     timeout 100 python3 benchmarks/structured_costs.py --shape 1B --tokenizer .tok --batch 32 \
       --json "$OUT/r2-structured-costs-1B.json"
+    ;;
+  t5)
+    bash "$0" t3
+    timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-new.json" \
+      | tail -2
+    old timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-old.json" \
+      | tail -2
+    MLXFUN_DENSE_KERNEL=1 timeout 200 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1 --alphas 0.7 \
+      --ks 4 --draft-shape 1B --gen-tokens 64 --json "$OUT/r2-spec-8B-dmv1.json" | tail -8
     ;;
   t4)
     timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-new.json" \

@@ -73,6 +73,16 @@ def test_chain_keys_depend_on_the_whole_prefix():
     assert all(x[0] != y[0] for x, y in zip(a, b))  # same blocks after a different start: other keys
 
 
+def test_chain_extends_a_known_prefix_chain():
+    """A request's prompt chain, computed once, continues into its generated tokens (and NumPy
+    ids give the same keys as Python ints)."""
+    import numpy as np
+    tokens = [(7 * i) % 50 + 1 for i in range(45)]
+    prompt = chain(tokens[:21], 4)  # 5 full blocks; the sixth is completed by later tokens
+    assert chain(tokens, 4, prompt) == chain(tokens, 4) == chain(np.array(tokens), 4)
+    assert chain(tokens[:13], 4, prompt) == chain(tokens[:13], 4)  # a shorter text uses what it covers
+
+
 # ---- reuse equals recomputation ----
 
 
