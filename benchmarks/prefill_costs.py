@@ -3,7 +3,8 @@
 For B prompts of T tokens of a random-weight shape, each timed synchronously (median of 5):
 - admit: `Engine.admit` whole (pool, tables, chunk arrays, the decoder over the chunk, first tokens);
 - forward: the decoder over the chunk without a cache (`llama.hidden`), the same tokens;
-- writes: the per-layer KV writes into a pool of the admission's size (`cache.write`, K and V);
+- writes: the per-layer KV writes into a pool of the admission's size (`cache.write`, K and V), and
+  the same writes with one index per token (`out[slots] = rows`) instead of one per element;
 - attention: each layer's attention over the chunk alone (`llama.grouped_attention` or MLX's
   fused kernel, as `llama.attention` chooses), the same shapes;
 - matmuls: the step's linear maps at B * T rows (`profile.matmul_time`).
@@ -73,6 +74,19 @@ def costs(model: Model, batch: int, tokens: int) -> dict:
         mx.eval([kv.write(pool, new, slots) for _ in range(2 * config.num_layers)])
 
     out["writes_ms"] = median_ms(writes)
+    rows = new.transpose(0, 2, 1, 3).reshape(batch * tokens, K, D)
+    flat = slots.reshape(-1)
+    mx.eval(rows, flat)
+
+    def by_row():  # the alternative: one index per token, a (K, D) slice each (functional: on a new array object)
+        out = mx.array(pool)
+        out[flat] = rows
+        return out
+
+    def writes_by_row():
+        mx.eval([by_row() for _ in range(2 * config.num_layers)])
+
+    out["writes_by_row_ms"] = median_ms(writes_by_row)
     q = mx.random.normal((batch, H, tokens, D)).astype(engine.dtype)
     mask = mx.broadcast_to(mx.tril(mx.ones((tokens, tokens), mx.bool_))[None], (batch, tokens, tokens))
     mx.eval(q, mask)
