@@ -31,6 +31,10 @@ wheels() {  # the server's and structured output's packages, once per machine
   export PYTHONPATH="/tmp/site:${PYTHONPATH}"
 }
 static=(--batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16)
+continuous_pair() {  # 256 mixed requests through 32 rows, then as static batches: this code, then round 1's
+  timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-new.json" | tail -2
+  old timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-old.json" | tail -2
+}
 case "${1:-a}" in
   a)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -122,28 +126,19 @@ case "${1:-a}" in
     ;;
   t5)
     bash "$0" t3
-    timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-new.json" \
-      | tail -2
-    old timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-old.json" \
-      | tail -2
+    continuous_pair
     MLXFUN_DENSE_KERNEL=1 timeout 200 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1 --alphas 0.7 \
       --ks 4 --draft-shape 1B --gen-tokens 64 --json "$OUT/r2-spec-8B-dmv1.json" | tail -8
     ;;
   t4)
-    timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-new.json" \
-      | tail -2
-    old timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-old.json" \
-      | tail -2
+    continuous_pair
     MLXFUN_DENSE_KERNEL=1 timeout 290 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,8 --alphas 0.7 \
       --ks 4 --draft-shape 1B --gen-tokens 64 --json "$OUT/r2-spec-8B-dmv1.json" | tail -8
     ;;
   t2)
     timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-new.json" | tail -4
     old timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-old.json" | tail -4
-    timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-new.json" \
-      | tail -1
-    old timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-old.json" \
-      | tail -1
+    continuous_pair
     timeout 150 python3 -m mlxfun.bench --prefix --shape 1B --prompts 256 --shared-tokens 2000 --gen-tokens 64 \
       --rows 256 --json "$OUT/r2-prefix-1B-rows256.json" | tail -3
     ;;

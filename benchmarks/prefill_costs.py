@@ -21,23 +21,13 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from step_costs import median_ms  # benchmarks/ is on the path: these scripts run from there
 
 from mlxfun import bench, llama
 from mlxfun import cache as kv
 from mlxfun.engine import Engine
 from mlxfun.load import Model
 from mlxfun.profile import matmul_time
-
-
-def median_ms(fn, repeats: int = 5) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        mx.synchronize()
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def costs(model: Model, batch: int, tokens: int) -> dict:

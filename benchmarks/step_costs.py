@@ -39,7 +39,7 @@ class Zero(speculative.Drafter):
         return mx.zeros((B, k), mx.int32), mx.array(valid), None
 
 
-def median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int = 10) -> float:
     fn()
     ts = []
     for _ in range(repeats):

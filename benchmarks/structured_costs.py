@@ -22,6 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from step_costs import median_ms  # benchmarks/ is on the path: these scripts run from there
 
 from mlxfun import bench, bench_structured, sampling, structured
 from mlxfun import engine as engine_mod
@@ -31,16 +32,6 @@ from mlxfun.load import Model
 
 PHASES = ("admit", "_prepare_step", "decode", "collect", "masked_decode", "_read_and_mask", "_match", "_take",
           "_fit_cache")  # _read_and_mask runs on the mask worker, beside masked_decode
-
-
-def median_ms(fn, repeats: int = 20) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def device_parts(engine: Engine) -> dict:
