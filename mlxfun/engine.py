@@ -157,8 +157,7 @@ class Engine:
                  strategy: WeightStrategy | None = None, kv_memory: int | None = None, prefix_cache: bool = True,
                  prefix_cache_bytes: int | None = None, block_size: int = kv.BLOCK, draft=None,
                  num_draft_tokens: int = 4, policy: speculative.Policy | None = None,
-                 shrink_rows: bool | None = None, reserve_shapes: bool | None = None,
-                 steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps):
+                 shrink_rows: bool | None = None, steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps):
         for name, value in (("rows", rows), ("prefill_step", prefill_step), ("block_size", block_size)):
             check_positive_int(name, value)
         for name, value in (("max_kv_size", max_kv_size), ("admit_min", admit_min), ("pad_multiple", pad_multiple),
@@ -190,11 +189,6 @@ class Engine:
         # 123 ms per step at batch 1, 805 at 8), so the decoded rows follow the live requests there;
         # on a GPU a step costs about the same for 1 row or 32, and every width would compile anew.
         self.shrink_rows = not on_gpu if shrink_rows is None else shrink_rows
-        # For the same reason, on a GPU the block table is as wide as the admitted rows may come to
-        # need from their admission on (not widened as they grow), and the pool is compacted only
-        # when that frees an eighth of the KV budget: each new table width or pool size retraces
-        # the step (a second or more on an H200), and a static batch would pay it several times.
-        self.reserve_shapes = on_gpu if reserve_shapes is None else reserve_shapes
         # Chunk lengths rounded up on a GPU, so attention kernels are built for few shapes.
         self.pad_multiple = pad_multiple or prefill.pad_multiple()
         # Bytes the cache may take: a share of the device's memory beside what is in use now (weights).
@@ -203,7 +197,6 @@ class Engine:
         self.slot_bytes = kv.slot_bytes(self.config, self.dtype)
         self.block_bytes = block_size * self.slot_bytes
         self.max_blocks = max(2, self.kv_memory // self.block_bytes)
-        self.compact_min_blocks = self.max_blocks // 8 if self.reserve_shapes else 0
         cached = (self.kv_memory // 8 if prefix_cache_bytes is None else prefix_cache_bytes) // self.block_bytes
         self.pool = Pool(1, block_size, cached if prefix_cache else 0)
         self.pages = Pages(rows, self.pool, self.config.max_window, self.max_blocks)
@@ -394,8 +387,6 @@ class Engine:
         free = self._free_rows()
         # The pool grows once for what the rows may hold (each new size retraces the step).
         self.pages.reserve(self._outstanding() + sum(self._blocks_needed(r.request) for r in records))
-        self.pages.fit_width(max(self._reach(), *(len(r.request.prompt) + self._limit(r.request) for r in records))
-                             if self.reserve_shapes else 0)
         # Long prompts may run a dense copy of quantized weights, dropped after admission (mlxfun.strategy).
         params = params_for_prompts(self.config, self.params, [len(r.request.prompt) for r in records],
                                     self.prefill_step, self.strategy)
@@ -687,14 +678,6 @@ class Engine:
         record = self.requests[self.owner[row]]
         return self._limit(record.request) - len(record.row.text.tokens)
 
-    def _reach(self) -> int:
-        """Positions the live rows may come to hold (their prompts and every token they may
-        generate) where the engine reserves its table's width (`reserve_shapes`), else 0."""
-        if not self.reserve_shapes:
-            return 0
-        return max((len(self.requests[o].request.prompt) + self._limit(self.requests[o].request)
-                    for o in self.owner if o is not None), default=0)
-
     def _free_rows(self) -> list[int]:
         return [r for r, o in enumerate(self.owner) if o is None]
 
@@ -860,12 +843,11 @@ class Engine:
         elif self.state is not None:
             if self._width(self._live()) < len(self.owner):
                 self._set_width(self._width(self._live()))
-            self.pages.fit_width(self._reach())
+            self.pages.fit_width()
             # Blocks held or cached, and reserved (an upper bound first: compaction() walks the pool).
             reserved = self._outstanding()
             bound = 1 + self.pool.used + self.pool.cached + reserved
-            keep = self.pool.compaction() if (self.pool.size > MIN_BLOCKS and 4 * bound <= self.pool.size
-                                              and self.pool.size - bound >= self.compact_min_blocks) else None
+            keep = self.pool.compaction() if self.pool.size > MIN_BLOCKS and 4 * bound <= self.pool.size else None
             if keep is not None and 4 * (len(keep) + reserved) <= self.pool.size:
                 size = pool_size(2 * (len(keep) + reserved), self.max_blocks)
                 cache = kv.take_blocks(self.state.cache, mx.array(keep))

@@ -17,9 +17,6 @@ from mlxfun import cache as kv
 from mlxfun.blocks import Pool
 
 MIN_BLOCKS = 64
-# Positions a reserved table width (`Pages.fit_width`) reaches beyond the furthest block held, at
-# most: a request that may generate until its context ends does not widen every step's masks.
-AHEAD = 4096
 
 
 def pool_size(blocks: int, max_blocks: int) -> int:
@@ -51,17 +48,14 @@ class Pages:
     def width(self) -> int:
         return self.table.shape[1]
 
-    def fit_width(self, reach: int = 0) -> None:
-        """Size a linear table to the bucket of the furthest logical block any row holds, or of
-        `reach` positions when larger (what the rows may come to hold, up to AHEAD more: the engine
-        reserves it on a GPU, where each new width retraces the step). It shrinks once half of it is unused (the
-        long rows have left), so rows that end one by one do not retrace at every bucket."""
+    def fit_width(self) -> None:
+        """Size the table to what the rows hold: a linear table to the bucket of the furthest
+        logical block any row holds (it shrinks when long rows have left)."""
         if self.ring is not None:
             return
         last = max((max(h) for h in self.held if h), default=0)
-        held = (last + 1) * self.bs
-        width = kv.columns_for(max(held, min(reach, held + AHEAD)), None, self.bs)
-        if width > self.width or 2 * width <= self.width:
+        width = kv.columns_for((last + 1) * self.bs, None, self.bs)
+        if width != self.width:
             self.table = np.zeros((len(self.held), width), np.int32)
             for r in range(len(self.held)):
                 self._fill(r)

@@ -160,9 +160,9 @@ def rel_error(actual, expected) -> float:
 
 
 def run_engine(model: Model, prompts, *, rows: int | None = None, steps=None, strategy=None, pad_multiple=None,
-               shapes: dict | None = None, **options):
+               **options):
     """Prompts through one `Engine` (a static batch unless `rows` is fewer), as `generate` runs
-    them but with the scheduler's own knobs (`shapes`: shrink_rows, reserve_shapes) -> (GenerationResult, engine)."""
+    them but with the scheduler's own knobs -> (GenerationResult, engine)."""
     from mlxfun import sampling
     from mlxfun.engine import Engine
     from mlxfun.options import GenerationConfig, requests
@@ -172,8 +172,7 @@ def run_engine(model: Model, prompts, *, rows: int | None = None, steps=None, st
     reqs = requests(model, prompts, GenerationConfig(**options))
     engine = Engine(model, rows or len(reqs), steps=steps or compiled_steps, strategy=strategy,
                     pad_multiple=pad_multiple, prefill_step=options.get("prefill_step", 512),
-                    max_kv_size=options.get("max_kv_size"), prefix_cache=options.get("prefix_cache", True),
-                    **(shapes or {}))
+                    max_kv_size=options.get("max_kv_size"), prefix_cache=options.get("prefix_cache", True))
     if options.get("prompt_cache") is not None:
         engine.add_prompt_cache(options["prompt_cache"])
     ids = [engine.submit(r) for r in reqs]

@@ -72,25 +72,6 @@ def test_admission_sizes_the_pool_once():
     assert traces[0] == 1
 
 
-def test_gpu_shapes_static_batches_of_mixed_lengths_trace_once_each():
-    """The GPU's shape policy (all rows kept, the table as wide as the rows may need from their
-    admission on, no compaction of a small pool): rows of mixed lengths cross a capacity bucket
-    and end one by one without a retrace; the policy on the CPU retraces as they do. Same tokens."""
-    model = tiny_model(tiny_config(max_position_embeddings=1024))
-    prompts = prompts_of([3, 40, 200, 9, 120], model.config.vocab_size)
-    limits = [5, 90, 100, 30, 60]  # the third row crosses 256 positions; the rest end earlier
-    gpu_steps, gpu_traces = counting_steps()
-    gpu, engine = run_engine(model, prompts, steps=gpu_steps, ignore_eos=True, max_tokens=limits,
-                             shapes=dict(shrink_rows=False, reserve_shapes=True))
-    assert gpu_traces[0] == 1
-    assert engine.stats.max_capacity == 2 * kv.bucket(1)
-    cpu_steps, cpu_traces = counting_steps()
-    cpu, _ = run_engine(model, prompts, steps=cpu_steps, ignore_eos=True, max_tokens=limits,
-                        shapes=dict(shrink_rows=True, reserve_shapes=False))
-    assert cpu_traces[0] >= 4  # a trace per live-row count, and the wider table
-    assert gpu.token_ids == cpu.token_ids and [len(t) for t in gpu.token_ids] == limits
-
-
 def test_new_batch_size_traces_once_more():
     model = tiny_model()
     steps, traces = counting_steps()
