@@ -56,6 +56,9 @@ from mlxfun.strategy import WeightStrategy, default_strategy, memory_limit, para
 
 # Recent samples kept for latency percentiles.
 WINDOW = 1024
+# Seconds a constrained step waits for its mask worker to read and match the last tokens before
+# it queues the forward pass (`Engine.masked_decode`); about a third of a 1B step's launch on an H200.
+HEAD_START = 0.001
 
 
 @dataclass
@@ -455,7 +458,13 @@ class Engine:
         ready, self._inflight = self._inflight, []
         mx.async_eval([step_out for step_out, _ in ready])  # scheduled here: the worker thread has no stream
         owners = list(self.owner)
-        job = self._mask_pool().submit(self._read_and_mask, ready, owners, self._mask_buffer())
+        matched = threading.Event()
+        job = self._mask_pool().submit(self._read_and_mask, ready, owners, self._mask_buffer(), matched)
+        # Queuing the forward pass holds the GIL throughout (MLX encodes the graph without
+        # releasing it), so the worker gets a head start: once the tokens are read and matched it
+        # computes the masks without the GIL. Tokens not yet on the host mean the device is
+        # behind, and the launch goes ahead after HEAD_START (the device is busy meanwhile).
+        matched.wait(HEAD_START)
         logits, state = steps.forward(self.params, state)
         self._advanced(state)  # the old state unreferenced: the pool is written in place
         mx.async_eval(logits, self.state)
@@ -473,14 +482,20 @@ class Engine:
         self._count_rows()
         return events
 
-    def _read_and_mask(self, ready: list, owners: list, out: np.ndarray) -> tuple[list, np.ndarray]:
+    def _read_and_mask(self, ready: list, owners: list, out: np.ndarray, matched: threading.Event
+                       ) -> tuple[list, np.ndarray]:
         """On the mask worker (`masked_decode`): the steps in flight read (waiting for the device
-        without the GIL), the constrained rows' matchers advanced by their tokens, and out (B, W)
-        <- the masks of the rows `owners` hold for the next token. -> (each step's host values, out)."""
-        values = [host_values(step_out) for step_out, _ in ready]
-        for (_, step_owners), (tokens, _, _) in zip(ready, values):
-            self._match(step_owners, tokens)
-        return values, structured.fill_masks([self._mask_matcher(o) for o in owners], out)
+        without the GIL), the constrained rows' matchers advanced by their tokens (then `matched`
+        is set), and out (B, W) <- the masks of the rows `owners` hold for the next token.
+        -> (each step's host values, out)."""
+        try:
+            values = [host_values(step_out) for step_out, _ in ready]
+            for (_, step_owners), (tokens, _, _) in zip(ready, values):
+                self._match(step_owners, tokens)
+            matchers = [self._mask_matcher(o) for o in owners]
+        finally:
+            matched.set()
+        return values, structured.fill_masks(matchers, out)
 
     def _match(self, owners: list, tokens: list[int]) -> None:
         """Constrained rows' matchers take their new tokens (before the tokens are handed out, so
