@@ -499,18 +499,22 @@ class Engine:
 
     def _match(self, owners: list, tokens: list[int]) -> None:
         """Constrained rows' matchers take their new tokens (before the tokens are handed out, so
-        the next masks can be computed meanwhile); an EOS is never taken (the row ends on it)."""
+        the next masks can be computed meanwhile)."""
         for rid, token in zip(owners, tokens):
             record = self.requests.get(rid) if rid is not None else None
-            if record is None or record.matcher is None or record.finish_reason is not None or record.error:
-                continue
-            if token in record.request.eos:
-                continue
-            try:
-                record.matcher.advance(token)
-                record.complete = record.matcher.is_finished
-            except RuntimeError as e:  # the grammar engine failed (a resource limit): the row ends, saying why
-                record.error = str(e)
+            if record is not None:
+                self._match_one(record, token)
+
+    @staticmethod
+    def _match_one(record: Record, token: int) -> None:
+        """A live constrained row's matcher takes its token; an EOS is never taken (the row ends on it)."""
+        if record.matcher is None or record.finish_reason is not None or record.error or token in record.request.eos:
+            return
+        try:
+            record.matcher.advance(token)
+            record.complete = record.matcher.is_finished
+        except RuntimeError as e:  # the grammar engine failed (a resource limit): the row ends, saying why
+            record.error = str(e)
 
     def _mask_matcher(self, rid: int | None) -> structured.Matcher | None:
         """The matcher whose mask a row's next token needs; None (no mask) for a free row and a row
@@ -641,12 +645,8 @@ class Engine:
         but EOS can follow, the row ends ("stop", as EOS would end it a step later)."""
         if record.matcher is None or event.finish_reason is not None:
             return event
-        if not matched and record.error is None:
-            try:
-                record.matcher.advance(event.token)
-                record.complete = record.matcher.is_finished
-            except RuntimeError as e:  # the grammar engine failed (a resource limit): end the row, say why
-                record.error = str(e)
+        if not matched:
+            self._match_one(record, event.token)
         done = record.error is not None or record.complete  # (while masks are computed, matchers are not read)
         if not done:
             return event

@@ -122,12 +122,6 @@ def fill_masks(matchers: Sequence[Matcher | None], out: np.ndarray) -> np.ndarra
     """out (B, W) uint32, C-contiguous <- row i: what matchers[i] allows next; all ones where
     matchers[i] is None (a free row). The constrained rows run in parallel on llguidance's
     threads, without the GIL."""
-    _compute(matchers, out)
-    return fixed(matchers, out)
-
-
-def _compute(matchers: Sequence[Matcher | None], out: np.ndarray) -> None:
-    """llguidance's masks into the constrained rows of out, all ones in the free rows."""
     if out.dtype != np.uint32 or out.ndim != 2 or out.shape[0] != len(matchers) or not out.flags.c_contiguous:
         raise ValueError(f"masks must be a contiguous ({len(matchers)}, W) uint32 array, got {out.dtype} {out.shape}")
     rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
@@ -140,13 +134,8 @@ def _compute(matchers: Sequence[Matcher | None], out: np.ndarray) -> None:
             raise ValueError(f"masks must be (B, {width}) for every matcher's vocabulary, got {out.shape}")
         _executor().unsafe_compute_mask_ptr([(m._m, i) for m, i in rows], out.ctypes.data, out.shape[1] * 4,
                                             out.shape[0])
-
-
-def fixed(matchers: Sequence[Matcher | None], out: np.ndarray) -> np.ndarray:
-    """The rows' own EOS ids in their computed masks (`Matcher._fixed`); raises a row's error."""
-    for i, m in enumerate(matchers):
-        if m is not None:
-            m._fixed(out[i])
+    for m, i in rows:
+        m._fixed(out[i])  # the rows' own EOS ids; raises a row's error
     return out
 
 
