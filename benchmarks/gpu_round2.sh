@@ -135,6 +135,25 @@ case "${1:-a}" in
     MLXFUN_DENSE_KERNEL=1 timeout 290 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,8 --alphas 0.7 \
       --ks 4 --draft-shape 1B --gen-tokens 64 --json "$OUT/r2-spec-8B-dmv1.json" | tail -8
     ;;
+  u1)
+    ncu_prefill() {  # $1: name; the rest: environment for python
+      local name=$1; shift
+      env "$@" timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        --log-file "$OUT/prefill-$name.csv" python3 benchmarks/prefill_ncu.py --batch 128 | tail -1
+    }
+    ncu_prefill new PYTHONPATH="$PYTHONPATH"
+    ncu_prefill old PYTHONPATH="$HOME/gpu-site:$PWD/.old"
+    python3 benchmarks/prefill_ncu.py --summarize "$OUT/prefill-new.csv" "$OUT/prefill-old.csv" \
+      --json "$OUT/prefill-ncu.json" | head -60
+    rm -f "$OUT"/prefill-*.csv
+    wheels
+    structured=(--structured --shape 1B --batch-sizes 32 --gen-tokens 64)
+    for run in 1 2; do
+      timeout 150 python3 -m mlxfun.bench "${structured[@]}" --tokenizer .tok --json "$OUT/r2-structured-new-$run.json" | tail -1
+      timeout 150 python3 -c 'import sys, mlxfun.engine as e; e.HEAD_START = 0; from mlxfun import bench; sys.exit(bench.main(sys.argv[1:]))' \
+        "${structured[@]}" --tokenizer .tok --json "$OUT/r2-structured-nohead-$run.json" | tail -1
+    done
+    ;;
   t2)
     timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-new.json" | tail -4
     old timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-old.json" | tail -4

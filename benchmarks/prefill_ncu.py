@@ -1,0 +1,124 @@
+"""One static-batch prefill of a random-weight shape, for Nsight Compute (CUDA only, diagnostic):
+the GPU time of every kernel of B prompts of T tokens made into a cache, with their first token.
+
+It runs the prefill once to warm up, then a marker kernel, then the prefill that is measured, so
+`summarize` can keep the kernels after the marker. It runs this checkout's scheduler
+(`Engine.admit`), or round 1's static batch (`generate.Batch.prefill`) when the mlxfun on the path
+has no `Engine.admit` (PYTHONPATH=.old).
+
+Run:  ncu --clock-control none --metrics gpu__time_duration.sum --csv --log-file new.csv \
+          python benchmarks/prefill_ncu.py --batch 128
+      python benchmarks/prefill_ncu.py --summarize new.csv [old.csv] --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+MARKER = "mlxfun_prefill_marker"
+
+
+def run(shape: str, batch: int, tokens: int) -> None:
+    import mlx.core as mx
+
+    from mlxfun import bench
+    from mlxfun import engine as eng
+    from mlxfun.load import Model
+
+    config = bench.SHAPES[shape]
+    model = Model(config, bench.random_params(config, mx.bfloat16), bench.word_tokenizer(config.vocab_size), shape)
+    prompts = bench.random_prompts(config.vocab_size, batch, tokens)
+    print("mlxfun from", bench.__file__, flush=True)
+
+    if hasattr(eng.Engine, "admit"):
+        def prefill():
+            engine = eng.Engine(model, batch, prefix_cache=False)
+            for p in prompts:
+                engine.add(p, max_tokens=8, ignore_eos=True)
+            engine.admit()  # evaluates: nothing else is decoding
+    else:
+        import importlib
+        gen = importlib.import_module("mlxfun.generate")  # the package's `generate` is the function
+
+        def prefill():
+            mx.eval(gen.Batch(model, prompts, gen.make_config(batch, max_tokens=8)).prefill())
+
+    prefill()
+    mx.synchronize()
+    marker = mx.fast.cuda_kernel(name=MARKER, input_names=["x"], output_names=["y"],
+                                 source="y[threadIdx.x] = x[threadIdx.x];")
+    x = mx.zeros((32,), mx.float32)
+    mx.eval(marker(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(32,)],
+                   output_dtypes=[mx.float32])[0])
+    mx.synchronize()
+    prefill()
+    mx.synchronize()
+
+
+def kernels_after_marker(path: str) -> list[tuple[str, float]]:
+    """(kernel name, GPU microseconds) of the launches after the marker, from ncu's CSV log."""
+    text = Path(path).read_text().splitlines()
+    start = next(i for i, line in enumerate(text) if line.startswith('"ID"'))
+    out, seen = [], False
+    for row in csv.DictReader(text[start:]):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        name = row["Kernel Name"]
+        if MARKER in name:
+            seen, out = True, []
+            continue
+        if seen:
+            scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}[row["Metric Unit"]]
+            out.append((name, float(row["Metric Value"].replace(",", "")) * scale))
+    return out
+
+
+def family(name: str) -> str:
+    """A kernel's name without template arguments and launch shapes: what kind of work it is."""
+    name = re.sub(r"<.*", "", name.split("(")[0]).strip()
+    return name[:80]
+
+
+def summarize(paths: list[str]) -> dict:
+    result = {}
+    for path in paths:
+        launches = kernels_after_marker(path)
+        by = defaultdict(lambda: [0, 0.0])
+        for name, us in launches:
+            by[family(name)][0] += 1
+            by[family(name)][1] += us
+        result[path] = {"kernels": len(launches), "total_ms": sum(us for _, us in launches) / 1e3,
+                        "families": sorted(([k, n, round(us / 1e3, 3)] for k, (n, us) in by.items()),
+                                           key=lambda r: -r[2]),
+                        "launches": [[name[:120], round(us, 2)] for name, us in launches]}
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="1B")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--summarize", nargs="+", default=None, help="ncu CSV logs to summarize instead of running")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.summarize is None:
+        run(args.shape, args.batch, args.prompt_tokens)
+        return 0
+    result = summarize(args.summarize)
+    for path, r in result.items():
+        print(f"{path}: {r['kernels']} kernels, {r['total_ms']:.2f} ms")
+        for name, n, ms in r["families"][:25]:
+            print(f"  {ms:9.3f} ms {n:5d}x  {name}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
