@@ -154,6 +154,18 @@ case "${1:-a}" in
         "${structured[@]}" --tokenizer .tok --json "$OUT/r2-structured-nohead-$run.json" | tail -1
     done
     ;;
+  u2)  # the admission's host path cut down: 1B static against round 1, prefill's parts and kernels
+    bash "$0" s
+    timeout 90 python3 benchmarks/prefill_costs.py --shape 1B --batch-sizes 8,32,128 --json "$OUT/r2-prefill-costs-1B.json"
+    timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/prefill-new.csv" \
+      python3 benchmarks/prefill_ncu.py --batch 128 | tail -1
+    python3 benchmarks/prefill_ncu.py --summarize "$OUT/prefill-new.csv" --json "$OUT/prefill-ncu.json" | head -30
+    rm -f "$OUT/prefill-new.csv"
+    ;;
+  u3)  # 8B static against round 1; continuous against round 1
+    timeout 250 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-new.json" | tail -4
+    old timeout 250 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-old.json" | tail -4
+    ;;
   t2)
     timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-new.json" | tail -4
     old timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/r2-1B-old.json" | tail -4

@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 MARKER = "mlxfun_prefill_marker"
+UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}  # -> microseconds
 
 
 def run(shape: str, batch: int, tokens: int) -> None:
@@ -73,7 +74,7 @@ def kernels_after_marker(path: str) -> list[tuple[str, float]]:
             seen, out = True, []
             continue
         if seen:
-            scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}[row["Metric Unit"]]
+            scale = UNITS[row["Metric Unit"]]
             out.append((name, float(row["Metric Value"].replace(",", "")) * scale))
     return out
 

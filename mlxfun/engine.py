@@ -34,6 +34,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -384,12 +385,14 @@ class Engine:
         width = self._width(self._live() + len(records))
         if self.state is None:
             self._resize_rows(width)
-            self.state = self._empty_state()
         else:
             self._set_width(width)
         free = self._free_rows()
-        # The pool grows once for what the rows may hold (each new size retraces the step).
+        # The pool grows once for what the rows may hold (each new size retraces the step), before
+        # a first state is made at that size (growing it after would copy it).
         self.pages.reserve(self._outstanding() + sum(self._blocks_needed(r.request) for r in records))
+        if self.state is None:
+            self.state = self._empty_state()
         # Long prompts may run a dense copy of quantized weights, dropped after admission (mlxfun.strategy).
         params = params_for_prompts(self.config, self.params, [len(r.request.prompt) for r in records],
                                     self.prefill_step, self.strategy)
@@ -738,6 +741,11 @@ class Engine:
         waits for it (a second round), then finds that prefix cached: computed once."""
         if self.pool.max_cached <= 0:
             return [records]
+        bs = self.pool.block_size
+        if not self.pool.nodes:  # nothing cached: rows share a prefix only if their first blocks are equal
+            firsts = [tuple(r.request.prompt[:bs]) for r in records if len(r.request.prompt) > bs]
+            if len(set(firsts)) == len(firsts):
+                return [records]  # no digests needed yet
         first, second, seen = [], [], set()
         for r in records:
             prompt = r.request.prompt
@@ -775,11 +783,12 @@ class Engine:
                 self.pages.attach(row, blocks)
             if self.drafter is not None:
                 self.drafter.admitted(self, rows)
+            chains = [partial(r.prompt_chain, self.pool.block_size) for r, _ in chosen] \
+                if self.pool.max_cached > 0 else None
             h, cache = prefill.prefill_rows(self.steps(self.config, Mode()), params, self._detach_cache(), self.pages,
-                                            rows, [list(r.request.prompt) for r, _ in chosen],
+                                            rows, [r.request.prompt for r, _ in chosen],
                                             [r.cached_tokens for r, _ in chosen], self.prefill_step,
-                                            self.pad_multiple, [r.prompt_chain(self.pool.block_size)
-                                                                if self.pool.max_cached > 0 else () for r, _ in chosen])
+                                            self.pad_multiple, chains)
             self.state = self.state._replace(cache=cache)
             out = self._first_token(params, h, [r for r, _ in chosen])
             self._merge(rows, out.tokens, [len(r.request.prompt) for r, _ in chosen])

@@ -71,12 +71,12 @@ class Pages:
 
     def ensure(self, row: int, start: int, end: int) -> None:
         """Blocks for positions [start, end) of a row, allocated where it holds none."""
-        added = False
-        for j in range(start // self.bs, -(-end // self.bs)):
-            if j not in self.held[row]:
-                self.held[row][j] = self._allocate()
-                added = True
-        if added:  # else the table row is as it was: no per-step rewrite, no upload
+        held = self.held[row]
+        missing = [j for j in range(start // self.bs, -(-end // self.bs)) if j not in held]
+        if missing:  # else the table row is as it was: no per-step rewrite, no upload
+            self.prepare(len(missing))
+            for j in missing:
+                held[j] = self.pool.allocate()
             self._settle(row)
 
     def drop_behind(self, row: int, position: int) -> None:
@@ -97,17 +97,26 @@ class Pages:
         self.table[row] = 0
         self.dirty = True
 
-    def slots(self, row: int, positions: np.ndarray) -> np.ndarray:
-        """Flat pool slots of a row's positions (0, the scratch slot, for negative positions)."""
-        held = self.held[row]
+    def slots(self, rows: list[int], positions: np.ndarray) -> np.ndarray:
+        """positions (G, T) of `rows` -> (G, T) flat pool slots (0, the scratch slot, for negative
+        positions). A linear table holds logical block j in column j: one lookup for every row."""
+        if self.ring is None:
+            logical = np.minimum(np.maximum(positions, 0) // self.bs, self.width - 1)
+            blocks = np.take_along_axis(self.table[rows], logical, axis=1)
+        else:  # a ring's columns hold only its latest blocks: a chunk may hold more
+            blocks = np.stack([self._row_blocks(r, p) for r, p in zip(rows, positions)])
+        real = positions >= 0
+        assert (blocks[real] > 0).all(), "a position without a block (ensure it first)"
+        return np.where(real, blocks * self.bs + positions % self.bs, 0).astype(np.int32)
+
+    def _row_blocks(self, row: int, positions: np.ndarray) -> np.ndarray:
+        """positions (T,) -> the block each is in (0 for negative positions or none held)."""
         logical = np.maximum(positions, 0) // self.bs
         lookup = np.zeros(int(logical.max(initial=0)) + 1, np.int32)  # logical block -> block (0: none)
-        for j, block in held.items():
+        for j, block in self.held[row].items():
             if j < len(lookup):
                 lookup[j] = block
-        blocks = lookup[logical]
-        assert (blocks[positions >= 0] > 0).all(), "a position without a block (ensure it first)"
-        return np.where(positions >= 0, blocks * self.bs + positions % self.bs, 0).astype(np.int32)
+        return lookup[logical]
 
     def blocks(self, row: int, count: int) -> list[int]:
         """A row's blocks for logical blocks 0 .. count-1 (0 where it no longer holds one)."""
@@ -130,10 +139,6 @@ class Pages:
         self.prepare(min(blocks, self.max_blocks - self.pool.size + self.pool.available()))
 
     # ---- internals ----
-
-    def _allocate(self) -> int:
-        self.prepare(1)
-        return self.pool.allocate()
 
     def _settle(self, row: int) -> None:
         """The row's table columns from what it holds (a linear table widens when it must)."""

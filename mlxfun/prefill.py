@@ -9,10 +9,14 @@ by the chunk itself (`wraps`), then drops the blocks no later query can see.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Sequence
+
 import mlx.core as mx
 import numpy as np
 
 from mlxfun import cache as kv
+from mlxfun.blocks import Chain
 from mlxfun.cache import KVCache
 from mlxfun.llama import Params
 from mlxfun.paging import Pages
@@ -33,13 +37,16 @@ def plan_groups(lengths: list[int]) -> list[list[int]]:
     """Row indices grouped longest first, each group's padded size within MAX_PADDING_RATIO of its tokens."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
+    total = 0  # the last group's tokens
     for i in order:
-        g = groups[-1] if groups else []
-        padded = (len(g) + 1) * lengths[g[0]] if g else 0  # the group's first row is its longest
-        if g and padded <= MAX_PADDING_RATIO * (sum(lengths[j] for j in g) + lengths[i]):
+        g = groups[-1] if groups else None
+        # The group's first row is its longest.
+        if g and (len(g) + 1) * lengths[g[0]] <= MAX_PADDING_RATIO * (total + lengths[i]):
             g.append(i)
+            total += lengths[i]
         else:
             groups.append([i])
+            total = lengths[i]
     return groups
 
 
@@ -48,27 +55,27 @@ def chunk_arrays(tokens: list[list[int]], starts: list[int], offset: int, size: 
     """Tokens [offset, offset + size) of each row's `tokens`, right-padded -> tokens (G, T),
     positions (G, T) (start + index, -1 on padding), the index of each row's last real token in
     the chunk (G,) (0 if none) and whether the row's last token is in it (G,)."""
-    G = len(tokens)
-    ids = np.zeros((G, size), np.int32)
-    positions = np.full((G, size), -1, np.int32)
-    last, ends = np.zeros(G, np.int32), np.zeros(G, bool)
-    for i, (t, s) in enumerate(zip(tokens, starts)):
-        part = t[offset:offset + size]
-        ids[i, :len(part)] = part
-        positions[i, :len(part)] = np.arange(s + offset, s + offset + len(part))
-        if part and offset + len(part) == len(t):
-            last[i], ends[i] = len(part) - 1, True
-    return ids, positions, last, ends
+    lengths = np.array([len(t) for t in tokens])
+    count = np.clip(lengths - offset, 0, size)  # (G,) each row's tokens in this chunk
+    real = np.arange(size)[None] < count[:, None]  # (G, T)
+    ids = np.zeros(real.shape, np.int32)
+    # One conversion for every row (row-major order is the mask's order).
+    ids[real] = np.fromiter(itertools.chain.from_iterable(t[offset:offset + size] for t in tokens), np.int32,
+                            count=int(count.sum()))
+    positions = np.where(real, np.array(starts)[:, None] + offset + np.arange(size)[None], -1).astype(np.int32)
+    ends = (count > 0) & (offset + count == lengths)
+    return ids, positions, np.where(ends, count - 1, 0).astype(np.int32), ends
 
 
 def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, rows: list[int],
                  prompts: list[list[int]], starts: list[int], chunk: int, multiple: int = 1,
-                 chains: list | None = None) -> tuple[mx.array, KVCache]:
+                 chains: Sequence[Callable[[], Chain]] | None = None) -> tuple[mx.array, KVCache]:
     """Each row's prompt from its start (the end of its cached prefix) on, in chunks of at most
     `chunk` tokens (the group's longest rounded up to `multiple`) -> (the hidden state of each
     row's last token (G, E), cache with the table `cache.table`), queued, not evaluated. `pages`
     allocates each chunk's blocks (the device pool grows to match), and the prefix cache learns
-    each full block as soon as it is written (`chains`: each prompt's `blocks.chain`, if known)."""
+    each full block once its chunk is queued (`chains`: each prompt's `blocks.chain`, computed
+    then, while the device runs the chunk)."""
     tokens = [p[s:] for p, s in zip(prompts, starts)]
     longest = max(len(t) for t in tokens)
     length = -(-longest // multiple) * multiple
@@ -78,27 +85,27 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
     for offset in range(0, length, chunk):
         size = min(chunk, length - offset)
         ids, positions, last, ends = chunk_arrays(tokens, starts, offset, size)
-        before = pages.table[rows].copy()  # a ring chunk attends over the blocks held before it
-        for r, p in zip(rows, positions):
-            real = p[p >= 0]
-            if real.size:
-                pages.ensure(r, int(real[0]), int(real[-1]) + 1)
-        slots = np.stack([pages.slots(r, p) for r, p in zip(rows, positions)])
         # One token writes no slot it sees (the block it may displace is out of its window).
         wraps = ring and size > 1
+        before = pages.table[rows] if wraps else None  # a ring chunk attends over the blocks held before it
+        counts = (positions >= 0).sum(axis=1)
+        for r, n, s in zip(rows, counts.tolist(), starts):
+            if n:
+                pages.ensure(r, s + offset, s + offset + n)
+        slots = pages.slots(rows, positions)
         # A first chunk of rows without a cached prefix sees only itself: no keys are read from the pool.
         fresh = offset == 0 and not any(starts)
         cache = ensure_pool(cache, pages.pool.size)
         out, cache = steps.prefill(params, mx.array(ids), mx.array(positions), cache._replace(
             table=mx.array(before if wraps else pages.table[rows])), mx.array(slots), mx.array(last), wraps, fresh)
         h = out if h is None else mx.where(mx.array(ends)[:, None], out, h)
-        for r, prompt, p, known in zip(rows, prompts, positions, chains or [()] * len(rows)):
-            real = p[p >= 0]
-            if real.size:
-                end = int(real[-1]) + 1
-                pages.pool.register(prompt[:end], pages.blocks(r, end // pages.bs), known=known)
+        mx.async_eval(h, cache)  # bounds the graph per chunk; the device starts while the host goes on
+        for i, (r, n, s) in enumerate(zip(rows, counts.tolist(), starts)):
+            if n:
+                end = s + offset + n
+                pages.pool.register(prompts[i][:end], pages.blocks(r, end // pages.bs),
+                                    known=chains[i]() if chains is not None else ())
                 pages.drop_behind(r, end)
-        mx.async_eval(h, cache)  # bounds the graph per chunk without waiting for the device
     return h, cache._replace(table=table)
 
 
