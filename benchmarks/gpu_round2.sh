@@ -162,6 +162,13 @@ case "${1:-a}" in
     python3 benchmarks/prefill_ncu.py --summarize "$OUT/prefill-new.csv" --json "$OUT/prefill-ncu.json" | head -30
     rm -f "$OUT/prefill-new.csv"
     ;;
+  u4)  # the admission's host time, this code against round 1, batch 1 and 8
+    for b in 1 8; do
+      timeout 100 python3 benchmarks/admit_profile.py --batch $b --lines 25 2>&1 | tee "$OUT/admit-new-$b.txt" | head -20
+      PYTHONPATH="$HOME/gpu-site:$PWD/.old" timeout 100 python3 benchmarks/admit_profile.py --batch $b --lines 25 \
+        > "$OUT/admit-old-$b.txt" 2>&1; head -8 "$OUT/admit-old-$b.txt"
+    done
+    ;;
   u3)  # 8B static against round 1; continuous against round 1
     timeout 250 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-new.json" | tail -4
     old timeout 250 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-old.json" | tail -4
