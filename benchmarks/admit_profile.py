@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import importlib
 import io
 import pstats
@@ -66,6 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--lines", type=int, default=30)
+    p.add_argument("--clear-cache", action="store_true",
+                   help="empty MLX's buffer cache before each admission (as `mlxfun bench` does before each run)")
     args = p.parse_args(argv)
 
     import mlx.core as mx
@@ -79,8 +82,14 @@ def main(argv=None) -> int:
     model = Model(config, bench.random_params(config, dtype), bench.word_tokenizer(config.vocab_size), args.shape)
     prompts = bench.random_prompts(config.vocab_size, args.batch, args.prompt_tokens)
 
+    def fresh():
+        if args.clear_cache:
+            gc.collect()
+            mx.clear_cache()
+
     if hasattr(eng.Engine, "admit"):
         def admission():
+            fresh()
             engine = eng.Engine(model, args.batch)
             for prompt in prompts:
                 engine.add(prompt, max_tokens=8, ignore_eos=True)
@@ -91,6 +100,7 @@ def main(argv=None) -> int:
         gen = importlib.import_module("mlxfun.generate")  # the package's `generate` is the function
 
         def admission():
+            fresh()
             batch = gen.Batch(model, prompts, gen.make_config(args.batch, max_tokens=8))
             t = time.perf_counter()
             mx.eval(batch.prefill())

@@ -169,6 +169,17 @@ case "${1:-a}" in
         > "$OUT/admit-old-$b.txt" 2>&1; head -8 "$OUT/admit-old-$b.txt"
     done
     ;;
+  u5)  # the same with MLX's buffer cache emptied before each admission (as the bench does); 1B static, continuous
+    for b in 1 8; do
+      timeout 100 python3 benchmarks/admit_profile.py --batch $b --clear-cache --lines 25 2>&1 \
+        | tee "$OUT/admit-new-$b.txt" | head -12
+      PYTHONPATH="$HOME/gpu-site:$PWD/.old" timeout 100 python3 benchmarks/admit_profile.py --batch $b --clear-cache \
+        --lines 25 > "$OUT/admit-old-$b.txt" 2>&1; head -6 "$OUT/admit-old-$b.txt"
+    done
+    small=(--shape 1B --batch-sizes 1,8 --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16)
+    timeout 100 python3 -m mlxfun.bench "${small[@]}" --json "$OUT/r2-1B-small-new.json" | tail -3
+    old timeout 100 python3 -m mlxfun.bench "${small[@]}" --json "$OUT/r2-1B-small-old.json" | tail -3
+    ;;
   u3)  # 8B static against round 1; continuous against round 1
     timeout 250 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-new.json" | tail -4
     old timeout 250 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-old.json" | tail -4
