@@ -180,6 +180,17 @@ case "${1:-a}" in
     timeout 100 python3 -m mlxfun.bench "${small[@]}" --json "$OUT/r2-1B-small-new.json" | tail -3
     old timeout 100 python3 -m mlxfun.bench "${small[@]}" --json "$OUT/r2-1B-small-old.json" | tail -3
     ;;
+  u6)  # one 8B decode step at batch 8, kernel by kernel, this code against round 1; continuous against round 1
+    for n in new old; do
+      P=$PYTHONPATH; [ $n = old ] && P=$HOME/gpu-site:$PWD/.old
+      PYTHONPATH=$P timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        --log-file "$OUT/decode-$n.csv" python3 benchmarks/prefill_ncu.py --shape 8B --batch 8 --decode | tail -1
+    done
+    python3 benchmarks/prefill_ncu.py --summarize "$OUT/decode-new.csv" "$OUT/decode-old.csv" \
+      --json "$OUT/decode-ncu-8B.json" | head -70
+    gzip "$OUT"/decode-*.csv
+    continuous_pair
+    ;;
   u3)  # 8B static against round 1; continuous against round 1
     timeout 250 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-new.json" | tail -4
     old timeout 250 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-old.json" | tail -4

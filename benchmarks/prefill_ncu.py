@@ -1,5 +1,6 @@
 """One static-batch prefill of a random-weight shape, for Nsight Compute (CUDA only, diagnostic):
-the GPU time of every kernel of B prompts of T tokens made into a cache, with their first token.
+the GPU time of every kernel of B prompts of T tokens made into a cache, with their first token;
+or (`--decode`) of one decode step after it.
 
 It runs the prefill once to warm up, then a marker kernel, then the prefill that is measured, so
 `summarize` can keep the kernels after the marker. It runs this checkout's scheduler
@@ -24,7 +25,7 @@ MARKER = "mlxfun_prefill_marker"
 UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}  # -> microseconds
 
 
-def run(shape: str, batch: int, tokens: int) -> None:
+def run(shape: str, batch: int, tokens: int, decode: bool) -> None:
     import mlx.core as mx
 
     from mlxfun import bench
@@ -42,14 +43,23 @@ def run(shape: str, batch: int, tokens: int) -> None:
             for p in prompts:
                 engine.add(p, max_tokens=8, ignore_eos=True)
             engine.admit()  # evaluates: nothing else is decoding
+            step, args = engine.next_decode()
+            return lambda: mx.eval(step(*args))
     else:
         import importlib
         gen = importlib.import_module("mlxfun.generate")  # the package's `generate` is the function
 
         def prefill():
-            mx.eval(gen.Batch(model, prompts, gen.make_config(batch, max_tokens=8)).prefill())
+            b = gen.Batch(model, prompts, gen.make_config(batch, max_tokens=8))
+            out, state = b.prefill()
+            mx.eval(out, state)
+            state = b._grow(state, b.end)
+            return lambda: mx.eval(b.steps.decode(b.model.params, state, b.gen.settings))
 
-    prefill()
+    step = prefill()
+    if decode:
+        for _ in range(3):
+            step()  # traced, warm
     mx.synchronize()
     marker = mx.fast.cuda_kernel(name=MARKER, input_names=["x"], output_names=["y"],
                                  source="y[threadIdx.x] = x[threadIdx.x];")
@@ -57,7 +67,7 @@ def run(shape: str, batch: int, tokens: int) -> None:
     mx.eval(marker(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(32,)],
                    output_dtypes=[mx.float32])[0])
     mx.synchronize()
-    prefill()
+    step() if decode else prefill()
     mx.synchronize()
 
 
@@ -105,11 +115,12 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="1B")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--decode", action="store_true", help="one decode step after the prefill instead")
     p.add_argument("--summarize", nargs="+", default=None, help="ncu CSV logs to summarize instead of running")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.summarize is None:
-        run(args.shape, args.batch, args.prompt_tokens)
+        run(args.shape, args.batch, args.prompt_tokens, args.decode)
         return 0
     result = summarize(args.summarize)
     for path, r in result.items():
