@@ -18,6 +18,12 @@
 #                                     dmv checked and timed; a constrained step's parts
 #   bash benchmarks/gpu_round2.sh t4  # continuous against round 1; speculative decoding, 8B with a 1B drafter, dmv on
 #   bash benchmarks/gpu_round2.sh t5  # t3, continuous against round 1, then t4's speculative run at batch 1 (one lease)
+#   bash benchmarks/gpu_round2.sh u1  # ncu: one 1B prefill, this code and round 1's; structured with and without the head start
+#   bash benchmarks/gpu_round2.sh u2  # 1B static against round 1; prefill's parts; ncu of one prefill
+#   bash benchmarks/gpu_round2.sh u4  # admissions' host time by phase, batch 1 and 8, this code and round 1's (u5: buffer
+#                                     cache emptied first, then 1B static at 1 and 8 against round 1)
+#   bash benchmarks/gpu_round2.sh u6  # ncu: one 8B decode step at batch 8, this code and round 1's; continuous pair
+#   bash benchmarks/gpu_round2.sh u3  # 8B static against round 1
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u

@@ -1,0 +1,94 @@
+"""The host side of an admission: chunk arrays, slot lookup and prefill waves, each against a
+plain per-row construction of the same thing (the vectorized forms replaced per-row loops)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from helpers import tiny_model
+
+from mlxfun import blocks as blk
+from mlxfun.engine import Engine
+from mlxfun.paging import Pages
+from mlxfun.prefill import chunk_arrays, plan_groups
+
+
+def naive_chunk(tokens, starts, offset, size):
+    ids = np.zeros((len(tokens), size), np.int32)
+    positions = np.full((len(tokens), size), -1, np.int32)
+    last, ends = np.zeros(len(tokens), np.int32), np.zeros(len(tokens), bool)
+    for i, (t, s) in enumerate(zip(tokens, starts)):
+        part = t[offset:offset + size]
+        ids[i, :len(part)] = part
+        positions[i, :len(part)] = np.arange(s + offset, s + offset + len(part))
+        if part and offset + len(part) == len(t):
+            last[i], ends[i] = len(part) - 1, True
+    return ids, positions, last, ends
+
+
+def test_chunk_arrays_equal_per_row_construction():
+    rng = random.Random(0)
+    tokens = [[rng.randrange(1, 500) for _ in range(n)] for n in (1, 7, 16, 33, 40, 0, 64)]
+    starts = [0, 16, 0, 32, 48, 0, 16]
+    for offset, size in [(0, 64), (0, 16), (16, 16), (32, 32), (48, 16)]:
+        got = chunk_arrays(tokens, starts, offset, size)
+        for g, w in zip(got, naive_chunk(tokens, starts, offset, size)):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            np.testing.assert_array_equal(g, w)
+
+
+def test_plan_groups_equals_quadratic_rule():
+    def quadratic(lengths):
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        groups = []
+        for i in order:
+            g = groups[-1] if groups else []
+            if g and (len(g) + 1) * lengths[g[0]] <= 1.3 * (sum(lengths[j] for j in g) + lengths[i]):
+                g.append(i)
+            else:
+                groups.append([i])
+        return groups
+
+    rng = random.Random(1)
+    for _ in range(50):
+        lengths = [rng.randrange(1, 600) for _ in range(rng.randrange(1, 40))]
+        assert plan_groups(lengths) == quadratic(lengths)
+
+
+def test_slots_of_many_rows_equal_each_row_alone():
+    """A linear table's one lookup for every row, against each row's held blocks (and a ring's
+    per-row path), with blocks allocated out of order across rows."""
+    for window in (None, 40):
+        pool = blk.Pool(8, 4)
+        pages = Pages(3, pool, window, max_blocks=256)
+        pages.ensure(0, 0, 9)
+        pages.ensure(1, 0, 3)
+        pages.ensure(2, 4, 14)  # a row that starts at a cached prefix's end
+        pages.ensure(1, 3, 17)
+        positions = np.array([[0, 1, 8, -1, -1], [2, 3, 4, 15, 16], [4, 7, 12, 13, -1]], np.int32)
+        slots = pages.slots([0, 1, 2], positions)
+        for r, p in enumerate(positions):
+            want = [pages.held[r][q // 4] * 4 + q % 4 if q >= 0 else 0 for q in p]
+            assert slots[r].tolist() == want, (window, r)
+        assert (slots[positions < 0] == 0).all()
+
+
+def test_waves_skip_digests_only_when_no_prefix_is_shared():
+    model = tiny_model()
+    bs = 16
+    shared = list(range(1, 2 * bs + 1))
+    engine = Engine(model, 4)
+
+    def records(prompts):
+        ids = [engine.add(p, max_tokens=2) for p in prompts]
+        engine._drain()  # requests added from any thread reach the engine's own records here
+        return [engine.requests[i] for i in ids]
+
+    shared_rows = records([[5] * 40, [6] * 40, shared + [7, 8], shared + [9]])
+    waves = engine._waves(shared_rows)
+    # The two rows sharing two full blocks: the second waits for the first to cache them.
+    assert [[r.id for r in w] for w in waves] == [[r.id for r in shared_rows[:3]], [shared_rows[3].id]]
+    distinct = records([[5] * 40, [6] * 40, [7] * 5])
+    assert engine._waves(distinct) == [distinct]
+    assert all(r.keys is None for r in distinct)  # nothing cached, first blocks distinct: no digests
