@@ -1,5 +1,5 @@
-"""The host side of an admission: chunk arrays, slot lookup and prefill waves, each against a
-plain per-row construction of the same thing (the vectorized forms replaced per-row loops)."""
+"""The host side of an admission: chunk arrays, grouping and slot lookup against the plain per-row
+constructions their vectorized forms replaced, and when prefill waves need prompt digests."""
 
 from __future__ import annotations
 
