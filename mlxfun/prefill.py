@@ -99,7 +99,10 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
         out, cache = steps.prefill(params, mx.array(ids), mx.array(positions), cache._replace(
             table=mx.array(before if wraps else pages.table[rows])), mx.array(slots), mx.array(last), wraps, fresh)
         h = out if h is None else mx.where(mx.array(ends)[:, None], out, h)
-        mx.async_eval(h, cache)  # bounds the graph per chunk; the device starts while the host goes on
+        # Bounds the graph per chunk; the device starts while the host goes on. Each layer's
+        # writes are listed in layer order, so each runs as soon as its keys and values exist and
+        # frees them, rather than all of them waiting for the last layer.
+        mx.async_eval([w for kv_ in zip(cache.keys, cache.values) for w in kv_], cache.positions, h)
         for i, (r, n, s) in enumerate(zip(rows, counts.tolist(), starts)):
             if n:
                 end = s + offset + n
