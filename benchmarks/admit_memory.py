@@ -18,7 +18,6 @@ import mlx.core as mx
 
 from mlxfun import bench, llama
 from mlxfun.engine import Engine
-from mlxfun.load import Model
 
 
 def peak_of(fn) -> float:
@@ -50,8 +49,7 @@ def main(argv=None) -> int:
                        num_heads=args.hidden // config.head_dim,
                        num_kv_heads=min(config.num_kv_heads, args.hidden // config.head_dim))
     config = dataclasses.replace(config, **changes)
-    dtype = mx.bfloat16 if bench.on_gpu() else mx.float32
-    model = Model(config, bench.random_params(config, dtype), bench.word_tokenizer(config.vocab_size), args.shape)
+    model = bench.random_model(config)
     prompts = bench.random_prompts(config.vocab_size, args.batch, args.prompt_tokens)
     pool = {}
 

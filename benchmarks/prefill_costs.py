@@ -108,8 +108,7 @@ def main(argv=None) -> int:
     if args.layers:
         import dataclasses
         config = dataclasses.replace(config, num_layers=args.layers, layer_windows=None)
-    dtype = mx.bfloat16 if bench.on_gpu() else mx.float32
-    model = Model(config, bench.random_params(config, dtype), bench.word_tokenizer(config.vocab_size), "random")
+    model = bench.random_model(config)
     rows = []
     for B in [int(b) for b in args.batch_sizes.split(",")]:
         rows.append(costs(model, B, args.prompt_tokens))

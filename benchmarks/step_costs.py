@@ -125,8 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     config = bench.SHAPES[args.shape]
-    dtype = mx.bfloat16 if bench.on_gpu() else mx.float32
-    model = Model(config, bench.random_params(config, dtype), bench.word_tokenizer(config.vocab_size), "random")
+    model = bench.random_model(config)
     rows = []
     for B in [int(b) for b in args.batch_sizes.split(",")]:
         r = costs(model, B, args.prompt_tokens, args.k, args.repeats)

@@ -382,13 +382,17 @@ WORKLOAD_SHAPE = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size
                              num_kv_heads=8, head_dim=64, max_position_embeddings=8192)
 
 
+def random_model(config: ModelConfig, dtype: mx.Dtype | None = None) -> Model:
+    """Random weights of a shape, with a word tokenizer over its vocabulary; bf16 on a GPU and
+    float32 on the CPU unless `dtype` says."""
+    dtype = dtype or (mx.bfloat16 if on_gpu() else mx.float32)
+    return Model(config, random_params(config, dtype), word_tokenizer(config.vocab_size), "random")
+
+
 def workload_model(args) -> Model:
     if args.shape or on_gpu():
-        config = SHAPES[args.shape or "1B"]
-        dtype = DTYPES[args.base_dtype]
-    else:
-        config, dtype = WORKLOAD_SHAPE, mx.float32
-    return Model(config, random_params(config, dtype), word_tokenizer(config.vocab_size), "random")
+        return random_model(SHAPES[args.shape or "1B"], DTYPES[args.base_dtype])
+    return random_model(WORKLOAD_SHAPE, mx.float32)
 
 
 def main_workloads(args) -> int:
