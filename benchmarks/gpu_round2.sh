@@ -24,6 +24,10 @@
 #                                     cache emptied first, then 1B static at 1 and 8 against round 1)
 #   bash benchmarks/gpu_round2.sh u6  # ncu: one 8B decode step at batch 8, this code and round 1's; continuous pair
 #   bash benchmarks/gpu_round2.sh u3  # 8B static against round 1
+#   bash benchmarks/gpu_round2.sh v1  # speculative, 8B batch 1: oracle with device drafts (pipelined rounds) and host
+#                                     drafts, a 1B drafter; ncu of one verify step (k = 4)
+#   bash benchmarks/gpu_round2.sh v3  # where a verify round's host time goes (8B batch 1), then v1's bench
+#   bash benchmarks/gpu_round2.sh v2  # speculative, 8B batch 8 and 32: oracle at alpha 0.7, the 1B drafter with the rule
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
@@ -207,6 +211,26 @@ case "${1:-a}" in
     continuous_pair
     timeout 150 python3 -m mlxfun.bench --prefix --shape 1B --prompts 256 --shared-tokens 2000 --gen-tokens 64 \
       --rows 256 --json "$OUT/r2-prefix-1B-rows256.json" | tail -3
+    ;;
+  v1)
+    timeout 330 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1 --alphas 0.5,0.7,0.9 --ks 4 \
+      --draft-shape 1B --gen-tokens 256 --json "$OUT/r2-spec-8B-b1.json" | tail -12
+    for step in "--verify 4"; do  # one decode step: 534 kernels, 5.61 ms (2026-12-02-h200-s5-verify-ncu-before.json)
+      name=$(echo $step | tr -d ' -')
+      timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/$name.csv" \
+        python3 benchmarks/prefill_ncu.py --shape 8B --batch 1 $step | tail -1
+    done
+    python3 benchmarks/prefill_ncu.py --summarize "$OUT/verify4.csv" --json "$OUT/verify-ncu-8B.json" | head -30
+    gzip "$OUT"/*.csv
+    ;;
+  v3)  # where a verify round's host time goes (8B batch 1), then v1's batch-1 bench
+    timeout 200 python3 benchmarks/verify_profile.py --shape 8B --tokens 128 --json "$OUT/verify-profile-8B.json"
+    timeout 300 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1 --alphas 0.5,0.7,0.9 --ks 4 \
+      --draft-shape 1B --gen-tokens 256 --json "$OUT/r2-spec-8B-b1.json" | tail -12
+    ;;
+  v2)
+    timeout 400 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 8,32 --alphas 0.7 --ks 4 \
+      --draft-shape 1B --gen-tokens 128 --json "$OUT/r2-spec-8B-b8-32.json" | tail -12
     ;;
   e)
     timeout 200 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-new.json" | tail -4

@@ -1,6 +1,7 @@
 """One static-batch prefill of a random-weight shape, for Nsight Compute (CUDA only, diagnostic):
 the GPU time of every kernel of B prompts of T tokens made into a cache, with their first token;
-or (`--decode`) of one decode step after it.
+or (`--decode`) of one decode step after it; or (`--verify K`) of one verify step of K drafts
+after it (this checkout only).
 
 It runs the prefill once to warm up, then a marker kernel, then the prefill that is measured, so
 `summarize` can keep the kernels after the marker. It runs this checkout's scheduler
@@ -25,7 +26,7 @@ MARKER = "mlxfun_prefill_marker"
 UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}  # -> microseconds
 
 
-def run(shape: str, batch: int, tokens: int, decode: bool) -> None:
+def run(shape: str, batch: int, tokens: int, decode: bool, verify: int = 0) -> None:
     import mlx.core as mx
 
     from mlxfun import bench
@@ -43,6 +44,16 @@ def run(shape: str, batch: int, tokens: int, decode: bool) -> None:
             for p in prompts:
                 engine.add(p, max_tokens=8, ignore_eos=True)
             engine.admit()  # evaluates: nothing else is decoding
+            if verify:
+                from mlxfun.step import Mode
+
+                for r in range(batch):
+                    engine.pages.ensure(r, engine.pos[r], engine.pos[r] + verify + 1)
+                engine._sync()
+                drafts, valid = mx.zeros((batch, verify), mx.int32), mx.ones((batch, verify), mx.bool_)
+                fn = engine.steps(engine.config, Mode()).verify
+                args = (engine.params, engine.state._replace(counts=None), drafts, valid, None, engine._settings)
+                return lambda: mx.eval(fn(*args))
             step, args = engine.next_decode()
             return lambda: mx.eval(step(*args))
     else:
@@ -57,7 +68,7 @@ def run(shape: str, batch: int, tokens: int, decode: bool) -> None:
             return lambda: mx.eval(b.steps.decode(b.model.params, state, b.gen.settings))
 
     step = prefill()
-    if decode:
+    if decode or verify:
         for _ in range(3):
             step()  # traced, warm
     mx.synchronize()
@@ -67,7 +78,7 @@ def run(shape: str, batch: int, tokens: int, decode: bool) -> None:
     mx.eval(marker(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(32,)],
                    output_dtypes=[mx.float32])[0])
     mx.synchronize()
-    step() if decode else prefill()
+    step() if decode or verify else prefill()
     mx.synchronize()
 
 
@@ -116,11 +127,13 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--decode", action="store_true", help="one decode step after the prefill instead")
+    p.add_argument("--verify", type=int, default=0,
+                   help="one verify step of this many drafts after the prefill instead")
     p.add_argument("--summarize", nargs="+", default=None, help="ncu CSV logs to summarize instead of running")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.summarize is None:
-        run(args.shape, args.batch, args.prompt_tokens, args.decode)
+        run(args.shape, args.batch, args.prompt_tokens, args.decode, args.verify)
         return 0
     result = summarize(args.summarize)
     for path, r in result.items():

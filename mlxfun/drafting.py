@@ -3,10 +3,12 @@ row's next k tokens.
 
 It keeps a KV pool of its own whose rows mirror the engine's, filled when the engine admits a
 request (the prompt, prefilled) and as rounds go. `draft_pos[r]` counts the positions whose draft
-KV is right; a round first feeds any tokens it lacks (after plain decode steps, or when every
-draft was accepted), then runs one compiled function that drafts k tokens in k one-token steps,
-greedily for greedy rows and by sampling with the row's own settings for sampled rows (their
-distributions q go to the verification, which keeps the target's distribution exact).
+KV is right. A round is one compiled function of k + 1 one-token steps: it feeds the row's last
+token and then each draft, so after any verdict (up to k drafts kept and one more token) the draft
+KV is right up to the row's new last token, and the next round needs nothing from the host. Only
+after plain decode steps does the host feed the tokens it lacks. Drafts are greedy for greedy
+rows and sampled with the row's own settings for sampled rows (their distributions q go to the
+verification, which keeps the target's distribution exact).
 """
 
 from __future__ import annotations
@@ -33,12 +35,15 @@ DRAFT_SALT = 0x68E31DA4
 def draft_round(config: ModelConfig, k: int, sample: bool, sort: bool, params: llama.Params, cache: kv.KVCache,
                 tokens: mx.array, positions: mx.array, settings: sampling.Settings, steps: mx.array):
     """tokens (B,) at positions (B,) (-1: no row) -> drafts (B, k), q (B, k, V) or None, cache.
-    k one-token steps, each feeding the last token (the row's, then its drafts)."""
+    k + 1 one-token steps, each feeding the last token (the row's, then its drafts); the last
+    only writes the k-th draft's KV (a verdict may keep every draft)."""
     drafts, probs = [], []
     live = positions >= 0
-    for i in range(k):
+    for i in range(k + 1):
         p = mx.where(live, positions + i, -1)
         h, cache = llama.hidden(config, params, tokens[:, None], p[:, None], None, cache, fast=True, check=False)
+        if i == k:
+            break
         logits = llama.logits(params, h[:, -1], fast=True).astype(mx.float32)  # (B, V)
         if sample:
             x = sampling.filter_logits(logits, settings, sort=sort)  # (B, V)
@@ -62,7 +67,10 @@ def compiled_round(config: ModelConfig, k: int, sample: bool, sort: bool):
 
 
 class DraftModel(Drafter):
-    """Drafts for an engine's rows from `model` (same tokenizer, usually much smaller)."""
+    """Drafts for an engine's rows from `model` (same tokenizer, usually much smaller), on the
+    device: the engine pipelines its rounds."""
+
+    device = True
 
     def __init__(self, model: Model, engine):
         if model.config.vocab_size != engine.config.vocab_size:
@@ -86,12 +94,13 @@ class DraftModel(Drafter):
             self.cache = kv.KVCache(keys, values, positions, mx.array(self.pages.table))
 
     def admitted(self, engine, rows: list[int]) -> None:
-        """Prefill the admitted requests' prompts (all but the last token: each round feeds it)."""
+        """Prefill the admitted requests' prompts: the draft KV is then right up to the first
+        generated token, which each row's first round feeds (from the device state)."""
         self._ensure_cache()
         prompts = [list(engine.requests[engine.owner[r]].request.prompt) for r in rows]
         for r in rows:
             self.draft_pos[r] = 0
-        self._feed(rows, [p[:-1] for p in prompts])
+        self._feed(rows, prompts)
 
     def released(self, engine, row: int) -> None:
         self.pages.release(row)
@@ -109,6 +118,7 @@ class DraftModel(Drafter):
                                              self.pages, rows_, hist, starts, 512)
         for r, h in todo:
             self.draft_pos[r] = len(h)
+        self.pages.dirty = True  # the cache came back with those rows' table only
 
     def _detach(self) -> kv.KVCache:
         """The draft cache, no longer held here: nothing else references its pool, so the prefill
@@ -116,12 +126,15 @@ class DraftModel(Drafter):
         cache, self.cache = self.cache, None
         return cache
 
+    def catch_up(self, engine, rows: list[int]) -> None:
+        """Feed the tokens plain decode steps added (all but each row's last: rounds feed it)."""
+        self._ensure_cache()
+        self._feed(rows, [_history(engine, r)[:-1] for r in rows])
+
     def propose(self, engine, rows: list[int], k: int) -> tuple[mx.array, mx.array, mx.array | None]:
         """-> drafts (B, k), valid (B, k), q (B, k, V) (or None when every row is greedy)."""
-        self._ensure_cache()
-        histories = [list(engine.requests[engine.owner[r]].request.prompt) +
-                     engine.requests[engine.owner[r]].row.text.tokens for r in rows]
-        self._feed(rows, [h[:-1] for h in histories])
+        histories = [_history(engine, r) for r in rows]
+        self.catch_up(engine, rows)
         B = len(engine.owner)
         positions = np.full(B, -1, np.int32)
         tokens = np.zeros(B, np.int32)
@@ -129,24 +142,46 @@ class DraftModel(Drafter):
         for r, h in zip(rows, histories):
             positions[r], tokens[r] = len(h) - 1, h[-1]
             valid[r, :max(0, min(k, engine.remaining(r) - 1))] = True
-            self.pages.ensure(r, len(h) - 1, len(h) - 1 + k)
+            self.pages.ensure(r, len(h) - 1, len(h) + k)
             self.pages.drop_behind(r, len(h) - 1)
-        self.cache = prefill.ensure_pool(self.cache, self.pool.size)._replace(table=mx.array(self.pages.table[:B]))
+        return self._round(engine, rows, k, engine.state._replace(tokens=mx.array(tokens),
+                                                                  positions=mx.array(positions)), mx.array(valid))
+
+    def draft(self, engine, state, k: int) -> tuple[mx.array, mx.array, mx.array | None]:
+        """From the device state (the engine's `pos` may lag it by one round of at most k + 1
+        tokens: blocks are allocated for two rounds)."""
+        rows = [r for r, o in enumerate(engine.owner) if o is not None]
+        for r in rows:
+            self.pages.ensure(r, engine.pos[r], engine.round_end(r))
+        valid = mx.broadcast_to((state.positions >= 0)[:, None], (state.positions.shape[0], k))
+        return self._round(engine, rows, k, state, valid)
+
+    def _round(self, engine, rows: list[int], k: int, state, valid: mx.array):
+        self._ensure_cache()
+        B = len(engine.owner)
+        self.cache = prefill.ensure_pool(self.cache, self.pool.size)
+        if self.pages.dirty or self.cache.table.shape[0] != B:
+            self.cache = self.cache._replace(table=mx.array(self.pages.table[:B]))
+            self.pages.dirty = False
         mode = _mode([engine.requests[engine.owner[r]] for r in rows])
-        steps = engine.state.steps
         drafts, q, self.cache = compiled_round(self.config, k, mode.sample, mode.sort)(
-            self.model.params, self.cache, mx.array(tokens), mx.array(positions), engine._settings, steps)
-        return drafts, mx.array(valid), q
+            self.model.params, self.cache, state.tokens, state.positions, engine._settings, state.steps)
+        return drafts, valid, q
 
     def reorder(self, engine, keep: list[int]) -> None:
         self.pages.reorder(keep)
         self.draft_pos = [self.draft_pos[r] for r in keep] + [0] * (len(self.draft_pos) - len(keep))
 
-    def verified(self, engine, rows: list[int], counts: list[int]) -> None:
-        """The draft KV is right up to the last accepted draft (the k-th draft was never fed)."""
-        for r in rows:
-            self.draft_pos[r] = min(self.draft_pos[r] + counts[r], self.draft_pos[r] + engine.num_draft_tokens)
+    def verified(self, engine, row: int, count: int) -> None:
+        """The draft KV is right up to the row's new last token (every draft was fed)."""
+        self.draft_pos[row] += count
 
 
 def _mode(records) -> Mode:
     return Mode(sample=any(r.mode.sample for r in records), sort=any(r.mode.sort for r in records))
+
+
+def _history(engine, row: int) -> list[int]:
+    """The row's prompt and the tokens it has generated (as handed out on the host)."""
+    record = engine.requests[engine.owner[row]]
+    return list(record.request.prompt) + record.row.text.tokens

@@ -52,6 +52,7 @@ from mlxfun.load import Model
 from mlxfun.options import GenerationConfig, Request, check_bool, check_positive_int, make_request
 from mlxfun.paging import MIN_BLOCKS, Pages, pool_size
 from mlxfun.rows import Row, host_values
+from mlxfun.speculative import Verdict
 from mlxfun.step import DecodeState, Mode, StepOut, Steps, compiled_steps, first_token
 from mlxfun.strategy import WeightStrategy, default_strategy, memory_limit, params_for_batch, params_for_prompts
 
@@ -224,6 +225,8 @@ class Engine:
         self.policy = policy or speculative.Policy(enabled=speculative.may_pay(rows, num_draft_tokens))
         self._last_decode: float | None = None
         self._streak = 0  # decode steps since the last verify round
+        self._pipelined = False  # verify rounds are queued one ahead (`verify_ahead`)
+        self._last_round: float | None = None  # when the last pipelined round was handed out
         # Any thread.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
@@ -303,16 +306,27 @@ class Engine:
         """One round: take new messages, admit queued requests into free rows, queue a decode step
         for the live rows, then hand out the tokens of the round before (read one step behind, so
         the device never waits for the host). With a drafter, and when the policy says it pays,
-        a round is a verify round instead (`verify`): synchronous, several tokens per row."""
+        a round is a verify round instead, several tokens per row: queued one round ahead too
+        (`verify_ahead`) with a device drafter, else synchronous (`verify`)."""
         if self.drafter is not None and self._speculate():
             t0 = time.perf_counter()
             events = self.admit()
-            events += self.collect()
-            if self._live():
-                events += self.verify(t0)
+            if self.drafter.device and self.pages.ring is None:
+                if not self._pipelined:  # a run of pipelined rounds starts: the drafter catches up
+                    events += self.collect()
+                    self.drafter.catch_up(self, [r for r, o in enumerate(self.owner) if o is not None])
+                    self._pipelined, self._last_round = True, None
+                queued = self.verify_ahead() if self._needs_decode() else None
+                events += self.collect(keep=queued)
+            else:
+                events += self.collect()
+                if self._live():
+                    events += self.verify(t0)
             self._last_decode, self._streak = None, 0
         else:
-            events = self.admit()
+            events = self.collect() if self._pipelined else []  # `pos` exact again before decoding
+            self._pipelined = False
+            events += self.admit()
             if self._needs_decode() and any(self.requests[o].matcher is not None for o in self.owner if o is not None):
                 events += self.masked_decode()
             else:
@@ -547,24 +561,43 @@ class Engine:
         for r in live:  # blocks for every position the round may write
             self.pages.ensure(r, self.pos[r], self.pos[r] + k + 1)
             self.pages.drop_behind(r, self.pos[r])
+        out = self._queue_verify(live, drafts, valid, q)
+        mx.eval(out, self.state)
+        events, kept = self._take_verified(out, list(self.owner), np.array(valid).sum(axis=1).tolist())
+        if t0 is not None and kept:
+            self.policy.record(True, kept, time.perf_counter() - t0)
+        return events
+
+    def verify_ahead(self) -> Verdict:
+        """Queue a verify round whose drafts come from the device state (a device drafter) and
+        leave it in flight: the next `collect` hands out the round before while this one runs.
+        The host's `pos` lags the device by that round (at most k + 1 tokens), so blocks are
+        allocated up to `round_end`."""
+        live = [r for r, o in enumerate(self.owner) if o is not None]
+        for r in live:
+            self.pages.ensure(r, self.pos[r], self.round_end(r))
+        self._sync()
+        drafts, valid, q = self.drafter.draft(self, self.state, self.num_draft_tokens)
+        out = self._queue_verify(live, drafts, valid, q)
+        self._inflight.append((out, list(self.owner)))
+        return out
+
+    def round_end(self, row: int) -> int:
+        """The end of the positions a verify round queued now may write for `row`, while the round
+        before may still be in flight (`verify_ahead`)."""
+        return self.pos[row] + 2 * (self.num_draft_tokens + 1)
+
+    def _queue_verify(self, live: list[int], drafts: mx.array, valid: mx.array, q: mx.array | None) -> Verdict:
         self._sync()
         mode = mode_for([self.requests[self.owner[r]] for r in live])
         out, state = self.steps(self.config, mode).verify(self.params, self.state._replace(counts=None), drafts,
                                                           valid, q, self._settings)
         self.state = state._replace(counts=self.state.counts)
-        mx.eval(out, self.state)
-        counts = out.count.tolist()
-        proposed = np.array(valid).sum(axis=1)
-        self.drafter.verified(self, live, counts)
-        events = self._take_verified(out, counts)
+        mx.async_eval(out, self.state)
         self.stats.steps += 1
         self.stats.verify_rounds += 1
-        self.stats.drafted += int(proposed[live].sum())
-        self.stats.accepted += sum(min(counts[r] - 1, int(proposed[r])) for r in live)
         self.stats.busy_row_steps += len(live)
-        if t0 is not None:
-            self.policy.record(True, sum(counts[r] for r in live) / len(live), time.perf_counter() - t0)
-        return events
+        return out
 
     def collect(self, keep: StepOut | None = None) -> list[Event]:
         """Hand out the tokens of every output in flight except `keep` (the step just queued)."""
@@ -572,7 +605,17 @@ class Engine:
         ready = [item for item in self._inflight if item[0] is not keep]
         self._inflight = [item for item in self._inflight if item[0] is keep]
         for out, owners in ready:
-            events += self._take(out, owners)
+            if isinstance(out, Verdict):
+                taken, kept = self._take_verified(out, owners)
+                events += taken
+                # A pipelined round's time: from the round before handed out to this one, while the
+                # next is in flight (a run's last round, handed out at once after, is not timed).
+                now = time.perf_counter() if keep is not None else None
+                if kept and now is not None and self._last_round is not None:
+                    self.policy.record(True, kept, now - self._last_round)
+                self._last_round = now
+            else:
+                events += self._take(out, owners)
         self._count_rows()
         return events
 
@@ -614,34 +657,44 @@ class Engine:
             return False
         return not any(r.mode.penalties or r.mode.masked for r in live) and self.policy.choose()
 
-    def _take_verified(self, out, counts: list[int]) -> list[Event]:
-        """Hand out each live row's accepted tokens, in order; a row that ends inside its run
-        (EOS, a stop string, max_tokens) keeps the tokens up to there."""
-        tokens = out.tokens.tolist()
+    def _take_verified(self, out: Verdict, owners: list, proposed: list[int] | None = None
+                       ) -> tuple[list[Event], float]:
+        """Hand out a verify round's accepted tokens, in order: `owners[i]` is the request that
+        row i held when it was queued; `proposed[i]`: drafts row i had (None: k, within
+        max_tokens). A row that ends inside its run (EOS, a stop string, max_tokens) keeps the
+        tokens up to there. -> (events, tokens per row the round gave)."""
+        tokens, counts = out.tokens.tolist(), out.count.tolist()
         logprob = None if out.logprob is None else out.logprob.tolist()
         top = None if out.top_ids is None else (out.top_ids.tolist(), out.top_logprobs.tolist())
         now = time.perf_counter()
-        events = []
-        for r, rid in enumerate(list(self.owner)):
-            if rid is None:
-                continue
-            record = self.requests[rid]
-            self.pos[r] += counts[r]  # KV now holds every verified position the row keeps
+        events, rows, given = [], 0, 0
+        k = self.num_draft_tokens
+        for i, rid in enumerate(owners):
+            record = self.requests.get(rid) if rid is not None else None
+            if record is None or record.finish_reason is not None:
+                continue  # ended (or cancelled) while this round was in flight
+            r = self.owner.index(rid)
+            drafts = max(0, min(k, self.remaining(r) - 1)) if proposed is None else proposed[i]
+            self.stats.drafted += drafts
+            self.stats.accepted += min(counts[i] - 1, drafts)
+            rows, given = rows + 1, given + counts[i]
+            self.pos[r] += counts[i]  # KV now holds every verified position the row keeps
+            self.drafter.verified(self, r, counts[i])
             if record.first_token_time is not None:
                 self.stats.itl.append(now - record.last_token_time)
             record.last_token_time = now
-            for j in range(counts[r]):
+            for j in range(counts[i]):
                 before = len(record.row.text.tokens)
-                event = record.row.accept(rid, tokens[r][j], record.request.eos, self.config.max_position_embeddings,
-                                          None if logprob is None else logprob[r][j],
-                                          None if top is None else (top[0][r][j], top[1][r][j]))
+                event = record.row.accept(rid, tokens[i][j], record.request.eos, self.config.max_position_embeddings,
+                                          None if logprob is None else logprob[i][j],
+                                          None if top is None else (top[0][i][j], top[1][i][j]))
                 self.stats.generation_tokens += len(record.row.text.tokens) - before
                 events.append(event)
                 if event.finish_reason is not None:
                     self.stats.requests += 1
                     self._release(r, record)
                     break
-        return events
+        return events, given / rows if rows else 0.0
 
     def _advance(self, record: Record, event: Event, matched: bool = False) -> Event:
         """A constrained row's matcher takes its new token (unless `matched`: it has); once nothing
@@ -711,8 +764,10 @@ class Engine:
 
     def _blocks_needed(self, request: Request) -> int:
         """Blocks a request may hold at once: its prompt and every token it may generate (a ring:
-        its window, and one prefill chunk's blocks)."""
-        return self.pages.blocks_for(len(request.prompt) + self._limit(request),
+        its window, and one prefill chunk's blocks); with a drafter, the positions a verify round
+        queued near the end may write past them (`round_end`)."""
+        spill = 0 if self.drafter is None else 2 * (self.num_draft_tokens + 1)
+        return self.pages.blocks_for(len(request.prompt) + self._limit(request) + spill,
                                      min(self.prefill_step, len(request.prompt)))
 
     def _admissible(self, free: int) -> list[Record]:

@@ -301,6 +301,14 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     return h, kv.KVCache(tuple(new_keys), tuple(new_values), held, cache.table)
 
 
+def step_attention_kernel(config: ModelConfig, params: Params) -> bool:
+    """Whether a one-token step's attention runs mlxfun's kernel (`attention`, with `fast`): CUDA,
+    and a head layout the kernel serves."""
+    dtype = params.norm.dtype
+    return bool(params.layers) and params.layers[0].q_norm is None and kernels.available(mx.zeros((), dtype)) \
+        and kernels.attention_fits(config.head_dim, config.num_heads // config.num_kv_heads, dtype)
+
+
 def logits(params: Params, h: mx.array, fast: bool = False) -> mx.array:
     """h (..., E) -> logits (..., V)."""
     return linear(params.embed if params.lm_head is None else params.lm_head, h, fast)

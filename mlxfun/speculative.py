@@ -99,19 +99,36 @@ def verdict(sample: bool, sort: bool, top_logprobs: int, logits: mx.array, draft
 
 
 class Drafter:
-    """What the engine asks of a drafter, each call on the engine thread: `propose` the next k
-    tokens of live rows; hooks when rows are admitted, verified and released."""
+    """What the engine asks of a drafter, each call on the engine thread: the next k tokens of
+    live rows; hooks when rows are admitted, verified and released.
+
+    A host drafter (`device = False`) implements `propose`, which reads the rows' tokens on the
+    host: each round waits for the verdict before it. A device drafter (`device = True`)
+    implements `draft`, which proposes from the device state the last round left, as lazy arrays:
+    the engine queues round n + 1 before it reads round n's verdict, so the host's work (and the
+    launch of the next round) overlaps the device's, as in plain decoding."""
+
+    device = False
 
     def propose(self, engine, rows: list[int], k: int) -> tuple[mx.array, mx.array, mx.array | None]:
         """-> drafts (B, k) int32, valid (B, k) bool, and the draft distributions (B, k, V) or None
         (drafts that are certain: q is one-hot)."""
         raise NotImplementedError
 
+    def draft(self, engine, state, k: int) -> tuple[mx.array, mx.array, mx.array | None]:
+        """Device drafters: `propose` from `state` (a `step.DecodeState`: each row's last token,
+        its position, its tokens generated so far), reading nothing on the host."""
+        raise NotImplementedError
+
+    def catch_up(self, engine, rows: list[int]) -> None:
+        """Device drafters, before a run of pipelined rounds (nothing in flight): bring what they
+        keep per row up to the rows' tokens (plain decode steps may have added some)."""
+
     def admitted(self, engine, rows: list[int]) -> None:
         pass
 
-    def verified(self, engine, rows: list[int], counts: list[int]) -> None:
-        pass
+    def verified(self, engine, row: int, count: int) -> None:
+        """A round's verdict for `row`, read on the host: it kept `count` tokens."""
 
     def released(self, engine, row: int) -> None:
         pass

@@ -107,6 +107,23 @@ def prefill_chunk(config: ModelConfig, params: Params, tokens: mx.array, positio
     return mx.take_along_axis(h, last[:, None, None], axis=1)[:, 0], cache
 
 
+def verify_hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array, cache: KVCache,
+                  flatten: bool) -> tuple[mx.array, KVCache]:
+    """tokens (B, T) at positions (B, T) through the decoder -> (hidden states (B, T, E), cache).
+    `flatten`: each position goes through as a row of its own (B T rows of one token, each reading
+    its row's blocks), so that attention runs the one-token kernel, which reads the blocks in
+    place; T > 1 gathers them first (8B bf16, batch 1, k = 4 on an H200: 866 kernels and 6.8 ms
+    of GPU time, against 534 and 5.6 ms for a decode step). Every position's keys are written
+    before any query reads and masks come from slot positions, so each sees its causal prefix."""
+    if not flatten:
+        return llama.hidden(config, params, tokens, positions, None, cache, wraps=False, fast=True, check=False)
+    B, T = tokens.shape
+    rows = cache._replace(table=mx.repeat(cache.table, T, axis=0))  # (B T, W)
+    h, new = llama.hidden(config, params, tokens.reshape(B * T, 1), positions.reshape(B * T, 1), None, rows,
+                          fast=True, check=False)  # (B T, 1, E)
+    return h.reshape(B, T, -1), new._replace(table=cache.table)
+
+
 def verify_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeState, drafts: mx.array,
                 valid: mx.array, draft_probs: mx.array | None, settings: sampling.Settings
                 ) -> tuple[speculative.Verdict, DecodeState]:
@@ -118,8 +135,8 @@ def verify_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeSt
     live = state.positions >= 0  # (B,)
     tokens = mx.concatenate([state.tokens[:, None], mx.where(valid, drafts, 0)], axis=1)  # (B, k + 1)
     positions = mx.where(live[:, None], state.positions[:, None] + mx.arange(k + 1)[None], -1)  # (B, k + 1)
-    h, cache = llama.hidden(config, params, tokens, positions, None, state.cache, wraps=False, fast=True,
-                            check=False)  # (B, k + 1, E)
+    h, cache = verify_hidden(config, params, tokens, positions, state.cache,
+                             llama.step_attention_kernel(config, params))  # (B, k + 1, E)
     out = speculative.verdict(mode.sample, mode.sort, mode.top_logprobs, llama.logits(params, h, fast=True), drafts,
                               valid, draft_probs, settings, state.steps)
     last = mx.take_along_axis(out.tokens, (out.count - 1)[:, None], axis=1)[:, 0]  # (B,)

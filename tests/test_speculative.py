@@ -67,6 +67,50 @@ def test_greedy_with_drafts_equals_greedy_without(tiny, draft, rows):
         assert engine.stats.accepted > 0
 
 
+class Alternate(speculative.Policy):
+    """Two verify rounds, then three decode steps, and again (the modes' hand-overs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def choose(self) -> bool:
+        self.calls += 1
+        return self.calls % 5 < 2
+
+
+class Spy(Engine):
+    """Records, each time a verify round's tokens are handed out, whether the next round was
+    queued already (in flight)."""
+
+    def _take_verified(self, out, owners, proposed=None):
+        self.ahead = getattr(self, "ahead", []) + [any(isinstance(o, speculative.Verdict) for o, _ in self._inflight)]
+        return super()._take_verified(out, owners, proposed)
+
+
+@pytest.mark.parametrize("policy", ["always", "alternate"])
+def test_draft_model_rounds_are_queued_one_ahead(tiny, policy):
+    """A device drafter (the draft model) drafts from the device state, so the engine queues
+    round n + 1 before it hands out round n: every round but those that end a run of rounds is
+    handed out with the next in flight. Alternating with plain decode steps (the drafter catches
+    up on their tokens), and with rows refilled as requests end, the tokens equal decoding
+    without speculation."""
+    prompts = mixed_prompts(9, seed=7)
+    plain = generate(tiny, prompts, max_tokens=20, ignore_eos=True).token_ids
+    engine = Spy(tiny, 4, draft=quantized(tiny), num_draft_tokens=3,
+                 policy=speculative.Always() if policy == "always" else Alternate())
+    ids = [engine.add(p, max_tokens=20, ignore_eos=True) for p in prompts]
+    list(engine.events())
+    assert [engine.take(i).row.token_ids for i in ids] == plain
+    ahead = engine.ahead
+    assert len(ahead) == engine.stats.verify_rounds > 10
+    if policy == "always":
+        assert sum(ahead) >= len(ahead) - 4  # the last rounds of the 3 refills and the end may run alone
+    else:
+        assert engine.stats.verify_rounds < engine.stats.steps  # decode steps ran between
+        assert 0 < sum(ahead) < len(ahead)  # the second of each pair was in flight when the first was read
+
+
 def test_eos_and_stop_strings_inside_an_accepted_run(tiny):
     """A row whose end-of-text token or stop string comes in the middle of a run of accepted
     drafts ends there, with the same tokens and text as without speculation."""
@@ -211,12 +255,47 @@ def test_oracle_drafts_of_a_predictable_model_are_accepted_at_its_rate():
     plain: dict = {}
     bs._run(model, prompts, 12, ids_out=plain)
     assert all(ids == [p[-1]] * 12 for ids, p in zip(plain.values(), prompts))  # each step echoes its input
-    for alpha, low, high in ((1.0, 1.0, 1.0), (0.0, 0.0, 0.05)):  # a random draft may hit (1 in 512)
-        drafter = bs.Oracle(plain, alpha, model.config.vocab_size, seed=1)
-        engine, _ = bs._run(model, prompts, 12, draft=drafter, k=3, policy=speculative.Always())
-        s = engine.stats
-        assert low <= s.accepted / s.drafted <= high
-    spec: dict = {}
-    bs._run(model, prompts, 12, draft=bs.Oracle(plain, 0.5, model.config.vocab_size), k=3,
-            policy=speculative.Always(), ids_out=spec)
-    assert spec == plain
+    for kind in (bs.Oracle, bs.DeviceOracle):  # host drafts (synchronous rounds), device drafts (pipelined)
+        for alpha, low, high in ((1.0, 1.0, 1.0), (0.0, 0.0, 0.05)):  # a random draft may hit (1 in 512)
+            drafter = kind(plain, alpha, model.config.vocab_size, seed=1)
+            engine, _ = bs._run(model, prompts, 12, draft=drafter, k=3, policy=speculative.Always())
+            s = engine.stats
+            assert low <= s.accepted / s.drafted <= high
+        spec: dict = {}
+        bs._run(model, prompts, 12, draft=kind(plain, 0.5, model.config.vocab_size), k=3,
+                policy=speculative.Always(), ids_out=spec)
+        assert spec == plain
+
+
+def test_verify_positions_as_rows_of_their_own_equal_the_chunk():
+    """`step.verify_hidden` with `flatten` (on CUDA: each verified position a one-token row, so
+    attention runs the one-token kernel) gives the hidden states and cache of the (B, k + 1)
+    chunk, rows at different positions, one without a request (float32, MLX ops on this CPU)."""
+    from mlxfun import cache as kv
+    from mlxfun import llama
+    from mlxfun.step import verify_hidden
+
+    config = tiny_config(max_position_embeddings=1024)
+    model = tiny_model(config)
+    B, T, bs = 3, 5, 16
+    pool = 12
+    keys, values, positions = kv.pool(config, pool, bs, mx.float32)
+    table = mx.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]], mx.int32)
+    cache = kv.KVCache(keys, values, positions, table)
+    rng = np.random.default_rng(0)
+    lengths = [20, 7, 0]  # row 2 holds no request
+    for r, n in enumerate(lengths[:2]):  # each row's history
+        tokens = mx.array(rng.integers(1, 97, size=(1, n)).astype(np.int32))
+        _, cache = llama.hidden(config, model.params, tokens, mx.arange(n)[None], None,
+                                cache._replace(table=table[r:r + 1]))
+        cache = cache._replace(table=table)
+    start = mx.array([20, 7, -1], mx.int32)
+    pos = mx.where(start[:, None] >= 0, start[:, None] + mx.arange(T)[None], -1)  # (B, T)
+    tokens = mx.array(rng.integers(1, 97, size=(B, T)).astype(np.int32))
+    h0, c0 = verify_hidden(config, model.params, tokens, pos, cache, flatten=False)
+    h1, c1 = verify_hidden(config, model.params, tokens, pos, cache, flatten=True)
+    np.testing.assert_allclose(np.array(h1[:2]), np.array(h0[:2]), rtol=1e-4, atol=1e-4)
+    assert c1.table.shape == cache.table.shape
+    for a, b in zip(c0.keys + c0.values, c1.keys + c1.values):
+        np.testing.assert_allclose(np.array(a[bs:]), np.array(b[bs:]), rtol=1e-5, atol=1e-5)  # block 0: scratch
+    np.testing.assert_array_equal(np.array(c0.positions[1:]), np.array(c1.positions[1:]))
