@@ -180,6 +180,10 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
             return reduce(config, linear(layer.o, out, fast)), written
         if cache.fresh:
             keys, values = k, v  # (B, K, T, D): nothing to read from the pool
+        elif (T == 1 or not cache.wraps) and mx.default_device() == mx.cpu:
+            out = paged_attention(q, *written, cache.table, cache.block_size, mask, D**-0.5)  # (B, H, T, D)
+            out = out.reshape(B, H * D) if x.ndim == 2 else out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
+            return reduce(config, linear(layer.o, out, fast)), written
         elif T == 1 or not cache.wraps:
             keys, values = (kv.gather(w, cache.table, cache.block_size) for w in written)  # (B, K, S, D)
         else:
@@ -218,6 +222,21 @@ def grouped_attention(q: mx.array, keys: mx.array, values: mx.array, mask: mx.ar
     scores = mx.where(mask[:, None, None], scores * scale, mx.array(-mx.inf, scores.dtype))
     probs = mx.softmax(scores, axis=-1, precise=True).reshape(B, K, G * T, S)
     return (probs @ values).reshape(B, H, T, D)
+
+
+def paged_attention(q: mx.array, keys: mx.array, values: mx.array, table: mx.array, block_size: int,
+                    mask: mx.array, scale: float) -> mx.array:
+    """q (B, H, T, D), keys/values pools (N * bs, K, D), table (B, W), mask (B, T, S = W * bs) bool
+    -> (B, H, T, D): `grouped_attention` over each row's slots, read through its table.
+
+    Each row's keys are taken from the pool straight into the (B, K, S, D) layout the products
+    read, one index per (row, key head, slot): one copy, where gathering the blocks and then
+    transposing them made two."""
+    B, H, T, D = q.shape
+    K, W = keys.shape[1], table.shape[1]
+    slot = (table[:, :, None] * block_size + mx.arange(block_size, dtype=mx.int32)).reshape(B, 1, W * block_size)
+    index = slot * K + mx.arange(K, dtype=mx.int32)[None, :, None]  # (B, K, S): rows of the pool's (N bs K, D) view
+    return grouped_attention(q, keys.reshape(-1, D)[index], values.reshape(-1, D)[index], mask, scale)
 
 
 def layer_masks(config: ModelConfig, positions: mx.array, key_pos: mx.array,

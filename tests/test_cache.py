@@ -145,3 +145,32 @@ def test_padding_is_written_to_the_scratch_block_unseen():
     held = np.array(kv.gather_positions(cache.positions, cache.table))
     assert sorted(held[0][held[0] >= 0].tolist()) == [0, 1] and sorted(held[1][held[1] >= 0].tolist()) == [0, 1, 2, 3]
     assert kv.slots(cache.table, positions, kv.block_size(cache)).tolist() == [[0, 0, 8, 9], [16, 17, 18, 19]]
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_paged_attention_equals_attention_over_gathered_rows(T):
+    """`llama.paged_attention` (the CPU's path: keys taken from the pool straight into the layout
+    the products read) equals `grouped_attention` over each row's gathered blocks, rows sharing
+    blocks, under a random mask."""
+    from mlxfun.llama import grouped_attention, paged_attention
+
+    rng = np.random.default_rng(3)
+    B, H, K, D, bs, N, W = 3, 6, 2, 8, 4, 9, 3
+    keys = mx.array(rng.normal(size=(N * bs, K, D)).astype(np.float32))
+    values = mx.array(rng.normal(size=(N * bs, K, D)).astype(np.float32))
+    table = mx.array([[1, 2, 3], [4, 2, 0], [8, 7, 6]], mx.int32)  # row 1 shares block 2 with row 0
+    q = mx.array(rng.normal(size=(B, H, T, D)).astype(np.float32))
+    mask = mx.array(rng.random(size=(B, T, W * bs)) < 0.6)
+    got = paged_attention(q, keys, values, table, bs, mask, D**-0.5)
+    want = grouped_attention(q, kv.gather(keys, table, bs), kv.gather(values, table, bs), mask, D**-0.5)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+    # Against the definition, row by row in NumPy.
+    k, v, t = np.array(keys), np.array(values), np.array(table)
+    for b in range(B):
+        slots = (t[b][:, None] * bs + np.arange(bs)).reshape(-1)
+        for h in range(H):
+            s = np.array(q[b, h]) @ k[slots, h // (H // K)].T * D**-0.5  # (T, S)
+            s = np.where(np.array(mask[b]), s, -np.inf)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            np.testing.assert_allclose(np.array(got[b, h]), p @ v[slots, h // (H // K)], rtol=1e-4, atol=1e-5)

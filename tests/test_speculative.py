@@ -111,6 +111,21 @@ def test_draft_model_rounds_are_queued_one_ahead(tiny, policy):
         assert 0 < sum(ahead) < len(ahead)  # the second of each pair was in flight when the first was read
 
 
+@pytest.mark.parametrize("draft", ["q4", "prompt-lookup"])
+def test_rings_verify_synchronously_and_equal_plain_ring_decoding(tiny, draft):
+    """With max_kv_size every row is a ring: verify rounds run synchronously (a round queued
+    ahead could overwrite slots the round before still reads), and the tokens equal plain
+    decoding with the same ring, past the window's wrap."""
+    prompts = mixed_prompts(6, seed=11)
+    plain = generate(tiny, prompts, max_tokens=40, max_kv_size=24, ignore_eos=True).token_ids
+    drafter = quantized(tiny) if draft == "q4" else draft
+    engine = Spy(tiny, 3, draft=drafter, num_draft_tokens=3, policy=speculative.Always(), max_kv_size=24)
+    ids = [engine.add(p, max_tokens=40, ignore_eos=True) for p in prompts]
+    list(engine.events())
+    assert [engine.take(i).row.token_ids for i in ids] == plain
+    assert engine.stats.verify_rounds > 10 and not any(engine.ahead)
+
+
 def test_eos_and_stop_strings_inside_an_accepted_run(tiny):
     """A row whose end-of-text token or stop string comes in the middle of a run of accepted
     drafts ends there, with the same tokens and text as without speculation."""
