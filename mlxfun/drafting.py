@@ -94,13 +94,10 @@ class DraftModel(Drafter):
             self.cache = kv.KVCache(keys, values, positions, mx.array(self.pages.table))
 
     def admitted(self, engine, rows: list[int]) -> None:
-        """Prefill the admitted requests' prompts: the draft KV is then right up to the first
-        generated token, which each row's first round feeds (from the device state)."""
-        self._ensure_cache()
-        prompts = [list(engine.requests[engine.owner[r]].request.prompt) for r in rows]
+        """Nothing fed yet: a row's prompt is prefilled by its first round (`draft`) or catch-up,
+        so that while the engine decodes plainly (the rule off) the draft model costs nothing."""
         for r in rows:
             self.draft_pos[r] = 0
-        self._feed(rows, prompts)
 
     def released(self, engine, row: int) -> None:
         self.pages.release(row)
@@ -151,6 +148,9 @@ class DraftModel(Drafter):
         """From the device state (the engine's `pos` may lag it by one round of at most k + 1
         tokens: blocks are allocated for two rounds)."""
         rows = [r for r, o in enumerate(engine.owner) if o is not None]
+        self._ensure_cache()
+        new = [r for r in rows if self.draft_pos[r] == 0]  # admitted since: their prompts, up to the first token
+        self._feed(new, [list(engine.requests[engine.owner[r]].request.prompt) for r in new])
         for r in rows:
             self.pages.ensure(r, engine.pos[r], engine.round_end(r))
         valid = mx.broadcast_to((state.positions >= 0)[:, None], (state.positions.shape[0], k))
