@@ -12,8 +12,10 @@ p): the target distribution p, whatever the drafts. Its randomness is a counter-
 Rejected positions' KV stays in the cache at positions beyond the row's own, hidden by causality
 (masks come from slot positions) and overwritten as the row advances: nothing is recomputed.
 
-Drafters propose tokens on the host: `PromptLookup` from n-grams of the row's own prompt and
-output; `DraftModel` (in `mlxfun.drafting`) from a smaller model with the same tokenizer.
+Drafters: `PromptLookup` proposes on the host from n-grams of the row's own prompt and output
+(each round waits for the verdict before it); `DraftModel` (in `mlxfun.drafting`) proposes on
+the device from a smaller model with the same tokenizer, so the engine queues each round before
+it reads the one before (`Drafter.device`).
 """
 
 from __future__ import annotations
