@@ -669,11 +669,12 @@ class Engine:
         now = time.perf_counter()
         events, rows, given = [], 0, 0
         k = self.num_draft_tokens
+        row_of = {o: r for r, o in enumerate(self.owner) if o is not None}  # rows may have moved since
         for i, rid in enumerate(owners):
             record = self.requests.get(rid) if rid is not None else None
             if record is None or record.finish_reason is not None:
                 continue  # ended (or cancelled) while this round was in flight
-            r = self.owner.index(rid)
+            r = row_of[rid]
             drafts = max(0, min(k, self.remaining(r) - 1)) if proposed is None else proposed[i]
             self.stats.drafted += drafts
             self.stats.accepted += min(counts[i] - 1, drafts)
