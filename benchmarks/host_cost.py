@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     w = mx.ones((4096,), mx.bfloat16)
     res = {"device": str(mx.default_device()), "nodes": N,
            "view": timed(mx.compile(views), x), "rms_norm": timed(mx.compile(norms), x, w)}
-    if kernels.available(x):
+    if kernels.available(x.dtype):
         dense = (mx.random.normal((4096, 4096)) / 64).astype(mx.bfloat16)
         q = mx.quantize(dense, group_size=64, bits=4)
         res.update(matmul=timed(mx.compile(matmuls), x, dense), mlx_q4=timed(mx.compile(mlx_q4), x, *q),

@@ -19,7 +19,7 @@ SHAPES = {"o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
 def main() -> int:
-    if not kernels.available(mx.zeros((1,), mx.bfloat16)):
+    if not kernels.available(mx.bfloat16):
         print("qmv_ncu: CUDA only", file=sys.stderr)
         return 2
     weights = {n: (mx.random.normal(s) * s[1] ** -0.5).astype(mx.bfloat16) for n, s in SHAPES.items()}

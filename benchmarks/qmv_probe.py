@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if not kernels.available(mx.zeros((1,), mx.bfloat16)):
+    if not kernels.available(mx.bfloat16):
         print("qmv_probe: CUDA only", file=sys.stderr)
         return 2
     layers, head = qmv_rows.random_layers(args.shape, mx.bfloat16)

@@ -23,9 +23,13 @@ PHASES = ("admit", "decode", "verify_ahead", "verify", "collect", "_fit_cache", 
 
 
 def timed(engine: Engine, totals: dict) -> None:
-    """Wrap the engine's phases (on the instance) to add their wall time to `totals`."""
-    for name in PHASES:
-        fn = getattr(engine, name)
+    """Wrap the engine's phases, and a device drafter's `draft` (on the instances), to add their
+    wall time to `totals`."""
+    targets = [(engine, name) for name in PHASES]
+    if engine.drafter is not None and engine.drafter.device:
+        targets.append((engine.drafter, "draft"))
+    for obj, name in targets:
+        fn = getattr(obj, name)
 
         def wrapper(*a, _fn=fn, _name=name, **k):
             t0 = time.perf_counter()
@@ -34,18 +38,7 @@ def timed(engine: Engine, totals: dict) -> None:
             finally:
                 totals[_name][0] += 1
                 totals[_name][1] += time.perf_counter() - t0
-        setattr(engine, name, wrapper)
-    if engine.drafter is not None and engine.drafter.device:
-        d = engine.drafter.draft
-
-        def draft(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return d(*a, **k)
-            finally:
-                totals["draft"][0] += 1
-                totals["draft"][1] += time.perf_counter() - t0
-        engine.drafter.draft = draft
+        setattr(obj, name, wrapper)
 
 
 def run(model, prompts, tokens, draft=None, k=4) -> dict:

@@ -561,6 +561,7 @@ class Engine:
         for r in live:  # blocks for every position the round may write
             self.pages.ensure(r, self.pos[r], self.pos[r] + k + 1)
             self.pages.drop_behind(r, self.pos[r])
+        self._sync()
         out = self._queue_verify(live, drafts, valid, q)
         mx.eval(out, self.state)
         events, kept = self._take_verified(out, list(self.owner), np.array(valid).sum(axis=1).tolist())
@@ -588,7 +589,7 @@ class Engine:
         return self.pos[row] + 2 * (self.num_draft_tokens + 1)
 
     def _queue_verify(self, live: list[int], drafts: mx.array, valid: mx.array, q: mx.array | None) -> Verdict:
-        self._sync()
+        """Queue the verify step for the live rows (the device state caught up: `_sync`)."""
         mode = mode_for([self.requests[self.owner[r]] for r in live])
         out, state = self.steps(self.config, mode).verify(self.params, self.state._replace(counts=None), drafts,
                                                           valid, q, self._settings)

@@ -158,9 +158,14 @@ _MERGE = compact(r"""
 _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
-def available(x: mx.array) -> bool:
-    """Whether the kernel can run for activations like `x`: CUDA is the default device."""
-    return x.dtype in _DTYPES and mx.default_device() == mx.gpu and mx.cuda.is_available()
+def available(dtype: mx.Dtype) -> bool:
+    """Whether the kernels can run for activations of `dtype`: CUDA is the default device."""
+    return dtype in _DTYPES and mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def serves_attention(head_dim: int, group: int, dtype: mx.Dtype) -> bool:
+    """Whether one-token attention runs `decode_attention` here: CUDA, and a layout it fits."""
+    return available(dtype) and attention_fits(head_dim, group, dtype)
 
 
 def _lane_split(head_dim: int, dtype: mx.Dtype) -> int:

@@ -71,12 +71,12 @@ def linear(p: Linear, x: mx.array, fast: bool = False) -> mx.array:
     rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
     if isinstance(p, Quantized):
         group_size, bits = quant_shape(p, x.shape[-1])
-        if fast and kernels.available(x) and qmv.fits(rows.shape[0], x.shape[-1], group_size, bits):
+        if fast and kernels.available(x.dtype) and qmv.fits(rows.shape[0], x.shape[-1], group_size, bits):
             y = qmv.product(rows, p.weight, p.scales, p.biases, group_size)
         else:
             y = mx.quantized_matmul(rows, p.weight, p.scales, p.biases, transpose=True,
                                     group_size=group_size, bits=bits)
-    elif fast and kernels.available(x) and dmv.fits(rows, p.weight):
+    elif fast and kernels.available(x.dtype) and dmv.fits(rows, p.weight):
         y = dmv.product(rows, p.weight)
     else:
         y = x @ p.weight.T
@@ -169,29 +169,26 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
         q = rope(config, mx.fast.rms_norm(qkv[:, :H], layer.q_norm, config.rms_norm_eps), offset)
         k = rope(config, mx.fast.rms_norm(qkv[:, H:H + K], layer.k_norm, config.rms_norm_eps), offset)
 
-    written = None
+    written, out = None, None
     if cache is None:
         keys, values = k, v
     else:
         written = (kv.write(cache.keys, k, cache.slots), kv.write(cache.values, v, cache.slots))  # (N * bs, K, D)
-        if fast and x.ndim == 2 and layer.q_norm is None and kernels.available(x) and \
-                kernels.attention_fits(D, H // K, x.dtype):
+        if fast and x.ndim == 2 and layer.q_norm is None and kernels.serves_attention(D, H // K, x.dtype):
             out = kernels.decode_attention(qk, *written, cache.table, mask, H)  # (B, H * D)
             return reduce(config, linear(layer.o, out, fast)), written
         if cache.fresh:
             keys, values = k, v  # (B, K, T, D): nothing to read from the pool
         elif (T == 1 or not cache.wraps) and mx.default_device() == mx.cpu:
             out = paged_attention(q, *written, cache.table, cache.block_size, mask, D**-0.5)  # (B, H, T, D)
-            out = out.reshape(B, H * D) if x.ndim == 2 else out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
-            return reduce(config, linear(layer.o, out, fast)), written
         elif T == 1 or not cache.wraps:
             keys, values = (kv.gather(w, cache.table, cache.block_size) for w in written)  # (B, K, S, D)
         else:
             keys = mx.concatenate([kv.gather(cache.keys, cache.table, cache.block_size), k], axis=2)  # (B, K, S + T, D)
             values = mx.concatenate([kv.gather(cache.values, cache.table, cache.block_size), v], axis=2)
-    if not fused_masked_attention() and (T == 1 or B * H * T * keys.shape[2] <= GROUPED_MAX_SCORES):
+    if out is None and not fused_masked_attention() and (T == 1 or B * H * T * keys.shape[2] <= GROUPED_MAX_SCORES):
         out = grouped_attention(q, keys, values, mask, D**-0.5)
-    else:
+    elif out is None:
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask[:, None])
     out = out.reshape(B, H * D) if x.ndim == 2 else out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
     return reduce(config, linear(layer.o, out, fast)), written
@@ -323,9 +320,8 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
 def step_attention_kernel(config: ModelConfig, params: Params) -> bool:
     """Whether a one-token step's attention runs mlxfun's kernel (`attention`, with `fast`): CUDA,
     and a head layout the kernel serves."""
-    dtype = params.norm.dtype
-    return bool(params.layers) and params.layers[0].q_norm is None and kernels.available(mx.zeros((), dtype)) \
-        and kernels.attention_fits(config.head_dim, config.num_heads // config.num_kv_heads, dtype)
+    return bool(params.layers) and params.layers[0].q_norm is None and \
+        kernels.serves_attention(config.head_dim, config.num_heads // config.num_kv_heads, params.norm.dtype)
 
 
 def logits(params: Params, h: mx.array, fast: bool = False) -> mx.array:
