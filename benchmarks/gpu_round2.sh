@@ -27,6 +27,10 @@
 #   bash benchmarks/gpu_round2.sh v1  # speculative, 8B batch 1: oracle with device drafts (pipelined rounds) and host
 #                                     drafts, a 1B drafter; ncu of one verify step (k = 4)
 #   bash benchmarks/gpu_round2.sh v3  # where a verify round's host time goes (8B batch 1), then v1's bench
+#   bash benchmarks/gpu_round2.sh w1  # verify_profile alone: host phases, and rounds queued back to back (8B batch 1)
+#   bash benchmarks/gpu_round2.sh w2  # launch cost of a decode step and a verify round under CUDA graph settings
+#   bash benchmarks/gpu_round2.sh w3  # launch cost, dmv off / on, 100 and 400 ops per CUDA graph; the bench, dmv off / on
+#   bash benchmarks/gpu_round2.sh w4  # dmv across warps: checked, tuned per map; speculative 8B b1 and 1B decode with it
 #   bash benchmarks/gpu_round2.sh v2  # speculative, 8B batch 8 and 32: oracle at alpha 0.7, the 1B drafter with the rule
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
@@ -227,6 +231,39 @@ case "${1:-a}" in
     timeout 200 python3 benchmarks/verify_profile.py --shape 8B --tokens 128 --json "$OUT/verify-profile-8B.json"
     timeout 300 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1 --alphas 0.5,0.7,0.9 --ks 4 \
       --draft-shape 1B --gen-tokens 256 --json "$OUT/r2-spec-8B-b1.json" | tail -12
+    ;;
+  w1)  # where a verify round's time goes, 8B batch 1: host phases, and rounds queued back to back
+    timeout 400 python3 benchmarks/verify_profile.py --shape 8B --tokens 128 --json "$OUT/verify-profile-8B.json"
+    ;;
+  w2)  # the host's launch cost of a decode step and a verify round (8B batch 1) under MLX's CUDA graph settings
+    for env in MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=20 MLX_MAX_OPS_PER_BUFFER=400 \
+               MLX_MAX_OPS_PER_BUFFER=2000; do
+      echo "== $env"
+      env $env timeout 100 python3 benchmarks/verify_profile.py --shape 8B --tokens 128 --loops-only \
+        --json "$OUT/launch-$env.json"
+    done
+    MLX_USE_CUDA_GRAPHS=0 timeout 150 python3 benchmarks/verify_profile.py --shape 8B --tokens 128 \
+      --json "$OUT/verify-profile-8B-nographs.json"
+    ;;
+  w3)  # launch cost with mlxfun.dmv off / on (in one process), default graphs and 400 ops per graph; the bench, dmv off / on
+    for ops in 100 400; do
+      echo "== MLX_MAX_OPS_PER_BUFFER=$ops"
+      MLX_MAX_OPS_PER_BUFFER=$ops timeout 200 python3 benchmarks/verify_profile.py --shape 8B --tokens 128 --loops-only \
+        --dmv-ab --draft-shape 1B --json "$OUT/launch-ops$ops.json" | grep loop
+    done
+    for dense in 0 1; do
+      MLXFUN_DENSE_KERNEL=$dense timeout 150 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1 \
+        --alphas 0.7 --ks 4 --gen-tokens 256 --json "$OUT/r2-spec-8B-b1-dmv$dense.json" | tail -4
+    done
+    ;;
+  w4)  # dmv split across warps: checked, each launch timed per map; speculative 8B b1 at the fastest; 1B decode at 1-8
+    timeout 300 python3 benchmarks/kernels_check.py --only dmv --time-dmv --json "$OUT/dmv-tune.json" | tail -32
+    timeout 200 python3 benchmarks/dmv_tuned.py "$OUT/dmv-tune.json" -- --speculative --shape 8B --batch-sizes 1 \
+      --alphas 0.5,0.7,0.9 --ks 4 --gen-tokens 256 --json "$OUT/r2-spec-8B-b1-dmv-tuned.json" | tail -8
+    small=(--shape 1B --batch-sizes 1,2,4,8 --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16)
+    timeout 90 python3 benchmarks/dmv_tuned.py "$OUT/dmv-tune.json" -- "${small[@]}" --json "$OUT/r2-1B-dmv-tuned.json" \
+      | tail -5
+    timeout 90 python3 -m mlxfun.bench "${small[@]}" --json "$OUT/r2-1B-dmv-off.json" | tail -5
     ;;
   v2)
     timeout 400 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 8,32 --alphas 0.7 --ks 4 \

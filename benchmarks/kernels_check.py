@@ -70,41 +70,57 @@ def qmv_case(M: int, OUT: int, IN: int, group_size: int, per_warp: int | None, d
     return out
 
 
-def dmv_case(M: int, OUT: int, IN: int, per_warp: int, dtype: mx.Dtype) -> dict:
+def dmv_case(M: int, OUT: int, IN: int, launch: dmv.Launch, dtype: mx.Dtype) -> dict:
     mx.random.seed(M * OUT + IN)
     w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(dtype)
     x = mx.random.normal((M, IN)).astype(dtype)
-    got = dmv.product(x, w, per_warp).astype(mx.float32)
+    got = dmv.product(x, w, launch).astype(mx.float32)
     with mx.stream(mx.cpu):
         want = x.astype(mx.float32) @ w.astype(mx.float32).T
         err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
     tol = {mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]
-    out = dict(kernel="dmv", M=M, OUT=OUT, IN=IN, per_warp=per_warp, dtype=str(dtype), rel_err=err, ok=err < tol)
+    out = dict(kernel="dmv", M=M, OUT=OUT, IN=IN, launch=list(launch), dtype=str(dtype), rel_err=err, ok=err < tol)
     print(json.dumps(out), flush=True)
     return out
 
 
-def dmv_timing(M: int, OUT: int, IN: int, calls: int = 50) -> dict:
-    """Microseconds per product of M bf16 rows with an (OUT, IN) weight: dmv against MLX's matmul,
-    `calls` products queued, then waited for (each reads the weight: 8B maps are larger than L2)."""
+def timed(fn, xs: list) -> float:
+    """Microseconds per call of fn over xs, all queued, then waited for."""
+    mx.eval([fn(x) for x in xs[:3]])
+    t = time.perf_counter()
+    mx.eval([fn(x) for x in xs])
+    return (time.perf_counter() - t) / len(xs) * 1e6
+
+
+def dmv_timing(M: int, OUT: int, IN: int, launches: list, calls: int = 50) -> dict:
+    """Microseconds per product of M bf16 rows with an (OUT, IN) weight: MLX's matmul, and dmv at
+    each launch, `calls` products queued, then waited for (each reads the weight: 8B maps are
+    larger than L2)."""
     w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(mx.bfloat16)
     xs = [mx.random.normal((M, IN)).astype(mx.bfloat16) for _ in range(calls)]
     mx.eval(w, xs)
-    out = dict(M=M, OUT=OUT, IN=IN)
-    for name, fn in (("matmul", lambda x: x @ w.T), ("dmv", lambda x: dmv.product(x, w))):
-        mx.eval([fn(x) for x in xs[:3]])
-        t = time.perf_counter()
-        mx.eval([fn(x) for x in xs])
-        out[f"{name}_us"] = (time.perf_counter() - t) / calls * 1e6
-    out["GB_s_dmv"] = OUT * IN * 2 / out["dmv_us"] / 1e3
-    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}), flush=True)
+    out = dict(M=M, OUT=OUT, IN=IN, matmul_us=timed(lambda x: x @ w.T, xs), dmv_us={})
+    for launch in launches:
+        out["dmv_us"][",".join(map(str, launch))] = timed(lambda x: dmv.product(x, w, launch), xs)
+    best = min(out["dmv_us"], key=out["dmv_us"].get)
+    out["best"], out["best_us"] = best, out["dmv_us"][best]
+    out["GB_s_best"] = OUT * IN * 2 / out["best_us"] / 1e3
+    print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in out.items() if k != "dmv_us"}),
+          flush=True)
     return out
+
+
+# The maps of the 8B and 1B shapes (qkv, o, gate_up, down, lm_head), (OUT, IN).
+MAPS = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+        (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048))
+LAUNCHES = [dmv.Launch(r, u, w) for r in (2, 4, 8) for u in (1, 2, 4) for w in (1, 2, 4, 8) if r * u <= 16]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
-    p.add_argument("--time-dmv", action="store_true", help="also time dmv against MLX's matmul at 1-8 rows")
+    p.add_argument("--time-dmv", action="store_true",
+                   help="also time dmv (at each launch) against MLX's matmul at 2, 5 and 8 rows")
     p.add_argument("--only", choices=("attention", "qmv", "dmv"), default=None, help="check one kernel only")
     args = p.parse_args(argv)
     results = []
@@ -123,13 +139,13 @@ def main(argv=None) -> int:
             for M, OUT, IN, gs in ((1, 6144, 4096, 64), (8, 4096, 14336, 64), (3, 1000, 576, 32), (5, 40, 2048, 128)):
                 results.append(qmv_case(M, OUT, IN, gs, None, dtype))
         if dtype != mx.float32 and args.only in (None, "dmv"):
-            for M, OUT, IN, R in ((5, 6144, 4096, 4), (8, 28672, 4096, 4), (2, 4096, 14336, 2), (3, 1001, 576, 1),
-                                  (5, 128256, 4096, 4)):
-                results.append(dmv_case(M, OUT, IN, R, dtype))
+            for M, OUT, IN, launch in ((5, 6144, 4096, None), (8, 28672, 4096, dmv.Launch(4, 2, 4)),
+                                       (2, 4096, 14336, dmv.Launch(2, 4, 8)), (3, 1001, 576, dmv.Launch(1, 1, 1)),
+                                       (5, 128256, 4096, dmv.Launch(8, 2, 2)), (7, 2048, 8192, None)):
+                results.append(dmv_case(M, OUT, IN, launch or dmv.launch_for(M, OUT, IN), dtype))
     ok = all(r["ok"] for r in results)
     print("KERNELS", "OK" if ok else "FAILED", flush=True)
-    timings = [dmv_timing(M, OUT, IN) for OUT, IN in ((28672, 4096), (4096, 14336)) for M in (1, 2, 5, 8)] \
-        if args.time_dmv else []
+    timings = [dmv_timing(M, OUT, IN, LAUNCHES) for OUT, IN in MAPS for M in (2, 5, 8)] if args.time_dmv else []
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(mx.default_device()), "results": results, "ok": ok, "dmv_timings": timings},

@@ -58,19 +58,27 @@ class DeviceOracle(speculative.Drafter):
         self.rows: tuple[list, mx.array] | None = None  # the owners and their continuations, (B, L)
 
     def draft(self, engine: Engine, state, k: int):
-        B = state.tokens.shape[0]
         if self.rows is None or self.rows[0] != engine.owner:
             owners = list(engine.owner)
             self.rows = owners, self.table[mx.array([o if o is not None else 0 for o in owners], mx.int32)]
-        cont = self.rows[1]  # (B, L)
-        index = state.steps[:, None] + mx.arange(k)[None, :]  # (B, k): the token index each draft takes
-        truth = mx.take_along_axis(cont, mx.minimum(index, cont.shape[1] - 1), axis=1)  # (B, k)
-        slot = mx.broadcast_to(mx.arange(k, dtype=mx.uint32)[None, :], (B, k)).reshape(-1)
-        keep = sampling.uniform(slot + self.seed * 64, index.reshape(-1), 1).reshape(B, k) < self.alpha
-        other = sampling.uniform(slot + self.seed * 64 + 32, index.reshape(-1), 1).reshape(B, k) * self.vocab
-        drafts = mx.where(keep, truth, mx.minimum(other.astype(mx.int32), self.vocab - 1))
-        valid = mx.broadcast_to((state.positions >= 0)[:, None], (B, k))
-        return drafts, valid, None
+        # One compiled call: each op costs the host a launch, and a pipelined round is host-bound.
+        return (*_oracle_drafts(self.rows[1], state.steps, state.positions, mx.array(self.alpha, mx.float32),
+                                self.vocab, self.seed, k), None)
+
+
+@mx.compile
+def _oracle_drafts(cont: mx.array, steps: mx.array, positions: mx.array, alpha: mx.array, vocab: int, seed: int,
+                   k: int) -> tuple[mx.array, mx.array]:
+    """cont (B, L) each row's continuation, steps (B,) its tokens so far -> drafts (B, k) (the
+    continuation, each token kept with probability alpha, else a random one), valid (B, k)."""
+    B = cont.shape[0]
+    index = steps[:, None] + mx.arange(k)[None, :]  # (B, k): the token index each draft takes
+    truth = mx.take_along_axis(cont, mx.minimum(index, cont.shape[1] - 1), axis=1)  # (B, k)
+    slot = mx.broadcast_to(mx.arange(k, dtype=mx.uint32)[None, :], (B, k)).reshape(-1)
+    keep = sampling.uniform(slot + seed * 64, index.reshape(-1), 1).reshape(B, k) < alpha
+    other = sampling.uniform(slot + seed * 64 + 32, index.reshape(-1), 1).reshape(B, k) * vocab
+    drafts = mx.where(keep, truth, mx.minimum(other.astype(mx.int32), vocab - 1))
+    return drafts, mx.broadcast_to((positions >= 0)[:, None], (B, k))
 
 
 def predictable(model: Model, scale: float = 100.0) -> Model:

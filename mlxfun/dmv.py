@@ -1,43 +1,50 @@
 """mlxfun's product of a few rows with dense bf16 / fp16 weights, on CUDA.
 
 MLX 0.32 on CUDA runs a one-row product with its matrix-vector kernel, and 2 rows or more with
-its general matrix product, which reads the weights at a fraction of the bandwidth at few rows:
-on an H200 the maps of an 8B step cost 10.4 ms at 1 row, 14.2 ms at 5 and as much at 8 as at 40
-(`benchmarks/step_costs.py`, timed per map). A verify pass of speculative decoding (k + 1 rows per
-sequence) and decode steps of 2 to 8 rows pay that. `product` reads each weight once for all rows.
+cuBLASLt, which at few rows reads the weights no faster, and costs the host more per call: MLX
+builds the matmul's descriptors and asks cuBLASLt for a heuristic at every call, and captures it
+into its CUDA graph. A verify pass of speculative decoding (k + 1 rows per sequence) and decode
+steps of 2 to 8 rows are host-bound on an H200 (8B bf16, batch 1: queueing a verify round took
+6.3-8.4 ms of host time against 6.0 ms of GPU time, benchmarks/README.md). `product` reads each
+weight once for all rows, as one custom kernel.
 
-Opt-in until measured on a GPU: the decoder runs it only where its caller asks (`fast`, as the
-steps of `mlxfun.step` do) and `MLXFUN_DENSE_KERNEL=1` was set when mlxfun was imported (an
-environment setting, like `MLXFUN_BLAS`, so that a benchmark can compare both in two processes).
+On by default wherever mlxfun's kernels run (`fast`, as the steps of `mlxfun.step` ask, on CUDA);
+`MLXFUN_DENSE_KERNEL=0` when mlxfun is imported turns it off (an environment setting, like
+`MLXFUN_BLAS`, so that a benchmark compares both in two processes). Measured on an H200
+(`2026-12-02-h200-s6-*`): 1B decode at batch 2 / 4 / 8, 1.60x / 1.40x / 1.39x the tokens/s
+without it; 8B speculative decoding at batch 1 (oracle, alpha 0.7, k = 4): 1.92x plain with it,
+where without it the same run gave 0.28x in one process and 1.48x with host drafts.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import mlx.core as mx
 
 from mlxfun.kernels import compact
 
 _DMV = compact(r"""
-    // One warp computes R output features for all M rows of x. Each lane reads 16-byte chunks of
-    // a feature's weights (V values), U chunks per feature in flight; a chunk's x values are read
-    // once per row and serve all R features. The lanes' partial sums meet by warp shuffles.
-    constexpr int V = 16 / sizeof(T), U = 2;
+    // A block of W warps computes R output features (from f0) for all M rows of x. The warps split
+    // the inputs: lane l of warp w reads 16-byte chunks (V values) w * 32 + l, then every 32 * W
+    // after, U chunks per feature in flight; a chunk's x values are read once per row and serve
+    // all R features. Partial sums meet by warp shuffles, then across the warps in shared memory.
+    // Splitting the inputs keeps the device full when OUT / R blocks are few (4096 x 14336: 1024).
+    constexpr int V = 16 / sizeof(T), STRIDE = 32 * W;
     const int IN = x_shape[1], OUT = w_shape[0], chunks = IN / V;
-    const int f0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R, lane = threadIdx.x & 31;
-    if (f0 >= OUT) return;  // a whole warp: the kernel has no block-wide barrier
+    const int f0 = blockIdx.x * R, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float acc[M][R];
     #pragma unroll
     for (int m = 0; m < M; ++m) {
         #pragma unroll
         for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
     }
-    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+    for (int c0 = warp * 32 + lane; c0 < chunks; c0 += STRIDE * U) {
         uint4 wv[U][R];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int c = c0 + 32 * u;
+            const int c = c0 + STRIDE * u;
             #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const int64_t f = min(f0 + r, OUT - 1);  // past the end: recomputes the last, never stored
@@ -46,7 +53,7 @@ _DMV = compact(r"""
         }
         #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int c = c0 + 32 * u;
+            const int c = c0 + STRIDE * u;
             if (c >= chunks) break;
             #pragma unroll
             for (int m = 0; m < M; ++m) {
@@ -60,6 +67,7 @@ _DMV = compact(r"""
             }
         }
     }
+    __shared__ float part[W][M * R];
     #pragma unroll
     for (int m = 0; m < M; ++m) {
         #pragma unroll
@@ -67,19 +75,31 @@ _DMV = compact(r"""
             float v = acc[m][r];
             #pragma unroll
             for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
-            if (lane == (m * R + r) % 32 && f0 + r < OUT) y[(int64_t)m * OUT + f0 + r] = static_cast<T>(v);
+            if (lane == 0) part[warp][m * R + r] = v;
         }
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < M * R; t += STRIDE) {
+        float v = 0.f;
+        #pragma unroll
+        for (int i = 0; i < W; ++i) v += part[i][t];
+        const int m = t / R, r = t % R;
+        if (f0 + r < OUT) y[(int64_t)m * OUT + f0 + r] = static_cast<T>(v);
     }
 """)
 
 ENV = "MLXFUN_DENSE_KERNEL"
 # Read once, at import (see the module docstring).
-ENABLED = os.environ.get(ENV, "").strip() == "1"
+ENABLED = os.environ.get(ENV, "").strip() != "0"
 
 MIN_ROWS, MAX_ROWS = 2, 8  # one row: MLX's matrix-vector kernel; more than 8: its matrix product
-FEATURES_PER_WARP = 4
-WARPS = 4
 _DTYPES = (mx.bfloat16, mx.float16)
+
+
+class Launch(NamedTuple):
+    per_block: int = 4  # R: output features per block
+    in_flight: int = 2  # U: 16-byte chunks per feature each lane has in flight
+    warps: int = 4  # W: warps per block, splitting the inputs
 
 
 def fits(x: mx.array, w: mx.array) -> bool:
@@ -88,16 +108,39 @@ def fits(x: mx.array, w: mx.array) -> bool:
             and x.shape[-1] % (16 // x.dtype.size) == 0)
 
 
-def grid(out_features: int, per_warp: int = FEATURES_PER_WARP) -> tuple[int, int]:
-    """(threads in the grid, threads per block): one warp per `per_warp` output features."""
-    threads = 32 * WARPS
-    return threads * -(-out_features // (per_warp * WARPS)), threads
+def grid(out_features: int, launch: Launch = Launch()) -> tuple[int, int]:
+    """(threads in the grid, threads per block): one block per `per_block` output features."""
+    block = 32 * launch.warps
+    return block * -(-out_features // launch.per_block), block
 
 
-def product(x: mx.array, w: mx.array, per_warp: int = FEATURES_PER_WARP) -> mx.array:
+# The fastest launch per (OUT, IN) at 2 / 5 / 8 rows, timed on an H200 for the maps of the 8B and
+# 1B shapes (`kernels_check.py --time-dmv`, 32 launches, 50 products queued each). Maps under
+# ~20 us are near the host's launch cost there, so their picks carry noise.
+TUNED = {(6144, 4096): ((2, 4, 8), (2, 1, 1), (2, 1, 1)), (4096, 4096): ((2, 4, 2), (4, 1, 1), (8, 2, 1)),
+         (28672, 4096): ((4, 1, 8), (4, 2, 1), (4, 4, 1)), (4096, 14336): ((4, 1, 2), (4, 1, 1), (4, 1, 1)),
+         (128256, 4096): ((4, 1, 8), (4, 2, 1), (4, 4, 1)), (3072, 2048): ((8, 1, 2), (4, 1, 2), (2, 2, 2)),
+         (2048, 2048): ((4, 2, 4), (4, 1, 2), (4, 1, 1)), (16384, 2048): ((4, 1, 2), (2, 2, 2), (8, 2, 2)),
+         (2048, 8192): ((4, 2, 2), (8, 1, 4), (8, 2, 1)), (128256, 2048): ((4, 1, 4), (4, 2, 1), (4, 2, 1))}
+TUNED_ROWS = (2, 5, 8)
+
+
+def launch_for(rows: int, out_features: int, in_features: int) -> Launch:
+    """The launch for a product's shape: the timed one at the nearest row count, else by the
+    number of blocks: many output features fill the device with one warp per block; few need the
+    inputs split across warps."""
+    tuned = TUNED.get((out_features, in_features))
+    if tuned is not None:
+        return Launch(*tuned[min(range(len(TUNED_ROWS)), key=lambda i: abs(TUNED_ROWS[i] - rows))])
+    return Launch(4, 2, 1) if out_features >= 16384 else Launch(4, 1, 2)
+
+
+def product(x: mx.array, w: mx.array, launch: Launch | None = None) -> mx.array:
     """x (M, IN) @ w (OUT, IN)^T -> (M, OUT), each weight read once; needs `fits`."""
     M, out = x.shape[0], w.shape[0]
+    launch = launch_for(M, out, x.shape[1]) if launch is None else launch
     kernel = mx.fast.cuda_kernel(name="mlxfun_dmv", input_names=["x", "w"], output_names=["y"], source=_DMV)
-    threads, block = grid(out, per_warp)
-    return kernel(inputs=[x, w], template=[("T", x.dtype), ("M", M), ("R", per_warp)], grid=(threads, 1, 1),
-                  threadgroup=(block, 1, 1), output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]
+    threads, block = grid(out, launch)
+    template = [("T", x.dtype), ("M", M), ("R", launch.per_block), ("U", launch.in_flight), ("W", launch.warps)]
+    return kernel(inputs=[x, w], template=template, grid=(threads, 1, 1), threadgroup=(block, 1, 1),
+                  output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]

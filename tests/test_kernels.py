@@ -2,6 +2,10 @@
 (`cuda_emulator`: one thread per CUDA thread) against a float64 NumPy reference. Speed and bf16
 rounding are checked on a GPU by benchmarks/kernels_check.py."""
 
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -157,16 +161,21 @@ def test_emulated_qmv_mma_matches_reference(M, OUT, IN, group_size, warps, in_fl
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-@pytest.mark.parametrize("M,OUT,IN,per_warp", [(2, 70, 256, 4), (5, 33, 576, 4), (8, 40, 512, 2), (3, 9, 4100, 1)])
-def test_emulated_dense_product_matches_reference(M, OUT, IN, per_warp):
-    """The few-row dense product: features past a warp's share (OUT not a multiple of 4 x 4),
-    chunks past the end of a lane's loop (4100 inputs: 1025 chunks of 4 float32 values)."""
+@pytest.mark.parametrize("M,OUT,IN,launch", [(2, 70, 256, dmv.Launch()), (5, 33, 576, dmv.Launch(4, 1, 2)),
+                                             (8, 40, 512, dmv.Launch(2, 2, 4)), (3, 9, 4100, dmv.Launch(1, 4, 1)),
+                                             (5, 21, 1000, dmv.Launch(8, 2, 8)), (8, 19, 256, dmv.Launch(8, 1, 1)),
+                                             (4, 37, 2048, dmv.Launch(8, 1, 4))])
+def test_emulated_dense_product_matches_reference(M, OUT, IN, launch):
+    """The few-row dense product: features past the last block's share (OUT not a multiple of R),
+    chunks past the end of a lane's loop (4100 inputs: 1025 chunks of 4 float32 values), warps
+    splitting the inputs (and warps with no chunk: 250 chunks, 8 warps, 2 in flight), more
+    partial sums (M R = 64) than threads (32)."""
     rng = np.random.default_rng(M * OUT)
     x = rng.standard_normal((M, IN)).astype(np.float32)
     w = (rng.standard_normal((OUT, IN)) * IN**-0.5).astype(np.float32)
-    grid, block = dmv.grid(OUT, per_warp)  # as dmv.product launches it
-    (got,) = run(dmv._DMV, dict(x=x, w=w), {"y": (M, OUT)}, [("T", 0), ("M", M), ("R", per_warp)], (grid, 1, 1),
-                 block)
+    grid, block = dmv.grid(OUT, launch)  # as dmv.product launches it
+    template = [("T", 0), ("M", M), ("R", launch.per_block), ("U", launch.in_flight), ("W", launch.warps)]
+    (got,) = run(dmv._DMV, dict(x=x, w=w), {"y": (M, OUT)}, template, (grid, 1, 1), block)
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), atol=1e-4)
 
 
@@ -179,7 +188,28 @@ def test_dense_product_limits(monkeypatch):
     assert not dmv.fits(x.astype(mx.float32), w.astype(mx.float32))  # bf16 and fp16 only
     assert not dmv.fits(mx.zeros((5, 4100), mx.bfloat16), mx.zeros((128, 4100), mx.bfloat16))  # 16-byte chunks
     monkeypatch.setattr(dmv, "ENABLED", False)
-    assert not dmv.fits(x, w)  # opt-in ($MLXFUN_DENSE_KERNEL=1 at import)
+    assert not dmv.fits(x, w)  # turned off ($MLXFUN_DENSE_KERNEL=0 at import)
+
+
+@pytest.mark.parametrize("setting,enabled", [(None, True), ("1", True), ("0", False)])
+def test_dense_product_is_on_unless_turned_off(setting, enabled):
+    env = {k: v for k, v in os.environ.items() if k != dmv.ENV}
+    if setting is not None:
+        env[dmv.ENV] = setting
+    out = subprocess.run([sys.executable, "-c", "from mlxfun import dmv; print(dmv.ENABLED)"], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(enabled)
+
+
+def test_dense_product_launch_for_shapes():
+    # Timed shapes: the launch timed fastest at the nearest row count (2, 5, 8).
+    assert dmv.launch_for(5, 28672, 4096) == dmv.Launch(4, 2, 1)  # the 8B gate/up map in a verify pass (k = 4)
+    assert dmv.launch_for(2, 28672, 4096) == dmv.Launch(4, 1, 8)
+    assert dmv.launch_for(3, 28672, 4096) == dmv.Launch(4, 1, 8)  # nearer 2 than 5
+    assert dmv.launch_for(7, 28672, 4096) == dmv.Launch(4, 4, 1)
+    # Other shapes: one warp per block where output features are many, inputs split where they are few.
+    assert dmv.launch_for(4, 32000, 5120) == dmv.Launch(4, 2, 1)
+    assert dmv.launch_for(4, 5120, 5120) == dmv.Launch(4, 1, 2)
 
 
 def tiny_dense_config():
