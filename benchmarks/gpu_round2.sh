@@ -31,6 +31,8 @@
 #   bash benchmarks/gpu_round2.sh w2  # launch cost of a decode step and a verify round under CUDA graph settings
 #   bash benchmarks/gpu_round2.sh w3  # launch cost, dmv off / on, 100 and 400 ops per CUDA graph; the bench, dmv off / on
 #   bash benchmarks/gpu_round2.sh w4  # dmv across warps: checked, tuned per map; speculative 8B b1 and 1B decode with it
+#   bash benchmarks/gpu_round2.sh x1  # dmv as shipped: checked; speculative 8B b1 (alpha 0.5-0.9); a round's host time
+#   bash benchmarks/gpu_round2.sh x2  # speculative 8B at batch 8 and 32, oracle and the 1B drafter with the rule
 #   bash benchmarks/gpu_round2.sh v2  # speculative, 8B batch 8 and 32: oracle at alpha 0.7, the 1B drafter with the rule
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
@@ -264,6 +266,16 @@ case "${1:-a}" in
     timeout 90 python3 benchmarks/dmv_tuned.py "$OUT/dmv-tune.json" -- "${small[@]}" --json "$OUT/r2-1B-dmv-tuned.json" \
       | tail -5
     timeout 90 python3 -m mlxfun.bench "${small[@]}" --json "$OUT/r2-1B-dmv-off.json" | tail -5
+    ;;
+  x1)  # dmv as shipped (tuned launches, on by default): checked; speculative 8B b1; a round's host time
+    timeout 100 python3 benchmarks/kernels_check.py --only dmv | tail -1
+    timeout 250 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1 --alphas 0.5,0.7,0.9 --ks 4 \
+      --gen-tokens 256 --json "$OUT/r2-spec-8B-b1.json" | tail -8
+    timeout 150 python3 benchmarks/verify_profile.py --shape 8B --tokens 128 --json "$OUT/verify-profile-8B.json"
+    ;;
+  x2)  # speculative 8B at batch 8 and 32 (oracle; the 1B drafter with the rule), 64 tokens
+    timeout 550 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 8,32 --alphas 0.7 --ks 4 \
+      --draft-shape 1B --gen-tokens 64 --json "$OUT/r2-spec-8B-b8-32.json" | tail -12
     ;;
   v2)
     timeout 400 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 8,32 --alphas 0.7 --ks 4 \

@@ -54,7 +54,7 @@ class DeviceOracle(speculative.Drafter):
         table = np.zeros((max(continuations) + 1, width), np.int32)  # request id -> its continuation
         for i, c in continuations.items():
             table[i, :len(c)] = c
-        self.table, self.alpha, self.vocab, self.seed = mx.array(table), alpha, vocab, seed
+        self.table, self.alpha, self.vocab, self.seed = mx.array(table), mx.array(alpha, mx.float32), vocab, seed
         self.rows: tuple[list, mx.array] | None = None  # the owners and their continuations, (B, L)
 
     def draft(self, engine: Engine, state, k: int):
@@ -62,8 +62,8 @@ class DeviceOracle(speculative.Drafter):
             owners = list(engine.owner)
             self.rows = owners, self.table[mx.array([o if o is not None else 0 for o in owners], mx.int32)]
         # One compiled call: each op costs the host a launch, and a pipelined round is host-bound.
-        return (*_oracle_drafts(self.rows[1], state.steps, state.positions, mx.array(self.alpha, mx.float32),
-                                self.vocab, self.seed, k), None)
+        return (*_oracle_drafts(self.rows[1], state.steps, state.positions, self.alpha, self.vocab, self.seed, k),
+                None)
 
 
 @mx.compile

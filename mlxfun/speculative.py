@@ -37,6 +37,9 @@ class Verdict(NamedTuple):
     logprob: mx.array | None  # (B, k + 1) float32
     top_ids: mx.array | None  # (B, k + 1, n) int32
     top_logprobs: mx.array | None  # (B, k + 1, n) float32
+    # (B, k + 2) int32: count, then tokens, as one array, so the host reads both in one transfer
+    # (on CUDA each read of a device array is a copy to host memory of its own). None: read them apart.
+    packed: mx.array | None = None
 
 
 def accepted(ok: mx.array) -> mx.array:

@@ -141,7 +141,8 @@ def verify_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeSt
                               valid, draft_probs, settings, state.steps)
     last = mx.take_along_axis(out.tokens, (out.count - 1)[:, None], axis=1)[:, 0]  # (B,)
     new_positions = mx.where(live, state.positions + out.count, state.positions)
-    return out, DecodeState(cache, last, new_positions, state.steps + out.count, state.counts)
+    packed = mx.concatenate([out.count[:, None], out.tokens], axis=1)  # (B, k + 2)
+    return out._replace(packed=packed), DecodeState(cache, last, new_positions, state.steps + out.count, state.counts)
 
 
 def first_token(config: ModelConfig, mode: Mode, params: Params, h: mx.array, settings: sampling.Settings,
