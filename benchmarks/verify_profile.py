@@ -1,8 +1,12 @@
-"""Where a verify round's wall time goes on the host (diagnostic): plain decoding, then the oracle
-drafter with device drafts (pipelined rounds) and host drafts (synchronous rounds), each engine
-method timed per call. Prints ms per round for each.
+"""Where a verify round's wall time goes (diagnostic, GPU). First rounds read nothing on the host
+(`device_loop`): plain decode steps, oracle verify rounds with device drafts and, with
+`--draft-shape`, a random draft model's rounds, each queued back to back (the device's time where
+it is the slower) and one at a time on an idle device (the host's launch cost alone); `--dmv-ab`
+runs them with mlxfun's few-row product off, on, off, on. Then whole engine runs, each engine
+method timed per call: plain decoding, the oracle with device drafts (pipelined rounds) and with
+host drafts (synchronous rounds). Prints ms per round for each.
 
-Run:  python benchmarks/verify_profile.py --shape 8B --tokens 128 --json out.json
+Run:  python benchmarks/verify_profile.py --shape 8B --tokens 128 [--loops-only --dmv-ab --draft-shape 1B]
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ def device_loop(model, prompts, rounds: int, draft=None, k: int = 4) -> dict:
     `rounds` queued back to back (ms per round to queue them, and until the last is done: the
     device's time where it is the slower), then one at a time on an idle device (ms to queue
     each: the host's launch cost alone)."""
+    rounds = max(rounds, 2)
     engine = Engine(model, len(prompts), draft=draft, num_draft_tokens=k, policy=speculative.Always())
     for p in prompts:
         engine.add(p, max_tokens=rounds * (k + 1) + 8, ignore_eos=True)

@@ -450,25 +450,25 @@ def main_speculative(args) -> int:
         q4 = load(args.model)
         model = Model(q4.config, weights.cast(q4.config, q4.params, mx.float32), q4.tokenizer, q4.source)
         draft = q4
-        text = bw.SYSTEM_TEXT * 2
-        passage = [model.tokenizer.encode_chat([{"role": "user", "content": f"Repeat this text exactly:\n{text}"}])]
+        tasks = {name: model.tokenizer.encode_chat([{"role": "user", "content": text}])
+                 for name, text in bw.TASKS.items()}  # real text for prompt lookup: editing and summarising
     else:
         model = workload_model(args)
         draft = None
         if args.draft_shape:
             config = SHAPES[args.draft_shape]
             draft = Model(config, random_params(config, DTYPES[args.base_dtype], seed=1), model.tokenizer, "draft")
-        passage = None
+        tasks = {}
     for B in args.batch_sizes:
         prompts = random_prompts(model.config.vocab_size, B, args.prompt_tokens)
         rows += bs.oracle(model, prompts, args.gen_tokens, alphas, ks)
         if draft is not None:
             rows.append(bs.end_to_end(model, prompts, args.gen_tokens, "draft model", draft, 4))
             rows.append(bs.end_to_end(model, prompts, args.gen_tokens, "draft model", draft, 4, forced=True))
-        if passage is not None:
-            rows.append(bs.end_to_end(model, passage * B, args.gen_tokens, "prompt lookup", "prompt-lookup", 4))
-            rows.append(bs.end_to_end(model, passage * B, args.gen_tokens, "prompt lookup", "prompt-lookup", 4,
-                                      forced=True))
+        for name, prompt in tasks.items():
+            for forced in (False, True):
+                rows.append(bs.end_to_end(model, [prompt] * B, args.gen_tokens, f"lookup, {name}", "prompt-lookup", 4,
+                                          forced=forced))
     print()
     print(bs.table(rows))
     if args.json:

@@ -179,12 +179,12 @@ def _row(name, batch, k, alpha, plain, tps, engine) -> SpecRow:
 
 
 def table(rows: list[SpecRow]) -> str:
-    head = (f"{'drafter':18s} {'batch':>5s} {'k':>2s} {'alpha':>5s} {'plain tok/s':>11s} {'spec tok/s':>10s} "
+    head = (f"{'drafter':26s} {'batch':>5s} {'k':>2s} {'alpha':>5s} {'plain tok/s':>11s} {'spec tok/s':>10s} "
             f"{'speedup':>7s} {'accept':>6s} {'tok/round':>9s} {'verified':>8s}")
     lines = [head, "-" * len(head)]
     for r in rows:
         alpha = f"{r.alpha:.1f}" if r.alpha is not None else "-"
-        lines.append(f"{r.drafter:18s} {r.batch:5d} {r.k:2d} {alpha:>5s} {r.plain_tps:11.1f} {r.spec_tps:10.1f} "
+        lines.append(f"{r.drafter:26s} {r.batch:5d} {r.k:2d} {alpha:>5s} {r.plain_tps:11.1f} {r.spec_tps:10.1f} "
                      f"{r.speedup:7.2f} {r.acceptance:6.2f} {r.tokens_per_round:9.2f} "
                      f"{r.verify_rounds:4d}/{r.steps:<4d}")
     return "\n".join(lines)

@@ -110,6 +110,18 @@ SYSTEM_TEXT = ("You are a careful assistant for a public library. Answer questio
                "renewals, fines, events for children and adults, the reading rooms, the archive, interlibrary "
                "loans, printing and the wireless network. Be brief and polite, give the exact figure when one is "
                "asked for, and say when you do not know. ")
+# A passage to edit and to summarise (prompt lookup drafts from it), with four misspellings to correct.
+PASSAGE = ("The town library opened in 1904 in two rooms above the post office. Its first librarian, a retired "
+           "teacher, kept the books in order by size, because the shelves were too short for anything else. In "
+           "1931 the library moved to its own buiding on the market square, paid for by a collection among the "
+           "farmers of the valley. The reading room was heated by a single stove, and in winter readers brought "
+           "their own coal. After the war the collection grew quickly: the library lent records from 1952, "
+           "opened a childrens room in 1960 and a local history archive in 1975. Today it holds about forty "
+           "thousand books, lends e-books and laptops, and runs reading groups for every age. The stove is "
+           "still there, in the corner of the reading room, though nobody has lit it since 1968, and the "
+           "shelves are now tall enough for any book the libary buys.")
+TASKS = {"edit": "Correct the spelling mistakes in this text and write it out in full:\n\n" + PASSAGE,
+         "summarize": "Summarize this text in three sentences:\n\n" + PASSAGE}
 QUESTIONS = ["When does the library open on Sunday?", "How many books can I borrow at once?",
              "Can I renew a loan online, and how many times?", "What is the fine for a late DVD?",
              "Is there a reading group for teenagers this month?", "How do I print from my laptop?",

@@ -554,17 +554,22 @@ class Engine:
     def verify(self, t0: float | None = None) -> list[Event]:
         """One verify round for the live rows (nothing in flight): each drafts up to
         `num_draft_tokens`, one forward pass checks them all, and each row takes the tokens it
-        accepted and one more."""
+        accepted and one more. Where no row has a draft, a decode step instead (not timed as a
+        verify round: the policy measures rounds that verify something)."""
         live = [r for r, o in enumerate(self.owner) if o is not None]
         k = self.num_draft_tokens
         drafts, valid, q = self.drafter.propose(self, live, k)  # (B, k), (B, k), (B, k, V) or None
+        proposed = np.array(valid).sum(axis=1).tolist()
+        if not any(proposed):  # nothing to verify (prompt lookup found no n-gram): a decode step costs less
+            self.decode()
+            return self.collect()
         for r in live:  # blocks for every position the round may write
             self.pages.ensure(r, self.pos[r], self.pos[r] + k + 1)
             self.pages.drop_behind(r, self.pos[r])
         self._sync()
         out = self._queue_verify(live, drafts, valid, q)
         mx.eval(out, self.state)
-        events, kept = self._take_verified(out, list(self.owner), np.array(valid).sum(axis=1).tolist())
+        events, kept = self._take_verified(out, list(self.owner), proposed)
         if t0 is not None and kept:
             self.policy.record(True, kept, time.perf_counter() - t0)
         return events

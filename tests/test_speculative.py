@@ -214,6 +214,38 @@ def test_the_measured_rule_turns_speculation_off_where_it_loses(tiny):
     assert 0 < engine.stats.verify_rounds < engine.stats.steps / 3
 
 
+class Silent(speculative.Drafter):
+    """A host drafter that drafts for some rows (`rows`) and never for the rest."""
+
+    def __init__(self, rows=()):
+        self.rows, self.calls = set(rows), 0
+
+    def propose(self, engine, rows, k):
+        self.calls += 1
+        B = len(engine.owner)
+        valid = np.zeros((B, k), bool)
+        for r in rows:
+            valid[r] = engine.owner[r] in self.rows
+        return mx.zeros((B, k), mx.int32), mx.array(valid), None
+
+
+def test_rounds_with_no_draft_decode_plainly(tiny):
+    """Where prompt lookup finds no n-gram for any row, the round is a decode step (a verify pass
+    would cost more for the same one token), and the policy does not time it as a verify round;
+    one row with a draft makes it a verify round again."""
+    prompts = mixed_prompts(4, seed=3)
+    plain = generate(tiny, prompts, max_tokens=12, ignore_eos=True).token_ids
+    drafter = Silent()
+    out, engine = run(tiny, prompts, draft=drafter, max_tokens=12, ignore_eos=True)
+    assert [r.token_ids for r in out] == plain
+    assert engine.stats.verify_rounds == 0 and drafter.calls >= 11 and engine.stats.drafted == 0
+    assert engine.policy.rate[True] is None  # never timed as speculating
+    drafter = Silent(rows={0})  # request 0 always has drafts (zeros)
+    out, engine = run(tiny, prompts, draft=drafter, max_tokens=12, ignore_eos=True)
+    assert [r.token_ids for r in out] == plain
+    assert engine.stats.verify_rounds >= 3 and engine.stats.drafted >= 4 * engine.stats.verify_rounds
+
+
 def test_policy_follows_the_faster_mode_and_retries_the_other():
     policy = speculative.Policy(interval=4)
     choices = []
