@@ -33,6 +33,8 @@
 #   bash benchmarks/gpu_round2.sh w4  # dmv across warps: checked, tuned per map; speculative 8B b1 and 1B decode with it
 #   bash benchmarks/gpu_round2.sh x1  # dmv as shipped: checked; speculative 8B b1 (alpha 0.5-0.9); a round's host time
 #   bash benchmarks/gpu_round2.sh x2  # speculative 8B at batch 8 and 32, oracle and the 1B drafter with the rule
+#   bash benchmarks/gpu_round2.sh y1  # prompt lookup on real text, the real model (a call before copies .model-a/part.00
+#                                     to $HOME/gpu/part.00.model; this one carries .model-b)
 #   bash benchmarks/gpu_round2.sh v2  # speculative, 8B batch 8 and 32: oracle at alpha 0.7, the 1B drafter with the rule
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
@@ -276,6 +278,12 @@ case "${1:-a}" in
   x2)  # speculative 8B at batch 8 and 32 (oracle; the 1B drafter with the rule), 64 tokens
     timeout 550 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 8,32 --alphas 0.7 --ks 4 \
       --draft-shape 1B --gen-tokens 64 --json "$OUT/r2-spec-8B-b8-32.json" | tail -12
+    ;;
+  y1)  # prompt lookup on real text with the real model (SmolLM2, carried in halves: benchmarks/carry_model.sh)
+    cat $HOME/gpu/part.00.model .model-b/part.01 > $HOME/gpu/smollm2.gguf
+    [ "$(sha256sum $HOME/gpu/smollm2.gguf | cut -d' ' -f1)" = "$(cat .model-b/sha256)" ] || { echo "GGUF halves differ"; exit 1; }
+    timeout 300 python3 -m mlxfun.bench --speculative --model $HOME/gpu/smollm2.gguf --batch-sizes 1,8 --alphas 0.7 \
+      --ks 4 --gen-tokens 128 --json "$OUT/r2-spec-smollm2-tasks.json" | tail -20
     ;;
   v2)
     timeout 400 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 8,32 --alphas 0.7 --ks 4 \
