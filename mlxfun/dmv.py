@@ -5,15 +5,15 @@ cuBLASLt, which at few rows reads the weights no faster, and costs the host more
 builds the matmul's descriptors and asks cuBLASLt for a heuristic at every call, and captures it
 into its CUDA graph. A verify pass of speculative decoding (k + 1 rows per sequence) and decode
 steps of 2 to 8 rows are host-bound on an H200 (8B bf16, batch 1: queueing a verify round took
-6.3-8.4 ms of host time against 6.0 ms of GPU time, benchmarks/README.md). `product` reads each
+6.3-10.4 ms of host time against 6.0 ms of GPU time, benchmarks/README.md). `product` reads each
 weight once for all rows, as one custom kernel.
 
 On by default wherever mlxfun's kernels run (`fast`, as the steps of `mlxfun.step` ask, on CUDA);
 `MLXFUN_DENSE_KERNEL=0` when mlxfun is imported turns it off (an environment setting, like
 `MLXFUN_BLAS`, so that a benchmark compares both in two processes). Measured on an H200
 (`2026-12-02-h200-s6-*`): 1B decode at batch 2 / 4 / 8, 1.60x / 1.40x / 1.39x the tokens/s
-without it; 8B speculative decoding at batch 1 (oracle, alpha 0.7, k = 4): 1.92x plain with it,
-where without it the same run gave 0.28x in one process and 1.48x with host drafts.
+without it; 8B speculative decoding at batch 1 (oracle, alpha 0.7, k = 4): 1.92x plain with it
+(before its launches were tuned: one warp per block), where without it the same run gave 0.28x.
 """
 
 from __future__ import annotations
