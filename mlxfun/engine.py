@@ -933,11 +933,12 @@ class Engine:
         elif self.state is not None:
             if self._width(self._live()) < len(self.owner):
                 self._set_width(self._width(self._live()))
-            self.pages.fit_width()
-            # Blocks held or cached, and reserved (an upper bound first: compaction() walks the pool).
-            reserved = self._outstanding()
-            bound = 1 + self.pool.used + self.pool.cached + reserved
-            keep = self.pool.compaction() if self.pool.size > MIN_BLOCKS and 4 * bound <= self.pool.size else None
+            self.pages.shrink()
+            # Blocks held or cached, and reserved (upper bounds first: this runs every step, and
+            # compaction() walks the pool).
+            held = 1 + self.pool.used + self.pool.cached
+            reserved = self._outstanding() if self.pool.size > MIN_BLOCKS and 4 * held <= self.pool.size else None
+            keep = self.pool.compaction() if reserved is not None and 4 * (held + reserved) <= self.pool.size else None
             if keep is not None and 4 * (len(keep) + reserved) <= self.pool.size:
                 size = pool_size(2 * (len(keep) + reserved), self.max_blocks)
                 cache = kv.take_blocks(self.state.cache, mx.array(keep))

@@ -35,6 +35,7 @@ class Pages:
         self.held: list[dict[int, int]] = [{} for _ in range(rows)]
         self.table = np.zeros((rows, self.ring or kv.columns_for(1, None, self.bs)), np.int32)
         self.dirty = True  # the device table is out of date
+        self.released = False  # a row gave its blocks back since the last `shrink`
 
     # ---- sizes ----
 
@@ -61,6 +62,12 @@ class Pages:
                 self._fill(r)
             self.dirty = True
 
+    def shrink(self) -> None:
+        """`fit_width` once rows have given blocks back (only then can the table narrow)."""
+        if self.released:
+            self.released = False
+            self.fit_width()
+
     # ---- rows ----
 
     def attach(self, row: int, blocks: list[int]) -> None:
@@ -72,6 +79,8 @@ class Pages:
     def ensure(self, row: int, start: int, end: int) -> None:
         """Blocks for positions [start, end) of a row, allocated where it holds none."""
         held = self.held[row]
+        if start // self.bs == (end - 1) // self.bs and start // self.bs in held:
+            return  # a decode step inside a block the row holds: every step of every row comes here
         missing = [j for j in range(start // self.bs, -(-end // self.bs)) if j not in held]
         if missing:  # else the table row is as it was: no per-step rewrite, no upload
             self.prepare(len(missing))
@@ -95,7 +104,7 @@ class Pages:
         self.pool.release([held[j] for j in sorted(held, reverse=True)])
         self.held[row] = {}
         self.table[row] = 0
-        self.dirty = True
+        self.dirty = self.released = True
 
     def slots(self, rows: list[int], positions: np.ndarray) -> np.ndarray:
         """positions (G, T) of `rows` -> (G, T) flat pool slots (0, the scratch slot, for negative
