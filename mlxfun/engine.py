@@ -669,11 +669,8 @@ class Engine:
         row i held when it was queued; `proposed[i]`: drafts row i had (None: k, within
         max_tokens). A row that ends inside its run (EOS, a stop string, max_tokens) keeps the
         tokens up to there. -> (events, tokens per row the round gave)."""
-        if out.packed is not None:
-            packed = out.packed.tolist()
-            tokens, counts = [row[1:] for row in packed], [row[0] for row in packed]
-        else:
-            tokens, counts = out.tokens.tolist(), out.count.tolist()
+        packed = out.packed.tolist()  # one read: (B, k + 2) count, then tokens (`step.verify_step`)
+        tokens, counts = [row[1:] for row in packed], [row[0] for row in packed]
         logprob = None if out.logprob is None else out.logprob.tolist()
         top = None if out.top_ids is None else (out.top_ids.tolist(), out.top_logprobs.tolist())
         now = time.perf_counter()

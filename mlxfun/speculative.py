@@ -38,7 +38,7 @@ class Verdict(NamedTuple):
     top_ids: mx.array | None  # (B, k + 1, n) int32
     top_logprobs: mx.array | None  # (B, k + 1, n) float32
     # (B, k + 2) int32: count, then tokens, as one array, so the host reads both in one transfer
-    # (on CUDA each read of a device array is a copy to host memory of its own). None: read them apart.
+    # (on CUDA each read of a device array is a copy to host memory of its own); `step.verify_step` sets it.
     packed: mx.array | None = None
 
 
