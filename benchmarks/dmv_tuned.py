@@ -1,6 +1,6 @@
-"""Run `mlxfun.bench` with the few-row dense product on and `dmv.TUNED` replaced by the launches
-that `kernels_check.py --time-dmv` timed fastest, to measure a tuning before writing it into
-`mlxfun.dmv`.
+"""Run `mlxfun.bench` with the few-row dense product on and `dmv.MMA_TUNED` replaced by the
+launches that `kernels_check.py --time-dmv` timed fastest, to measure a tuning before writing it
+into `mlxfun.dmv`.
 
 Run:  python benchmarks/dmv_tuned.py TIMINGS.json -- <mlxfun.bench arguments>
 """
@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import defaultdict
 
 from mlxfun import bench, dmv
 
 
 def tuned(timings: list[dict]) -> dict:
-    """kernels_check's timings -> `dmv.TUNED`'s layout: (OUT, IN) -> the best launch at each of `dmv.TUNED_ROWS`."""
-    best = {(t["OUT"], t["IN"], t["M"]): tuple(map(int, t["best"].split(","))) for t in timings}
-    shapes = {(o, i) for o, i, _ in best}
-    return {s: tuple(best[(*s, m)] for m in dmv.TUNED_ROWS) for s in shapes
-            if all((*s, m) in best for m in dmv.TUNED_ROWS)}
+    """kernels_check's timings -> `dmv.MMA_TUNED`'s layout: (OUT, IN) -> the tensor-core launch
+    with the least time summed over the row counts timed (one launch serves every row count: the
+    tensor cores take 8 rows at once)."""
+    totals: dict = defaultdict(lambda: defaultdict(float))
+    for t in timings:
+        for launch, us in t["dmv_us"].items():
+            totals[(t["OUT"], t["IN"])][launch] += us
+    return {shape: tuple(map(int, min(by, key=by.get).split(","))) for shape, by in totals.items()}
 
 
 def main(argv: list[str]) -> int:
     path, rest = argv[0], argv[argv.index("--") + 1:]
     dmv.ENABLED = True
-    dmv.TUNED = tuned(json.load(open(path))["dmv_timings"])
+    dmv.MMA_TUNED = tuned(json.load(open(path))["dmv_timings"])
+    print("MMA_TUNED =", dmv.MMA_TUNED, flush=True)
     return bench.main(rest)
 
 

@@ -33,6 +33,7 @@
 #   bash benchmarks/gpu_round2.sh w4  # dmv across warps: checked, tuned per map; speculative 8B b1 and 1B decode with it
 #   bash benchmarks/gpu_round2.sh x1  # dmv as shipped: checked; speculative 8B b1 (alpha 0.5-0.9); a round's host time
 #   bash benchmarks/gpu_round2.sh x2  # speculative 8B at batch 8 and 32, oracle and the 1B drafter with the rule
+#   bash benchmarks/gpu_round2.sh z1  # dmv on tensor cores: checked and timed per launch; speculative 8B b1, it and SIMT
 #   bash benchmarks/gpu_round2.sh y1  # prompt lookup on real text, the real model (a call before copies .model-a/part.00
 #                                     to $HOME/gpu/part.00.model; this one carries .model-b)
 #   bash benchmarks/gpu_round2.sh v2  # speculative, 8B batch 8 and 32: oracle at alpha 0.7, the 1B drafter with the rule
@@ -278,6 +279,15 @@ case "${1:-a}" in
   x2)  # speculative 8B at batch 8 and 32 (oracle; the 1B drafter with the rule), 64 tokens
     timeout 550 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 8,32 --alphas 0.7 --ks 4 \
       --draft-shape 1B --gen-tokens 64 --json "$OUT/r2-spec-8B-b8-32.json" | tail -12
+    ;;
+  z1)  # dmv on tensor cores: checked, timed per launch (against SIMT and MLX); speculative 8B b1 with it, then SIMT
+    timeout 220 python3 benchmarks/kernels_check.py --only dmv --time-dmv --json "$OUT/dmv-mma-tune.json" \
+      | grep -v '"ok": true' | tail -40
+    spec=(--speculative --shape 8B --batch-sizes 1 --alphas 0.7 --ks 4 --gen-tokens 256)
+    timeout 170 python3 benchmarks/dmv_tuned.py "$OUT/dmv-mma-tune.json" -- "${spec[@]}" \
+      --json "$OUT/spec-8B-b1-mma.json" | tail -4
+    MLXFUN_DENSE_KERNEL=simt timeout 150 python3 -m mlxfun.bench "${spec[@]}" --json "$OUT/spec-8B-b1-simt.json" \
+      | tail -3
     ;;
   y1)  # prompt lookup on real text with the real model (SmolLM2, carried in halves: benchmarks/carry_model.sh)
     cat $HOME/gpu/part.00.model .model-b/part.01 > $HOME/gpu/smollm2.gguf

@@ -70,16 +70,22 @@ def qmv_case(M: int, OUT: int, IN: int, group_size: int, per_warp: int | None, d
     return out
 
 
-def dmv_case(M: int, OUT: int, IN: int, launch: dmv.Launch, dtype: mx.Dtype) -> dict:
+def run_dmv(x: mx.array, w: mx.array, launch) -> mx.array:
+    """dmv's tensor-core kernel for an `MmaLaunch`, its SIMT kernel for a `Launch`."""
+    return dmv.mma(x, w, launch) if isinstance(launch, dmv.MmaLaunch) else dmv.simt(x, w, launch)
+
+
+def dmv_case(M: int, OUT: int, IN: int, launch, dtype: mx.Dtype) -> dict:
     mx.random.seed(M * OUT + IN)
     w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(dtype)
     x = mx.random.normal((M, IN)).astype(dtype)
-    got = dmv.product(x, w, launch).astype(mx.float32)
+    got = run_dmv(x, w, launch).astype(mx.float32)
     with mx.stream(mx.cpu):
         want = x.astype(mx.float32) @ w.astype(mx.float32).T
         err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
     tol = {mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]
-    out = dict(kernel="dmv", M=M, OUT=OUT, IN=IN, launch=list(launch), dtype=str(dtype), rel_err=err, ok=err < tol)
+    out = dict(kernel="dmv", M=M, OUT=OUT, IN=IN, launch=f"{type(launch).__name__}{tuple(launch)}", dtype=str(dtype),
+               rel_err=err, ok=err < tol)
     print(json.dumps(out), flush=True)
     return out
 
@@ -93,15 +99,16 @@ def timed(fn, xs: list) -> float:
 
 
 def dmv_timing(M: int, OUT: int, IN: int, launches: list, calls: int = 50) -> dict:
-    """Microseconds per product of M bf16 rows with an (OUT, IN) weight: MLX's matmul, and dmv at
-    each launch, `calls` products queued, then waited for (each reads the weight: 8B maps are
-    larger than L2)."""
+    """Microseconds per product of M bf16 rows with an (OUT, IN) weight: MLX's matmul, the SIMT
+    kernel at its tuned launch, and the tensor-core kernel at each launch, `calls` products
+    queued, then waited for (each reads the weight: 8B maps are larger than L2)."""
     w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(mx.bfloat16)
     xs = [mx.random.normal((M, IN)).astype(mx.bfloat16) for _ in range(calls)]
     mx.eval(w, xs)
-    out = dict(M=M, OUT=OUT, IN=IN, matmul_us=timed(lambda x: x @ w.T, xs), dmv_us={})
+    out = dict(M=M, OUT=OUT, IN=IN, matmul_us=timed(lambda x: x @ w.T, xs),
+               simt_us=timed(lambda x: dmv.simt(x, w, dmv.launch_for(M, OUT, IN)), xs), dmv_us={})
     for launch in launches:
-        out["dmv_us"][",".join(map(str, launch))] = timed(lambda x: dmv.product(x, w, launch), xs)
+        out["dmv_us"][",".join(map(str, launch))] = timed(lambda x: dmv.mma(x, w, launch), xs)
     best = min(out["dmv_us"], key=out["dmv_us"].get)
     out["best"], out["best_us"] = best, out["dmv_us"][best]
     out["GB_s_best"] = OUT * IN * 2 / out["best_us"] / 1e3
@@ -113,14 +120,14 @@ def dmv_timing(M: int, OUT: int, IN: int, launches: list, calls: int = 50) -> di
 # The maps of the 8B and 1B shapes (qkv, o, gate_up, down, lm_head), (OUT, IN).
 MAPS = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
         (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048))
-LAUNCHES = [dmv.Launch(r, u, w) for r in (2, 4, 8) for u in (1, 2, 4) for w in (1, 2, 4, 8) if r * u <= 16]
+LAUNCHES = [dmv.MmaLaunch(w, u) for w in (1, 2, 4, 8, 16) for u in (1, 2, 4)]  # the tensor-core kernel's
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
     p.add_argument("--time-dmv", action="store_true",
-                   help="also time dmv (at each launch) against MLX's matmul at 2, 5 and 8 rows")
+                   help="also time dmv's kernels (tensor cores at each launch) against MLX's matmul at 2, 5 and 8 rows")
     p.add_argument("--only", choices=("attention", "qmv", "dmv"), default=None, help="check one kernel only")
     args = p.parse_args(argv)
     results = []
@@ -143,6 +150,11 @@ def main(argv=None) -> int:
                                        (2, 4096, 14336, dmv.Launch(2, 4, 8)), (3, 1001, 576, dmv.Launch(1, 1, 1)),
                                        (5, 128256, 4096, dmv.Launch(8, 2, 2)), (7, 2048, 8192, None)):
                 results.append(dmv_case(M, OUT, IN, launch or dmv.launch_for(M, OUT, IN), dtype))
+            for M, OUT, IN, launch in ((5, 6144, 4096, None), (8, 28672, 4096, dmv.MmaLaunch(2, 4)),
+                                       (2, 4096, 14336, dmv.MmaLaunch(16, 1)), (3, 1001, 576, dmv.MmaLaunch(1, 1)),
+                                       (5, 128256, 4096, dmv.MmaLaunch(1, 2)), (7, 2048, 8192, None),
+                                       (4, 40, 96, dmv.MmaLaunch(8, 4))):
+                results.append(dmv_case(M, OUT, IN, launch or dmv.mma_launch_for(OUT, IN), dtype))
     ok = all(r["ok"] for r in results)
     print("KERNELS", "OK" if ok else "FAILED", flush=True)
     timings = [dmv_timing(M, OUT, IN, LAUNCHES) for OUT, IN in MAPS for M in (2, 5, 8)] if args.time_dmv else []

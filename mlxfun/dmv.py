@@ -24,6 +24,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from mlxfun.kernels import compact
+from mlxfun.qmv import _MMA_HEADER
 
 _DMV = compact(r"""
     // A block of W warps computes R output features (from f0) for all M rows of x. The warps split
@@ -88,9 +89,78 @@ _DMV = compact(r"""
     }
 """)
 
+_MMA = compact(r"""
+    // y (M, OUT) = x (M, IN) W^T for M <= 8 rows, W dense, on tensor cores: mma m16n8k16 with
+    // A = 16 features x 16 inputs of W, B = 16 inputs x 8 rows of x (rows past M read row M - 1,
+    // never stored). A dot product may take its inputs in any order, so lane (g, t) =
+    // (lane / 4, lane % 4) fills its A and B slots from the same 8 inputs of each 32: 8 t .. 8 t + 7,
+    // one 16-byte load each from features g and g + 8 and from x. The SIMT version (`_DMV`) spent
+    // M x 8 FMAs per 16 bytes of W, so at 5-8 rows it was bound by arithmetic, not by the reads.
+    // The KW warps of a block take every KW-th 32 inputs, U of them in flight, each U with its own
+    // accumulators (consecutive mma on one accumulator wait for each other); shared memory sums
+    // the warps' partials.
+    const int IN = x_shape[1], OUT = w_shape[0], blocks = IN / 32;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int f0 = blockIdx.x * 16;
+    const T* wa = w + (int64_t)min(f0 + g, OUT - 1) * IN;  // past OUT: recomputes the last, never stored
+    const T* wb = w + (int64_t)min(f0 + g + 8, OUT - 1) * IN;
+    const T* xr = x + (int64_t)min(g, M - 1) * IN;
+    float c[U][4];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) c[u][0] = c[u][1] = c[u][2] = c[u][3] = 0.f;
+    for (int b0 = warp; b0 < blocks; b0 += KW * U) {  // the same trip count on every lane of a warp
+        AlignedVector<T, 8> va[U], vb[U], xv[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int b = b0 + KW * u;
+            if (b < blocks) {
+                va[u] = unsafe_load_vector<8>(wa + 32 * b, t);
+                vb[u] = unsafe_load_vector<8>(wb + 32 * b, t);
+                xv[u] = unsafe_load_vector<8>(xr + 32 * b, t);
+            } else {  // zero weights times zero inputs
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) va[u][i] = vb[u][i] = xv[u][i] = static_cast<T>(0.f);
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const Pair* pa = reinterpret_cast<const Pair*>(&va[u]);  // Pair i: inputs 2 i, 2 i + 1
+            const Pair* pb = reinterpret_cast<const Pair*>(&vb[u]);
+            const Pair* px = reinterpret_cast<const Pair*>(&xv[u]);
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {  // two mma: inputs 4 h .. 4 h + 3 of the lane's 8
+                Pair a[4] = {pa[2 * h], pb[2 * h], pa[2 * h + 1], pb[2 * h + 1]};
+                Pair b[2] = {px[2 * h], px[2 * h + 1]};
+                qmv_mma<T>(c[u], a, b);
+            }
+        }
+    }
+    __shared__ float partial[KW][32][4];
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float v = 0.f;
+        #pragma unroll
+        for (int u = 0; u < U; ++u) v += c[u][i];
+        partial[warp][lane][i] = v;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {  // c[i]: feature f0 + g (+ 8 for i >= 2), row 2 t + i % 2
+            float v = 0.f;
+            #pragma unroll
+            for (int k = 0; k < KW; ++k) v += partial[k][lane][i];
+            const int f = f0 + g + 8 * (i >> 1), row = 2 * t + (i & 1);
+            if (f < OUT && row < M) y[(int64_t)row * OUT + f] = static_cast<T>(v);
+        }
+    }
+""")
+
 ENV = "MLXFUN_DENSE_KERNEL"
 # Read once, at import (see the module docstring).
 ENABLED = os.environ.get(ENV, "").strip() != "0"
+# Which kernel: tensor cores (`_MMA`), unless the setting is "simt" (`_DMV`, for comparison).
+TENSOR_CORES = os.environ.get(ENV, "").strip() != "simt"
 
 MIN_ROWS, MAX_ROWS = 2, 8  # one row: MLX's matrix-vector kernel; more than 8: its matrix product
 _DTYPES = (mx.bfloat16, mx.float16)
@@ -103,9 +173,49 @@ class Launch(NamedTuple):
 
 
 def fits(x: mx.array, w: mx.array) -> bool:
-    """x (M, IN), w (OUT, IN): 2 to MAX_ROWS rows, bf16 or fp16 on both, inputs in whole 16-byte chunks."""
+    """x (M, IN), w (OUT, IN): 2 to MAX_ROWS rows, bf16 or fp16 on both, inputs in whole 16-byte
+    chunks (whole 32-input blocks on tensor cores)."""
+    step = 32 if TENSOR_CORES else 16 // x.dtype.size
     return (ENABLED and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and w.dtype == x.dtype
-            and x.shape[-1] % (16 // x.dtype.size) == 0)
+            and x.shape[-1] % step == 0)
+
+
+class MmaLaunch(NamedTuple):
+    warps: int = 4  # KW: warps per block (16 features), splitting the inputs
+    in_flight: int = 2  # U: 32-input blocks a warp loads at once
+
+
+def mma_grid(out_features: int, launch: MmaLaunch) -> tuple[int, int]:
+    """(threads in the grid, threads per block) of an `mma` launch: a block per 16 features."""
+    return 32 * launch.warps * -(-out_features // 16), 32 * launch.warps
+
+
+# The fastest `mma` launch per (OUT, IN), timed on an H200 (`kernels_check.py --time-dmv`).
+MMA_TUNED: dict[tuple[int, int], tuple[int, int]] = {}
+
+
+def mma_launch_for(out_features: int, in_features: int) -> MmaLaunch:
+    """The timed launch for the shape, else warps enough for about 4096 in the grid (at least 4
+    input blocks each): 16 features per block leave few blocks where features are few."""
+    tuned = MMA_TUNED.get((out_features, in_features))
+    if tuned is not None:
+        return MmaLaunch(*tuned)
+    blocks, warps = -(-out_features // 16), 1
+    while warps < 16 and blocks * warps * 2 <= 4096 and in_features // 32 >= 8 * warps:
+        warps *= 2
+    return MmaLaunch(warps, 2)
+
+
+def mma(x: mx.array, w: mx.array, launch: MmaLaunch | None = None) -> mx.array:
+    """x (M, IN) @ w (OUT, IN)^T -> (M, OUT) on tensor cores, each weight read once; needs `fits`."""
+    M, out = x.shape[0], w.shape[0]
+    launch = mma_launch_for(out, x.shape[1]) if launch is None else launch
+    kernel = mx.fast.cuda_kernel(name="mlxfun_dmv_mma", input_names=["x", "w"], output_names=["y"], source=_MMA,
+                                 header=_MMA_HEADER)
+    threads, block = mma_grid(out, launch)
+    template = [("T", x.dtype), ("M", M), ("KW", launch.warps), ("U", launch.in_flight)]
+    return kernel(inputs=[x, w], template=template, grid=(threads, 1, 1), threadgroup=(block, 1, 1),
+                  output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]
 
 
 def grid(out_features: int, launch: Launch = Launch()) -> tuple[int, int]:
@@ -137,6 +247,13 @@ def launch_for(rows: int, out_features: int, in_features: int) -> Launch:
 
 def product(x: mx.array, w: mx.array, launch: Launch | None = None) -> mx.array:
     """x (M, IN) @ w (OUT, IN)^T -> (M, OUT), each weight read once; needs `fits`."""
+    if TENSOR_CORES and launch is None:
+        return mma(x, w)
+    return simt(x, w, launch)
+
+
+def simt(x: mx.array, w: mx.array, launch: Launch | None = None) -> mx.array:
+    """`product` on CUDA cores (`_DMV`)."""
     M, out = x.shape[0], w.shape[0]
     launch = launch_for(M, out, x.shape[1]) if launch is None else launch
     kernel = mx.fast.cuda_kernel(name="mlxfun_dmv", input_names=["x", "w"], output_names=["y"], source=_DMV)

@@ -179,6 +179,22 @@ def test_emulated_dense_product_matches_reference(M, OUT, IN, launch):
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), atol=1e-4)
 
 
+@pytest.mark.parametrize("M,OUT,IN,launch", [(2, 70, 256, dmv.MmaLaunch(4, 2)), (5, 33, 576, dmv.MmaLaunch(2, 1)),
+                                             (8, 40, 512, dmv.MmaLaunch(4, 4)), (3, 17, 96, dmv.MmaLaunch(8, 1)),
+                                             (7, 16, 2048, dmv.MmaLaunch(16, 2)), (4, 9, 64, dmv.MmaLaunch(1, 4))])
+def test_emulated_dense_mma_matches_reference(M, OUT, IN, launch):
+    """The few-row dense product on tensor cores, through PTX's fragment layouts: features past
+    OUT (not a multiple of 16), rows past M (M < 8), blocks of inputs past a warp's share (warps
+    with none: 3 blocks of 32 for 8 warps; 2 blocks with 4 in flight), the warps' partial sums."""
+    rng = np.random.default_rng(M * OUT + IN)
+    x = rng.standard_normal((M, IN)).astype(np.float32)
+    w = (rng.standard_normal((OUT, IN)) * IN**-0.5).astype(np.float32)
+    grid, block = dmv.mma_grid(OUT, launch)  # as dmv.mma launches it
+    template = [("T", 0), ("M", M), ("KW", launch.warps), ("U", launch.in_flight)]
+    (got,) = run(dmv._MMA, dict(x=x, w=w), {"y": (M, OUT)}, template, (grid, 1, 1), block, header=QMV_HEADER)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), atol=1e-4)
+
+
 def test_dense_product_limits(monkeypatch):
     monkeypatch.setattr(dmv, "ENABLED", True)
     x, w = mx.zeros((5, 4096), mx.bfloat16), mx.zeros((128, 4096), mx.bfloat16)
@@ -187,18 +203,24 @@ def test_dense_product_limits(monkeypatch):
     assert not dmv.fits(mx.zeros((9, 4096), mx.bfloat16), w)  # more: MLX's matrix product
     assert not dmv.fits(x.astype(mx.float32), w.astype(mx.float32))  # bf16 and fp16 only
     assert not dmv.fits(mx.zeros((5, 4100), mx.bfloat16), mx.zeros((128, 4100), mx.bfloat16))  # 16-byte chunks
+    odd = mx.zeros((5, 4104), mx.bfloat16), mx.zeros((128, 4104), mx.bfloat16)  # 16-byte chunks, not 32-input blocks
+    monkeypatch.setattr(dmv, "TENSOR_CORES", True)
+    assert not dmv.fits(*odd)
+    monkeypatch.setattr(dmv, "TENSOR_CORES", False)
+    assert dmv.fits(*odd)
     monkeypatch.setattr(dmv, "ENABLED", False)
     assert not dmv.fits(x, w)  # turned off ($MLXFUN_DENSE_KERNEL=0 at import)
 
 
-@pytest.mark.parametrize("setting,enabled", [(None, True), ("1", True), ("0", False)])
-def test_dense_product_is_on_unless_turned_off(setting, enabled):
+@pytest.mark.parametrize("setting,enabled,tensor_cores", [(None, True, True), ("1", True, True), ("0", False, True),
+                                                          ("simt", True, False)])
+def test_dense_product_is_on_unless_turned_off(setting, enabled, tensor_cores):
     env = {k: v for k, v in os.environ.items() if k != dmv.ENV}
     if setting is not None:
         env[dmv.ENV] = setting
-    out = subprocess.run([sys.executable, "-c", "from mlxfun import dmv; print(dmv.ENABLED)"], env=env,
-                         capture_output=True, text=True, check=True).stdout.strip()
-    assert out == str(enabled)
+    out = subprocess.run([sys.executable, "-c", "from mlxfun import dmv; print(dmv.ENABLED, dmv.TENSOR_CORES)"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == f"{enabled} {tensor_cores}"
 
 
 def test_dense_product_launch_for_shapes():
