@@ -34,6 +34,7 @@
 #   bash benchmarks/gpu_round2.sh x1  # dmv as shipped: checked; speculative 8B b1 (alpha 0.5-0.9); a round's host time
 #   bash benchmarks/gpu_round2.sh x2  # speculative 8B at batch 8 and 32, oracle and the 1B drafter with the rule
 #   bash benchmarks/gpu_round2.sh z1  # dmv on tensor cores: checked and timed per launch; speculative 8B b1, it and SIMT
+#   bash benchmarks/gpu_round2.sh z2  # speculative 8B b1, dmv on tensor cores as tuned; 1B decode at 1-8 rows, it and SIMT
 #   bash benchmarks/gpu_round2.sh y1  # prompt lookup on real text, the real model (a call before copies .model-a/part.00
 #                                     to $HOME/gpu/part.00.model; this one carries .model-b)
 #   bash benchmarks/gpu_round2.sh v2  # speculative, 8B batch 8 and 32: oracle at alpha 0.7, the 1B drafter with the rule
@@ -288,6 +289,14 @@ case "${1:-a}" in
       --json "$OUT/spec-8B-b1-mma.json" | tail -4
     MLXFUN_DENSE_KERNEL=simt timeout 150 python3 -m mlxfun.bench "${spec[@]}" --json "$OUT/spec-8B-b1-simt.json" \
       | tail -3
+    ;;
+  z2)  # speculative 8B b1 with dmv on tensor cores (tuned), output as it comes; 1B decode at 1-8 rows, it then SIMT
+    timeout 300 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1 --alphas 0.7 --ks 4 --gen-tokens 256 \
+      --json "$OUT/spec-8B-b1-mma.json"
+    for kind in 1 simt; do
+      MLXFUN_DENSE_KERNEL=$kind timeout 120 python3 -m mlxfun.bench --shape 1B --batch-sizes 1,2,4,8 \
+        --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16 --json "$OUT/1B-dmv-$kind.json" | tail -5
+    done
     ;;
   y1)  # prompt lookup on real text with the real model (SmolLM2, carried in halves: benchmarks/carry_model.sh)
     cat $HOME/gpu/part.00.model .model-b/part.01 > $HOME/gpu/smollm2.gguf
