@@ -35,6 +35,7 @@
 #   bash benchmarks/gpu_round2.sh x2  # speculative 8B at batch 8 and 32, oracle and the 1B drafter with the rule
 #   bash benchmarks/gpu_round2.sh z1  # dmv on tensor cores: checked and timed per launch; speculative 8B b1, it and SIMT
 #   bash benchmarks/gpu_round2.sh z2  # speculative 8B b1, dmv on tensor cores as tuned; 1B decode at 1-8 rows, it and SIMT
+#   bash benchmarks/gpu_round2.sh z3  # dmv on tensor cores timed with dependent products; speculative 8B b1 with the picks
 #   bash benchmarks/gpu_round2.sh y1  # prompt lookup on real text, the real model (a call before copies .model-a/part.00
 #                                     to $HOME/gpu/part.00.model; this one carries .model-b)
 #   bash benchmarks/gpu_round2.sh v2  # speculative, 8B batch 8 and 32: oracle at alpha 0.7, the 1B drafter with the rule
@@ -297,6 +298,12 @@ case "${1:-a}" in
       MLXFUN_DENSE_KERNEL=$kind timeout 120 python3 -m mlxfun.bench --shape 1B --batch-sizes 1,2,4,8 \
         --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16 --json "$OUT/1B-dmv-$kind.json" | tail -5
     done
+    ;;
+  z3)  # dmv on tensor cores timed per launch with dependent products (5 rows); speculative 8B b1 with those picks
+    timeout 150 python3 benchmarks/kernels_check.py --only dmv --time-dmv --rows 5 --json "$OUT/dmv-mma-tune-chained.json" \
+      | grep -v '"ok": true' | tail -12
+    timeout 260 python3 benchmarks/dmv_tuned.py "$OUT/dmv-mma-tune-chained.json" -- --speculative --shape 8B \
+      --batch-sizes 1 --alphas 0.7 --ks 4 --gen-tokens 256 --json "$OUT/spec-8B-b1-mma-chained.json"
     ;;
   y1)  # prompt lookup on real text with the real model (SmolLM2, carried in halves: benchmarks/carry_model.sh)
     cat $HOME/gpu/part.00.model .model-b/part.01 > $HOME/gpu/smollm2.gguf

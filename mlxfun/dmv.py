@@ -190,12 +190,10 @@ def mma_grid(out_features: int, launch: MmaLaunch) -> tuple[int, int]:
     return 32 * launch.warps * -(-out_features // 16), 32 * launch.warps
 
 
-# The fastest `mma` launch (warps, in flight) per (OUT, IN), summed over 2, 5 and 8 rows: the maps
-# of the 8B and 1B shapes timed on an H200 (`kernels_check.py --time-dmv`, 15 launches, 50
-# products queued each; benchmarks/2026-12-02-h200-s7-dmv-mma-tune.json).
-MMA_TUNED = {(6144, 4096): (1, 2), (4096, 4096): (8, 1), (28672, 4096): (1, 1), (4096, 14336): (1, 1),
-             (128256, 4096): (4, 1), (3072, 2048): (8, 1), (2048, 2048): (16, 2), (16384, 2048): (1, 1),
-             (2048, 8192): (8, 1), (128256, 2048): (4, 1)}
+# The fastest `mma` launch (warps, in flight) per (OUT, IN), timed on an H200 with each product
+# waiting for the one before (`kernels_check.py --time-dmv`). Timed side by side instead, the
+# picks were launches of few warps that ran 2x slower in the decoder (benchmarks/README.md).
+MMA_TUNED: dict[tuple[int, int], tuple[int, int]] = {}
 
 
 def mma_launch_for(out_features: int, in_features: int) -> MmaLaunch:
