@@ -1,4 +1,4 @@
-"""Run `mlxfun.bench` with the few-row dense product on and `dmv.MMA_TUNED` replaced by the
+"""Run `mlxfun.bench` with the few-row dense product on and `dmv.TUNED` replaced by the
 launches that `kernels_check.py --time-dmv` timed fastest, to measure a tuning before writing it
 into `mlxfun.dmv`.
 
@@ -15,9 +15,9 @@ from mlxfun import bench, dmv
 
 
 def tuned(timings: list[dict]) -> dict:
-    """kernels_check's timings -> `dmv.MMA_TUNED`'s layout: (OUT, IN) -> the tensor-core launch
-    with the least time summed over the row counts timed (one launch serves every row count: the
-    tensor cores take 8 rows at once)."""
+    """kernels_check's timings -> `dmv.TUNED`'s layout: (OUT, IN) -> the launch with the least
+    time summed over the row counts timed (one launch serves every row count: the tensor cores
+    take 8 rows at once)."""
     totals: dict = defaultdict(lambda: defaultdict(float))
     for t in timings:
         for launch, us in t["dmv_us"].items():
@@ -28,8 +28,8 @@ def tuned(timings: list[dict]) -> dict:
 def main(argv: list[str]) -> int:
     path, rest = argv[0], argv[argv.index("--") + 1:]
     dmv.ENABLED = True
-    dmv.MMA_TUNED = tuned(json.load(open(path))["dmv_timings"])
-    print("MMA_TUNED =", dmv.MMA_TUNED, flush=True)
+    dmv.TUNED = tuned(json.load(open(path))["dmv_timings"])
+    print("TUNED =", dmv.TUNED, flush=True)
     return bench.main(rest)
 
 

@@ -33,8 +33,8 @@
 #   bash benchmarks/gpu_round2.sh w4  # dmv across warps: checked, tuned per map; speculative 8B b1 and 1B decode with it
 #   bash benchmarks/gpu_round2.sh x1  # dmv as shipped: checked; speculative 8B b1 (alpha 0.5-0.9); a round's host time
 #   bash benchmarks/gpu_round2.sh x2  # speculative 8B at batch 8 and 32, oracle and the 1B drafter with the rule
-#   bash benchmarks/gpu_round2.sh z1  # dmv on tensor cores: checked and timed per launch; speculative 8B b1, it and SIMT
-#   bash benchmarks/gpu_round2.sh z2  # speculative 8B b1, dmv on tensor cores as tuned; 1B decode at 1-8 rows, it and SIMT
+#   bash benchmarks/gpu_round2.sh z1  # (commit 54a1dd2, both kernels) dmv on tensor cores timed per launch; spec 8B b1, it and SIMT
+#   bash benchmarks/gpu_round2.sh z2  # (commit 647cba4, both kernels) spec 8B b1, dmv on tensor cores; 1B decode 1-8 rows, it and SIMT
 #   bash benchmarks/gpu_round2.sh z3  # dmv on tensor cores timed with dependent products; speculative 8B b1 with the picks
 #   bash benchmarks/gpu_round2.sh y1  # prompt lookup on real text, the real model (a call before copies .model-a/part.00
 #                                     to $HOME/gpu/part.00.model; this one carries .model-b)

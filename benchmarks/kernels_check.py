@@ -70,22 +70,16 @@ def qmv_case(M: int, OUT: int, IN: int, group_size: int, per_warp: int | None, d
     return out
 
 
-def run_dmv(x: mx.array, w: mx.array, launch) -> mx.array:
-    """dmv's tensor-core kernel for an `MmaLaunch`, its SIMT kernel for a `Launch`."""
-    return dmv.mma(x, w, launch) if isinstance(launch, dmv.MmaLaunch) else dmv.simt(x, w, launch)
-
-
-def dmv_case(M: int, OUT: int, IN: int, launch, dtype: mx.Dtype) -> dict:
+def dmv_case(M: int, OUT: int, IN: int, launch: dmv.Launch, dtype: mx.Dtype) -> dict:
     mx.random.seed(M * OUT + IN)
     w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(dtype)
     x = mx.random.normal((M, IN)).astype(dtype)
-    got = run_dmv(x, w, launch).astype(mx.float32)
+    got = dmv.product(x, w, launch).astype(mx.float32)
     with mx.stream(mx.cpu):
         want = x.astype(mx.float32) @ w.astype(mx.float32).T
         err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
     tol = {mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]
-    out = dict(kernel="dmv", M=M, OUT=OUT, IN=IN, launch=f"{type(launch).__name__}{tuple(launch)}", dtype=str(dtype),
-               rel_err=err, ok=err < tol)
+    out = dict(kernel="dmv", M=M, OUT=OUT, IN=IN, launch=list(launch), dtype=str(dtype), rel_err=err, ok=err < tol)
     print(json.dumps(out), flush=True)
     return out
 
@@ -113,16 +107,15 @@ def timed(fn, xs: list) -> float:
 
 
 def dmv_timing(M: int, OUT: int, IN: int, launches: list, calls: int = 50) -> dict:
-    """Microseconds per product of M bf16 rows with an (OUT, IN) weight: MLX's matmul, the SIMT
-    kernel at its tuned launch, and the tensor-core kernel at each launch, `calls` products
-    queued, then waited for (each reads the weight: 8B maps are larger than L2)."""
+    """Microseconds per product of M bf16 rows with an (OUT, IN) weight: MLX's matmul, and dmv at
+    each launch, `calls` products queued, then waited for (each reads the weight: 8B maps are
+    larger than L2)."""
     w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(mx.bfloat16)
     xs = [mx.random.normal((M, IN)).astype(mx.bfloat16) for _ in range(calls)]
     mx.eval(w, xs)
-    out = dict(M=M, OUT=OUT, IN=IN, matmul_us=timed(lambda x: x @ w.T, xs),
-               simt_us=timed(lambda x: dmv.simt(x, w, dmv.launch_for(M, OUT, IN)), xs), dmv_us={})
+    out = dict(M=M, OUT=OUT, IN=IN, matmul_us=timed(lambda x: x @ w.T, xs), dmv_us={})
     for launch in launches:
-        out["dmv_us"][",".join(map(str, launch))] = timed(lambda x: dmv.mma(x, w, launch), xs)
+        out["dmv_us"][",".join(map(str, launch))] = timed(lambda x: dmv.product(x, w, launch), xs)
     best = min(out["dmv_us"], key=out["dmv_us"].get)
     out["best"], out["best_us"] = best, out["dmv_us"][best]
     out["GB_s_best"] = OUT * IN * 2 / out["best_us"] / 1e3
@@ -134,14 +127,14 @@ def dmv_timing(M: int, OUT: int, IN: int, launches: list, calls: int = 50) -> di
 # The maps of the 8B and 1B shapes (qkv, o, gate_up, down, lm_head), (OUT, IN).
 MAPS = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
         (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048))
-LAUNCHES = [dmv.MmaLaunch(w, u) for w in (1, 2, 4, 8, 16) for u in (1, 2)]  # the tensor-core kernel's
+LAUNCHES = [dmv.Launch(w, u) for w in (1, 2, 4, 8, 16) for u in (1, 2)]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
     p.add_argument("--time-dmv", action="store_true",
-                   help="also time dmv's kernels (tensor cores at each launch) against MLX's matmul at 2, 5 and 8 rows")
+                   help="also time dmv (at each launch) against MLX's matmul at --rows rows")
     p.add_argument("--rows", default="2,5,8", help="--time-dmv at these row counts")
     p.add_argument("--only", choices=("attention", "qmv", "dmv"), default=None, help="check one kernel only")
     args = p.parse_args(argv)
@@ -161,15 +154,11 @@ def main(argv=None) -> int:
             for M, OUT, IN, gs in ((1, 6144, 4096, 64), (8, 4096, 14336, 64), (3, 1000, 576, 32), (5, 40, 2048, 128)):
                 results.append(qmv_case(M, OUT, IN, gs, None, dtype))
         if dtype != mx.float32 and args.only in (None, "dmv"):
-            for M, OUT, IN, launch in ((5, 6144, 4096, None), (8, 28672, 4096, dmv.Launch(4, 2, 4)),
-                                       (2, 4096, 14336, dmv.Launch(2, 4, 8)), (3, 1001, 576, dmv.Launch(1, 1, 1)),
-                                       (5, 128256, 4096, dmv.Launch(8, 2, 2)), (7, 2048, 8192, None)):
-                results.append(dmv_case(M, OUT, IN, launch or dmv.launch_for(M, OUT, IN), dtype))
-            for M, OUT, IN, launch in ((5, 6144, 4096, None), (8, 28672, 4096, dmv.MmaLaunch(2, 4)),
-                                       (2, 4096, 14336, dmv.MmaLaunch(16, 1)), (3, 1001, 576, dmv.MmaLaunch(1, 1)),
-                                       (5, 128256, 4096, dmv.MmaLaunch(1, 2)), (7, 2048, 8192, None),
-                                       (4, 40, 96, dmv.MmaLaunch(8, 4))):
-                results.append(dmv_case(M, OUT, IN, launch or dmv.mma_launch_for(OUT, IN), dtype))
+            for M, OUT, IN, launch in ((5, 6144, 4096, None), (8, 28672, 4096, dmv.Launch(2, 4)),
+                                       (2, 4096, 14336, dmv.Launch(16, 1)), (3, 1001, 576, dmv.Launch(1, 1)),
+                                       (5, 128256, 4096, dmv.Launch(1, 2)), (7, 2048, 8192, None),
+                                       (4, 40, 96, dmv.Launch(8, 4))):
+                results.append(dmv_case(M, OUT, IN, launch or dmv.launch_for(OUT, IN), dtype))
     ok = all(r["ok"] for r in results)
     print("KERNELS", "OK" if ok else "FAILED", flush=True)
     rows = [int(m) for m in args.rows.split(",")]

@@ -161,35 +161,17 @@ def test_emulated_qmv_mma_matches_reference(M, OUT, IN, group_size, warps, in_fl
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-@pytest.mark.parametrize("M,OUT,IN,launch", [(2, 70, 256, dmv.Launch()), (5, 33, 576, dmv.Launch(4, 1, 2)),
-                                             (8, 40, 512, dmv.Launch(2, 2, 4)), (3, 9, 4100, dmv.Launch(1, 4, 1)),
-                                             (5, 21, 1000, dmv.Launch(8, 2, 8)), (8, 19, 256, dmv.Launch(8, 1, 1)),
-                                             (4, 37, 2048, dmv.Launch(8, 1, 4))])
+@pytest.mark.parametrize("M,OUT,IN,launch", [(2, 70, 256, dmv.Launch(4, 2)), (5, 33, 576, dmv.Launch(2, 1)),
+                                             (8, 40, 512, dmv.Launch(4, 4)), (3, 17, 96, dmv.Launch(8, 1)),
+                                             (7, 16, 2048, dmv.Launch(16, 2)), (4, 9, 64, dmv.Launch(1, 4))])
 def test_emulated_dense_product_matches_reference(M, OUT, IN, launch):
-    """The few-row dense product: features past the last block's share (OUT not a multiple of R),
-    chunks past the end of a lane's loop (4100 inputs: 1025 chunks of 4 float32 values), warps
-    splitting the inputs (and warps with no chunk: 250 chunks, 8 warps, 2 in flight), more
-    partial sums (M R = 64) than threads (32)."""
-    rng = np.random.default_rng(M * OUT)
-    x = rng.standard_normal((M, IN)).astype(np.float32)
-    w = (rng.standard_normal((OUT, IN)) * IN**-0.5).astype(np.float32)
-    grid, block = dmv.grid(OUT, launch)  # as dmv.product launches it
-    template = [("T", 0), ("M", M), ("R", launch.per_block), ("U", launch.in_flight), ("W", launch.warps)]
-    (got,) = run(dmv._DMV, dict(x=x, w=w), {"y": (M, OUT)}, template, (grid, 1, 1), block)
-    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), atol=1e-4)
-
-
-@pytest.mark.parametrize("M,OUT,IN,launch", [(2, 70, 256, dmv.MmaLaunch(4, 2)), (5, 33, 576, dmv.MmaLaunch(2, 1)),
-                                             (8, 40, 512, dmv.MmaLaunch(4, 4)), (3, 17, 96, dmv.MmaLaunch(8, 1)),
-                                             (7, 16, 2048, dmv.MmaLaunch(16, 2)), (4, 9, 64, dmv.MmaLaunch(1, 4))])
-def test_emulated_dense_mma_matches_reference(M, OUT, IN, launch):
     """The few-row dense product on tensor cores, through PTX's fragment layouts: features past
     OUT (not a multiple of 16), rows past M (M < 8), blocks of inputs past a warp's share (warps
     with none: 3 blocks of 32 for 8 warps; 2 blocks with 4 in flight), the warps' partial sums."""
     rng = np.random.default_rng(M * OUT + IN)
     x = rng.standard_normal((M, IN)).astype(np.float32)
     w = (rng.standard_normal((OUT, IN)) * IN**-0.5).astype(np.float32)
-    grid, block = dmv.mma_grid(OUT, launch)  # as dmv.mma launches it
+    grid, block = dmv.grid(OUT, launch)  # as dmv.product launches it
     template = [("T", 0), ("M", M), ("KW", launch.warps), ("U", launch.in_flight)]
     (got,) = run(dmv._MMA, dict(x=x, w=w), {"y": (M, OUT)}, template, (grid, 1, 1), block, header=QMV_HEADER)
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), atol=1e-4)
@@ -202,36 +184,29 @@ def test_dense_product_limits(monkeypatch):
     assert not dmv.fits(x[:1], w)  # one row: MLX's matrix-vector kernel
     assert not dmv.fits(mx.zeros((9, 4096), mx.bfloat16), w)  # more: MLX's matrix product
     assert not dmv.fits(x.astype(mx.float32), w.astype(mx.float32))  # bf16 and fp16 only
-    assert not dmv.fits(mx.zeros((5, 4100), mx.bfloat16), mx.zeros((128, 4100), mx.bfloat16))  # 16-byte chunks
-    odd = mx.zeros((5, 4104), mx.bfloat16), mx.zeros((128, 4104), mx.bfloat16)  # 16-byte chunks, not 32-input blocks
-    monkeypatch.setattr(dmv, "TENSOR_CORES", True)
-    assert not dmv.fits(*odd)
-    monkeypatch.setattr(dmv, "TENSOR_CORES", False)
-    assert dmv.fits(*odd)
+    assert not dmv.fits(mx.zeros((5, 4104), mx.bfloat16), mx.zeros((128, 4104), mx.bfloat16))  # blocks of 32 inputs
     monkeypatch.setattr(dmv, "ENABLED", False)
     assert not dmv.fits(x, w)  # turned off ($MLXFUN_DENSE_KERNEL=0 at import)
 
 
-@pytest.mark.parametrize("setting,enabled,tensor_cores", [(None, True, True), ("1", True, True), ("0", False, True),
-                                                          ("simt", True, False)])
-def test_dense_product_is_on_unless_turned_off(setting, enabled, tensor_cores):
+@pytest.mark.parametrize("setting,enabled", [(None, True), ("1", True), ("0", False)])
+def test_dense_product_is_on_unless_turned_off(setting, enabled):
     env = {k: v for k, v in os.environ.items() if k != dmv.ENV}
     if setting is not None:
         env[dmv.ENV] = setting
-    out = subprocess.run([sys.executable, "-c", "from mlxfun import dmv; print(dmv.ENABLED, dmv.TENSOR_CORES)"],
-                         env=env, capture_output=True, text=True, check=True).stdout.strip()
-    assert out == f"{enabled} {tensor_cores}"
+    out = subprocess.run([sys.executable, "-c", "from mlxfun import dmv; print(dmv.ENABLED)"], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(enabled)
 
 
 def test_dense_product_launch_for_shapes():
-    # Timed shapes: the launch timed fastest at the nearest row count (2, 5, 8).
-    assert dmv.launch_for(5, 28672, 4096) == dmv.Launch(4, 2, 1)  # the 8B gate/up map in a verify pass (k = 4)
-    assert dmv.launch_for(2, 28672, 4096) == dmv.Launch(4, 1, 8)
-    assert dmv.launch_for(3, 28672, 4096) == dmv.Launch(4, 1, 8)  # nearer 2 than 5
-    assert dmv.launch_for(7, 28672, 4096) == dmv.Launch(4, 4, 1)
-    # Other shapes: one warp per block where output features are many, inputs split where they are few.
-    assert dmv.launch_for(4, 32000, 5120) == dmv.Launch(4, 2, 1)
-    assert dmv.launch_for(4, 5120, 5120) == dmv.Launch(4, 1, 2)
+    assert dmv.launch_for(28672, 4096) == dmv.Launch(8, 2)  # timed: the 8B gate/up map
+    assert dmv.launch_for(4096, 14336) == dmv.Launch(16, 1)  # the 8B down map
+    # Other shapes: warps enough for about 4096 in the grid, each with at least 8 blocks of inputs.
+    assert dmv.launch_for(32000, 5120) == dmv.Launch(2, 2)  # 2000 blocks of 16 features
+    assert dmv.launch_for(5120, 5120) == dmv.Launch(8, 2)  # 320 blocks
+    assert dmv.launch_for(1536, 576) == dmv.Launch(2, 2)  # 18 blocks of inputs: 2 warps of 8 or more
+    assert dmv.launch_for(100_000, 4096) == dmv.Launch(1, 2)
 
 
 def tiny_dense_config():
