@@ -14,7 +14,7 @@ On by default wherever mlxfun's kernels run (`fast`, as the steps of `mlxfun.ste
 `MLXFUN_BLAS`, so that a benchmark compares both in two processes). Measured on an H200
 (`benchmarks/2026-12-02-h200-s7-*`): 8B speculative decoding at batch 1 (oracle, alpha 0.7, k = 4)
 2.25x plain, where the CUDA-core kernel it replaced gave 1.75-1.96x; per map at 5 rows, 0.6-1.0x
-the time of that kernel and 0.5-1.0x cuBLAS's.
+the time of that kernel and 0.4-1.1x cuBLAS's (slower on the 8B gate/up map and the heads).
 """
 
 from __future__ import annotations
