@@ -36,6 +36,7 @@
 #   bash benchmarks/gpu_round2.sh z1  # (commit 54a1dd2, both kernels) dmv on tensor cores timed per launch; spec 8B b1, it and SIMT
 #   bash benchmarks/gpu_round2.sh z2  # (commit 647cba4, both kernels) spec 8B b1, dmv on tensor cores; 1B decode 1-8 rows, it and SIMT
 #   bash benchmarks/gpu_round2.sh z3  # dmv on tensor cores timed with dependent products; speculative 8B b1 with the picks
+#   bash benchmarks/gpu_round2.sh z4  # dmv past 8 rows (tiles of 8): checked, timed; 1B decode 1-32 rows, up to 8 then 32
 #   bash benchmarks/gpu_round2.sh y1  # prompt lookup on real text, the real model (a call before copies .model-a/part.00
 #                                     to $HOME/gpu/part.00.model; this one carries .model-b)
 #   bash benchmarks/gpu_round2.sh v2  # speculative, 8B batch 8 and 32: oracle at alpha 0.7, the 1B drafter with the rule
@@ -304,6 +305,14 @@ case "${1:-a}" in
       | grep -v '"ok": true' | tail -12
     timeout 260 python3 benchmarks/dmv_tuned.py "$OUT/dmv-mma-tune-chained.json" -- --speculative --shape 8B \
       --batch-sizes 1 --alphas 0.7 --ks 4 --gen-tokens 256 --json "$OUT/spec-8B-b1-mma-chained.json"
+    ;;
+  z4)  # dmv past 8 rows: checked, timed at 16 and 32 rows; 1B decode at 1-32 rows with it up to 8 rows, then 32
+    timeout 120 python3 benchmarks/kernels_check.py --only dmv --time-dmv --rows 16,32 --json "$OUT/dmv-rows-16-32.json" \
+      | grep -v '"ok": true' | tail -12
+    for rows in 8 32; do
+      MLXFUN_DENSE_KERNEL=$rows timeout 150 python3 -m mlxfun.bench --shape 1B --batch-sizes 1,2,4,8,16,32 \
+        --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16 --json "$OUT/1B-dmv-rows-$rows.json" | tail -7
+    done
     ;;
   y1)  # prompt lookup on real text with the real model (SmolLM2, carried in halves: benchmarks/carry_model.sh)
     cat $HOME/gpu/part.00.model .model-b/part.01 > $HOME/gpu/smollm2.gguf

@@ -157,7 +157,8 @@ def main(argv=None) -> int:
             for M, OUT, IN, launch in ((5, 6144, 4096, None), (8, 28672, 4096, dmv.Launch(2, 4)),
                                        (2, 4096, 14336, dmv.Launch(16, 1)), (3, 1001, 576, dmv.Launch(1, 1)),
                                        (5, 128256, 4096, dmv.Launch(1, 2)), (7, 2048, 8192, None),
-                                       (4, 40, 96, dmv.Launch(8, 4))):
+                                       (4, 40, 96, dmv.Launch(8, 4)), (13, 4096, 4096, None),
+                                       (32, 2048, 8192, dmv.Launch(8, 2))):
                 results.append(dmv_case(M, OUT, IN, launch or dmv.launch_for(OUT, IN), dtype))
     ok = all(r["ok"] for r in results)
     print("KERNELS", "OK" if ok else "FAILED", flush=True)

@@ -163,16 +163,18 @@ def test_emulated_qmv_mma_matches_reference(M, OUT, IN, group_size, warps, in_fl
 
 @pytest.mark.parametrize("M,OUT,IN,launch", [(2, 70, 256, dmv.Launch(4, 2)), (5, 33, 576, dmv.Launch(2, 1)),
                                              (8, 40, 512, dmv.Launch(4, 4)), (3, 17, 96, dmv.Launch(8, 1)),
-                                             (7, 16, 2048, dmv.Launch(16, 2)), (4, 9, 64, dmv.Launch(1, 4))])
+                                             (7, 16, 2048, dmv.Launch(16, 2)), (4, 9, 64, dmv.Launch(1, 4)),
+                                             (13, 20, 128, dmv.Launch(2, 2)), (32, 17, 64, dmv.Launch(1, 1))])
 def test_emulated_dense_product_matches_reference(M, OUT, IN, launch):
     """The few-row dense product on tensor cores, through PTX's fragment layouts: features past
     OUT (not a multiple of 16), rows past M (M < 8), blocks of inputs past a warp's share (warps
-    with none: 3 blocks of 32 for 8 warps; 2 blocks with 4 in flight), the warps' partial sums."""
+    with none: 3 blocks of 32 for 8 warps; 2 blocks with 4 in flight), the warps' partial sums,
+    and tiles of 8 rows sharing each A fragment (13 rows: a part-filled second tile; 32: four)."""
     rng = np.random.default_rng(M * OUT + IN)
     x = rng.standard_normal((M, IN)).astype(np.float32)
     w = (rng.standard_normal((OUT, IN)) * IN**-0.5).astype(np.float32)
     grid, block = dmv.grid(OUT, launch)  # as dmv.product launches it
-    template = [("T", 0), ("M", M), ("KW", launch.warps), ("U", launch.in_flight)]
+    template = [("T", 0), ("M", M), ("N", -(-M // 8)), ("KW", launch.warps), ("U", launch.in_flight)]
     (got,) = run(dmv._MMA, dict(x=x, w=w), {"y": (M, OUT)}, template, (grid, 1, 1), block, header=QMV_HEADER)
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), atol=1e-4)
 
@@ -189,14 +191,28 @@ def test_dense_product_limits(monkeypatch):
     assert not dmv.fits(x, w)  # turned off ($MLXFUN_DENSE_KERNEL=0 at import)
 
 
-@pytest.mark.parametrize("setting,enabled", [(None, True), ("1", True), ("0", False)])
-def test_dense_product_is_on_unless_turned_off(setting, enabled):
+@pytest.mark.parametrize("setting,enabled,rows", [(None, True, 8), ("1", True, 8), ("0", False, 0), ("16", True, 16)])
+def test_dense_product_is_on_unless_turned_off(setting, enabled, rows):
     env = {k: v for k, v in os.environ.items() if k != dmv.ENV}
     if setting is not None:
         env[dmv.ENV] = setting
-    out = subprocess.run([sys.executable, "-c", "from mlxfun import dmv; print(dmv.ENABLED)"], env=env,
+    out = subprocess.run([sys.executable, "-c", "from mlxfun import dmv; print(dmv.ENABLED, dmv.MAX_ROWS)"], env=env,
                          capture_output=True, text=True, check=True).stdout.strip()
-    assert out == str(enabled)
+    assert out == f"{enabled} {rows}"
+
+
+@pytest.mark.parametrize("setting", ["33", "yes", "-1"])
+def test_dense_product_setting_is_checked(setting):
+    with pytest.raises(ValueError, match="MLXFUN_DENSE_KERNEL"):
+        dmv.max_rows(setting)
+
+
+def test_dense_product_takes_more_rows_where_set(monkeypatch):
+    monkeypatch.setattr(dmv, "ENABLED", True)
+    w = mx.zeros((128, 4096), mx.bfloat16)
+    assert not dmv.fits(mx.zeros((16, 4096), mx.bfloat16), w)
+    monkeypatch.setattr(dmv, "MAX_ROWS", 32)
+    assert dmv.fits(mx.zeros((16, 4096), mx.bfloat16), w) and not dmv.fits(mx.zeros((33, 4096), mx.bfloat16), w)
 
 
 def test_dense_product_launch_for_shapes():
