@@ -332,6 +332,8 @@ class Engine:
             else:
                 queued = self.decode() if self._needs_decode() else None
                 events += self.collect(keep=queued)
+            if self.drafter is not None and self.policy.enabled:
+                self.policy.shadow(self.drafter.shadow(self, self.num_draft_tokens))
         self._fit_cache()
         return events
 

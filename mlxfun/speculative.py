@@ -141,12 +141,55 @@ class Drafter:
     def reorder(self, engine, keep: list[int]) -> None:
         """The engine's rows `keep` became its rows 0, 1, ... (`Engine.shrink_rows`)."""
 
+    def shadow(self, engine, k: int) -> list[int]:
+        """After plain decode steps' tokens were handed out: the tokens verify rounds would have
+        given (accepted drafts + 1) where that is now known, for drafters that can tell at no cost
+        (the policy's estimate while speculation is off). None by default."""
+        return []
+
+
+# Rows a free drafter drafts for in the shadow while speculation is off (the policy is batch-wide,
+# so a few rows estimate it; each shadow round costs the host a lookup).
+SHADOW_ROWS = 4
+
 
 class LookupDrafter(Drafter):
     """Prompt lookup for the engine's rows: drafts from each row's own prompt and output."""
 
     def __init__(self):
         self.lookup = PromptLookup()
+        # request id -> (its token count where its shadow round starts, that round's drafts or None)
+        self.rounds: dict[int, tuple[int, list[int] | None]] = {}
+
+    def shadow(self, engine, k: int) -> list[int]:
+        """Verify rounds replayed on the tokens plain steps gave: a round starts where the one
+        before ended, drafts from the row's history there, and keeps the drafts that match the
+        tokens that followed, plus one. Rounds without a draft are not counted (the engine decodes
+        plainly where no row has one). Exact for greedy rows; for sampled rows, a match stands in
+        for rejection sampling's acceptance."""
+        done = []
+        live = [o for o in engine.owner if o is not None][:SHADOW_ROWS]
+        self.rounds = {rid: v for rid, v in self.rounds.items() if rid in live}
+        for rid in live:
+            record = engine.requests[rid]
+            tokens = record.row.text.tokens
+            start, drafts = self.rounds.get(rid, (len(tokens), None))
+            while True:
+                if drafts is None:
+                    if start > len(tokens):
+                        break
+                    drafts = self.lookup.propose(list(record.request.prompt) + tokens[:start], k)
+                    if not drafts:  # no draft here: a plain step, and the next round a token later
+                        start, drafts = start + 1, None
+                        continue
+                if start + len(drafts) > len(tokens) and record.row.finish_reason is None:
+                    break  # its outcome is not known yet
+                after = tokens[start:start + len(drafts)]
+                kept = next((i for i, (d, t) in enumerate(zip(drafts, after)) if d != t), len(after))
+                done.append(kept + 1)
+                start, drafts = start + kept + 1, None
+            self.rounds[rid] = (start, drafts)
+        return done
 
     def propose(self, engine, rows: list[int], k: int):
         B = len(engine.owner)
@@ -186,7 +229,9 @@ class Policy:
     steps by `margin`, and tries the other mode once every `interval` rounds, the interval doubling
     (up to `longest`) each time that try loses. Verifying k + 1 positions costs about one decode
     step while the step is bound by reading the weights (small batches on a GPU), and about k + 1
-    where it is bound by compute (large batches; the CPU's reference BLAS at any batch)."""
+    where it is bound by compute (large batches; the CPU's reference BLAS at any batch). While
+    off, a drafter that can replay its rounds on the plain tokens (prompt lookup: `shadow`) keeps
+    the speculating estimate current between tries."""
 
     def __init__(self, margin: float = 1.03, interval: int = 32, longest: int = 4096, smoothing: float = 0.3,
                  enabled: bool = True):
@@ -196,6 +241,19 @@ class Policy:
         self.warm = {True: False, False: False}
         self.interval, self.countdown = interval, interval
         self.current = True  # start by measuring speculation
+        self.round_seconds: float | None = None  # a verify round's time (moving average)
+
+    def shadow(self, tokens: list[int]) -> None:
+        """Rounds replayed while decoding plainly (`Drafter.shadow`): the tokens each would have
+        given. With a verify round's measured time they say what speculating would do now, so a
+        drafter whose drafts start to match (a summary that begins to quote) turns speculation
+        back on at once, without waiting for a try. Used while not speculating, so the replayed
+        rounds update the speculating rate the next choice compares."""
+        if not tokens or self.round_seconds is None or self.rate[True] is None:
+            return
+        for t in tokens:
+            rate = t / self.round_seconds
+            self.rate[True] = (1 - self.smoothing) * self.rate[True] + self.smoothing * rate
 
     def choose(self) -> bool:
         """Whether the next round speculates."""
@@ -216,6 +274,9 @@ class Policy:
         if not self.warm[speculating]:  # a mode's first round traces and compiles: not its speed
             self.warm[speculating] = True
             return
+        if speculating:
+            self.round_seconds = seconds if self.round_seconds is None else \
+                (1 - self.smoothing) * self.round_seconds + self.smoothing * seconds
         rate = tokens_per_row / seconds
         old = self.rate[speculating]
         self.rate[speculating] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate

@@ -261,6 +261,72 @@ def test_policy_follows_the_faster_mode_and_retries_the_other():
     assert policy.speedup < 1 and policy.interval > 4  # losing tries back off
 
 
+class _Shadowed:
+    """The parts of an engine `LookupDrafter.shadow` reads: rows' requests, prompts and tokens."""
+
+    def __init__(self, prompts):
+        from types import SimpleNamespace as NS
+
+        self.owner = list(range(len(prompts)))
+        self.requests = {i: NS(request=NS(prompt=p), row=NS(text=NS(tokens=[]), finish_reason=None))
+                         for i, p in enumerate(prompts)}
+
+    def give(self, row, tokens):
+        self.requests[row].row.text.tokens += tokens
+
+
+def test_lookup_replays_verify_rounds_on_plain_tokens():
+    """While speculation is off, prompt lookup replays the rounds it would have verified: each
+    starts where the last ended, drafts from the history there, and gives its matching drafts
+    plus one, once the tokens that follow are known. A row with nothing to draft from counts no
+    round."""
+    drafter, k = speculative.LookupDrafter(), 3
+    engine = _Shadowed([[7, 1, 2, 3, 4, 5, 9, 7], [40, 41, 42]])  # row 0 repeats 7: drafts 1 2 3
+    assert drafter.shadow(engine, k) == []  # drafts made, nothing after them yet
+    engine.give(0, [1, 2])
+    engine.give(1, [43, 44])
+    assert drafter.shadow(engine, k) == []  # 2 of 3 tokens known
+    engine.give(0, [3])  # the round keeps all 3 drafts, and the token after them
+    assert drafter.shadow(engine, k) == [4]
+    assert drafter.rounds[0] == (4, None)  # the next round drafts once that token is known
+    engine.give(0, [4])
+    assert drafter.shadow(engine, k) == []  # after 2 3 4 come 5 9 7
+    engine.give(0, [5, 8, 8])  # one kept, then a miss: 2 tokens, the next round starts after 5 8
+    assert drafter.shadow(engine, k) == [2]
+    # Nothing to draft after ... 5 8 (a plain step); after ... 5 8 8 the last 8 repeats: draft 8, pending.
+    assert drafter.rounds[0] == (7, [8])
+    assert drafter.rounds[1] == (3, None)  # row 1 never had a draft: no round counted
+
+
+def test_policy_turns_speculation_back_on_when_replayed_rounds_win():
+    """After speculation lost and turned off, rounds replayed on plain tokens that would now keep
+    most drafts switch it back on at once, rather than at the next try (32 rounds, doubling)."""
+    policy = speculative.Policy(interval=32)
+    for _ in range(12):
+        s = policy.choose()
+        policy.record(s, 1.0 if s else 1.0, 1.5 if s else 1.0)  # rounds give 1 token in 1.5x the time
+    assert not policy.choose()
+    policy.shadow([])  # nothing replayed: no change
+    assert not policy.choose()
+    policy.shadow([4, 4, 4, 4])  # 4 tokens per 1.5x round
+    assert policy.choose() and policy.speedup > 2
+
+
+def test_lookup_with_the_rule_on_keeps_plain_tokens(tiny):
+    """The measured rule with prompt lookup (replaying rounds while off): the same tokens as plain
+    decoding, and the replayed rounds reached the policy."""
+    prompts = mixed_prompts(6, seed=5)
+    plain = generate(tiny, prompts, max_tokens=40, ignore_eos=True).token_ids
+    engine = Engine(tiny, 6, draft="prompt-lookup", policy=speculative.Policy(enabled=True, interval=4))
+    seen = []
+    shadow = engine.policy.shadow
+    engine.policy.shadow = lambda tokens: seen.extend(tokens) or shadow(tokens)
+    ids = [engine.add(p, max_tokens=40, ignore_eos=True) for p in prompts]
+    list(engine.events())
+    assert [engine.take(i).row.token_ids for i in ids] == plain
+    assert seen and all(1 <= t <= engine.num_draft_tokens + 1 for t in seen)
+
+
 def test_draft_model_with_another_vocabulary_is_refused(tiny):
     import mlxfun
 
