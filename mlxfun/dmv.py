@@ -12,10 +12,11 @@ time hardly depends on how many there are.
 On by default wherever mlxfun's kernels run (`fast`, as the steps of `mlxfun.step` ask, on CUDA),
 for 2 to 8 rows; `MLXFUN_DENSE_KERNEL=0` when mlxfun is imported turns it off, and a number up to
 32 sets the most rows it takes (an environment setting, like `MLXFUN_BLAS`, so that a benchmark
-compares them in two processes; past 8 rows, tiles of 8 share each read of W, not yet timed). Measured on an H200
-(`benchmarks/2026-12-02-h200-s7-*`): 8B speculative decoding at batch 1 (oracle, alpha 0.7, k = 4)
-2.25x plain, where the CUDA-core kernel it replaced gave 1.75-1.96x; per map at 5 rows, 0.6-1.0x
-the time of that kernel and 0.4-1.1x cuBLAS's (slower on the 8B gate/up map and the heads).
+compares them in two processes; past 8 rows, tiles of 8 share each read of W, not yet timed).
+Measured on an H200 (`benchmarks/2026-12-02-h200-s7-*`): 8B speculative decoding at batch 1
+(oracle, alpha 0.7, k = 4) 2.25x plain, where the CUDA-core kernel it replaced gave 1.75-1.96x;
+per map at 5 rows, 0.6-1.0x the time of that kernel and 0.4-1.1x cuBLAS's (slower on the 8B
+gate/up map and the heads).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from mlxfun.kernels import compact
-from mlxfun.qmv import _MMA_HEADER
+from mlxfun.qmv import MMA_HEADER
 
 _MMA = compact(r"""
     // y (M, OUT) = x (M, IN) W^T for M <= 8 N rows, W dense, on tensor cores: mma m16n8k16 with
@@ -175,7 +176,7 @@ def product(x: mx.array, w: mx.array, launch: Launch | None = None) -> mx.array:
     M, out = x.shape[0], w.shape[0]
     launch = launch_for(out, x.shape[1]) if launch is None else launch
     kernel = mx.fast.cuda_kernel(name="mlxfun_dmv_mma", input_names=["x", "w"], output_names=["y"], source=_MMA,
-                                 header=_MMA_HEADER)
+                                 header=MMA_HEADER)
     threads, block = grid(out, launch)
     template = [("T", x.dtype), ("M", M), ("N", -(-M // 8)), ("KW", launch.warps), ("U", launch.in_flight)]
     return kernel(inputs=[x, w], template=template, grid=(threads, 1, 1), threadgroup=(block, 1, 1),

@@ -145,9 +145,9 @@ def simt(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_siz
                   output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]
 
 
-# Tensor-core helpers for `_MMA` (bf16 and fp16 activations). A `Pair` is two values of T in
+# Tensor-core helpers for `_MMA` and `dmv._MMA` (bf16 and fp16 activations). A `Pair` is two values of T in
 # one register, the operand of mma.sync; `tests/cuda_emulator.py` defines the same names on the CPU.
-_MMA_HEADER = compact(r"""
+MMA_HEADER = compact(r"""
 using Pair = uint32_t;
 template <typename T> struct QmvOps;
 template <> struct QmvOps<__nv_bfloat16> {
@@ -292,7 +292,7 @@ def mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
     """`product` on tensor cores (bf16 or fp16 x); `warps` and `in_flight` as a benchmark varies them."""
     M, out = x.shape[0], w.shape[0]
     kernel = mx.fast.cuda_kernel(name="mlxfun_qmv4_mma", input_names=["x", "w", "scales", "biases"],
-                                 output_names=["y"], source=_MMA, header=_MMA_HEADER)
+                                 output_names=["y"], source=_MMA, header=MMA_HEADER)
     grid, block = mma_grid(out, warps)
     return kernel(inputs=[x, w, scales, biases],
                   template=[("T", x.dtype), ("GS", group_size), ("M", M), ("KW", warps), ("U", in_flight)],

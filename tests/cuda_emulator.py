@@ -76,7 +76,7 @@ template <typename F> void launch(F f, dim3 grid, int threads) {
 }
 """
 
-# CPU versions of `qmv._MMA_HEADER`: the same names and semantics in float32 (no bf16
+# CPU versions of `qmv.MMA_HEADER`: the same names and semantics in float32 (no bf16
 # rounding). qmv_mma exchanges the warp's fragments through memory and computes each lane's share
 # of c with the m16n8k16 fragment layouts of the PTX ISA: A register r of lane (g, t) holds row
 # g + 8 (r & 1), columns 2 t + 8 (r >> 1) + {0, 1}; B register r holds rows 2 t + 8 r + {0, 1},

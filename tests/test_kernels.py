@@ -305,4 +305,4 @@ def test_kernels_run_in_steps_only(monkeypatch):
 def test_compact_drops_comments_and_indentation_only():
     src = "    const int a = 1;  // why\n\n    #pragma unroll\n    for (int i = 0; i < 4; ++i) a += i;\n    // gone\n"
     assert kernels.compact(src) == "const int a = 1;\n#pragma unroll\nfor (int i = 0; i < 4; ++i) a += i;"
-    assert "//" not in qmv._MMA + qmv._MMA_HEADER + kernels._ATTENTION  # what MLX hashes per launch
+    assert "//" not in qmv._MMA + qmv.MMA_HEADER + kernels._ATTENTION + dmv._MMA  # what MLX hashes per launch
