@@ -33,8 +33,6 @@
 #   bash benchmarks/gpu_round2.sh w4  # dmv across warps: checked, tuned per map; speculative 8B b1 and 1B decode with it
 #   bash benchmarks/gpu_round2.sh x1  # dmv as shipped: checked; speculative 8B b1 (alpha 0.5-0.9); a round's host time
 #   bash benchmarks/gpu_round2.sh x2  # speculative 8B at batch 8 and 32, oracle and the 1B drafter with the rule
-#   bash benchmarks/gpu_round2.sh z1  # (commit 54a1dd2, both kernels) dmv on tensor cores timed per launch; spec 8B b1, it and SIMT
-#   bash benchmarks/gpu_round2.sh z2  # (commit 647cba4, both kernels) spec 8B b1, dmv on tensor cores; 1B decode 1-8 rows, it and SIMT
 #   bash benchmarks/gpu_round2.sh z3  # dmv on tensor cores timed with dependent products; speculative 8B b1 with the picks
 #   bash benchmarks/gpu_round2.sh z4  # dmv past 8 rows (tiles of 8): checked, timed; 1B decode 1-32 rows, up to 8 then 32
 #   bash benchmarks/gpu_round2.sh y1  # prompt lookup on real text, the real model (a call before copies .model-a/part.00
@@ -282,23 +280,6 @@ case "${1:-a}" in
   x2)  # speculative 8B at batch 8 and 32 (oracle; the 1B drafter with the rule), 64 tokens
     timeout 550 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 8,32 --alphas 0.7 --ks 4 \
       --draft-shape 1B --gen-tokens 64 --json "$OUT/r2-spec-8B-b8-32.json" | tail -12
-    ;;
-  z1)  # dmv on tensor cores: checked, timed per launch (against SIMT and MLX); speculative 8B b1 with it, then SIMT
-    timeout 220 python3 benchmarks/kernels_check.py --only dmv --time-dmv --json "$OUT/dmv-mma-tune.json" \
-      | grep -v '"ok": true' | tail -40
-    spec=(--speculative --shape 8B --batch-sizes 1 --alphas 0.7 --ks 4 --gen-tokens 256)
-    timeout 170 python3 benchmarks/dmv_tuned.py "$OUT/dmv-mma-tune.json" -- "${spec[@]}" \
-      --json "$OUT/spec-8B-b1-mma.json" | tail -4
-    MLXFUN_DENSE_KERNEL=simt timeout 150 python3 -m mlxfun.bench "${spec[@]}" --json "$OUT/spec-8B-b1-simt.json" \
-      | tail -3
-    ;;
-  z2)  # speculative 8B b1 with dmv on tensor cores (tuned), output as it comes; 1B decode at 1-8 rows, it then SIMT
-    timeout 300 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1 --alphas 0.7 --ks 4 --gen-tokens 256 \
-      --json "$OUT/spec-8B-b1-mma.json"
-    for kind in 1 simt; do
-      MLXFUN_DENSE_KERNEL=$kind timeout 120 python3 -m mlxfun.bench --shape 1B --batch-sizes 1,2,4,8 \
-        --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16 --json "$OUT/1B-dmv-$kind.json" | tail -5
-    done
     ;;
   z3)  # dmv on tensor cores timed per launch with dependent products (5 rows); speculative 8B b1 with those picks
     timeout 150 python3 benchmarks/kernels_check.py --only dmv --time-dmv --rows 5 --json "$OUT/dmv-mma-tune-chained.json" \
