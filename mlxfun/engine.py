@@ -573,7 +573,7 @@ class Engine:
         mx.eval(out, self.state)
         events, kept = self._take_verified(out, list(self.owner), proposed)
         if t0 is not None and kept:
-            self.policy.record(True, kept, time.perf_counter() - t0)
+            self.policy.record(True, kept, time.perf_counter() - t0, most=k + 1)
         return events
 
     def verify_ahead(self) -> Verdict:
@@ -620,7 +620,7 @@ class Engine:
                 # next is in flight (a run's last round, handed out at once after, is not timed).
                 now = time.perf_counter() if keep is not None else None
                 if kept and now is not None and self._last_round is not None:
-                    self.policy.record(True, kept, now - self._last_round)
+                    self.policy.record(True, kept, now - self._last_round, most=self.num_draft_tokens + 1)
                 self._last_round = now
             else:
                 events += self._take(out, owners)

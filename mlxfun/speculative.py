@@ -242,6 +242,7 @@ class Policy:
         self.interval, self.countdown = interval, interval
         self.current = True  # start by measuring speculation
         self.round_seconds: float | None = None  # a verify round's time (moving average)
+        self.most: int | None = None  # the tokens per row a verify round gives at best (k + 1)
 
     def shadow(self, tokens: list[int]) -> None:
         """Rounds replayed while decoding plainly (`Drafter.shadow`): the tokens each would have
@@ -268,7 +269,9 @@ class Policy:
             return not best
         return best
 
-    def record(self, speculating: bool, tokens_per_row: float, seconds: float) -> None:
+    def record(self, speculating: bool, tokens_per_row: float, seconds: float, most: int | None = None) -> None:
+        """A round's tokens per row and time; `most`: the tokens per row a verify round can give
+        at best (k + 1)."""
         if seconds <= 0:
             return
         if not self.warm[speculating]:  # a mode's first round traces and compiles: not its speed
@@ -277,11 +280,17 @@ class Policy:
         if speculating:
             self.round_seconds = seconds if self.round_seconds is None else \
                 (1 - self.smoothing) * self.round_seconds + self.smoothing * seconds
+            self.most = most if most is not None else self.most
         rate = tokens_per_row / seconds
         old = self.rate[speculating]
         self.rate[speculating] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
         if self.rate[True] is not None and self.rate[False] is not None:
             best = self.rate[True] > self.margin * self.rate[False]
+            if self.most is not None and self.most / self.round_seconds <= self.margin * self.rate[False]:
+                # Slower than plain decoding even with every draft kept (a draft model whose steps
+                # cost more than the target's): try again only rarely.
+                self.current, self.interval, self.countdown = False, self.longest, self.longest
+                return
             if best != self.current:
                 self.current, self.interval = best, self.base  # the better mode changed: try again soon
             elif speculating != best:
