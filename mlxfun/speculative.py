@@ -289,7 +289,9 @@ class Policy:
             if self.most is not None and self.most / self.round_seconds <= self.margin * self.rate[False]:
                 # Slower than plain decoding even with every draft kept (a draft model whose steps
                 # cost more than the target's): try again only rarely.
-                self.current, self.interval, self.countdown = False, self.longest, self.longest
+                if self.interval != self.longest:
+                    self.countdown = self.longest
+                self.current, self.interval = False, self.longest
                 return
             if best != self.current:
                 self.current, self.interval = best, self.base  # the better mode changed: try again soon

@@ -315,19 +315,23 @@ def test_policy_turns_speculation_back_on_when_replayed_rounds_win():
 def test_policy_stops_trying_rounds_that_cannot_pay():
     """A verify round slower than k + 1 decode steps loses with every draft kept (a draft model
     whose steps cost more than the target's): after measuring it, the policy tries again only
-    every `longest` rounds, not every `interval`."""
-    policy = speculative.Policy(interval=4, longest=1000)
+    every `longest` rounds, not every `interval` (doubling)."""
+    policy = speculative.Policy(interval=4, longest=60)
     choices = []
     for _ in range(200):
         s = policy.choose()
         choices.append(s)
         policy.record(s, 5.0 if s else 1.0, 6.0 if s else 1.0, most=5 if s else None)  # 5 tokens in 6 steps' time
-    assert sum(choices) == 2 and policy.interval == 1000  # the two rounds that measure it
-    policy = speculative.Policy(interval=4, longest=1000)
+    assert choices[:2] == [True, True] and policy.interval == 60  # the two rounds that measure it
+    tries = [i for i, c in enumerate(choices) if c][2:]
+    assert len(tries) == 3 and all(b - a > 50 for a, b in zip(tries, tries[1:]))  # then one every 60 or so
+    policy = speculative.Policy(interval=4, longest=60)
+    choices = []
     for _ in range(200):
         s = policy.choose()
+        choices.append(s)
         policy.record(s, 1.0 if s else 1.0, 3.0 if s else 1.0, most=5 if s else None)  # could pay: 5 in 3
-    assert policy.interval < 1000  # losing now, but tried again as before (interval doubling)
+    assert sum(choices[2:]) >= 5  # losing now, but tried as before: after 4, 8, 16, 32 rounds, then 60
 
 
 def test_lookup_with_the_rule_on_keeps_plain_tokens(tiny):
