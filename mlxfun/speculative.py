@@ -253,8 +253,11 @@ class Policy:
         if not tokens or self.round_seconds is None or self.rate[True] is None:
             return
         for t in tokens:
-            rate = t / self.round_seconds
-            self.rate[True] = (1 - self.smoothing) * self.rate[True] + self.smoothing * rate
+            self.rate[True] = self._average(self.rate[True], t / self.round_seconds)
+
+    def _average(self, old: float | None, new: float) -> float:
+        """The moving average of a measure after one more value of it."""
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
     def choose(self) -> bool:
         """Whether the next round speculates."""
@@ -278,12 +281,9 @@ class Policy:
             self.warm[speculating] = True
             return
         if speculating:
-            self.round_seconds = seconds if self.round_seconds is None else \
-                (1 - self.smoothing) * self.round_seconds + self.smoothing * seconds
+            self.round_seconds = self._average(self.round_seconds, seconds)
             self.most = most if most is not None else self.most
-        rate = tokens_per_row / seconds
-        old = self.rate[speculating]
-        self.rate[speculating] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
+        self.rate[speculating] = self._average(self.rate[speculating], tokens_per_row / seconds)
         if self.rate[True] is not None and self.rate[False] is not None:
             best = self.rate[True] > self.margin * self.rate[False]
             if self.most is not None and self.most / self.round_seconds <= self.margin * self.rate[False]:
