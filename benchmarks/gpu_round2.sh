@@ -38,6 +38,10 @@
 #   bash benchmarks/gpu_round2.sh y1  # prompt lookup on real text, the real model (a call before copies .model-a/part.00
 #                                     to $HOME/gpu/part.00.model; this one carries .model-b)
 #   bash benchmarks/gpu_round2.sh v2  # speculative, 8B batch 8 and 32: oracle at alpha 0.7, the 1B drafter with the rule
+#   bash benchmarks/gpu_round2.sh q1  # dmv checked (2-32 rows); 1B static: this code, round 1's, this code with dmv to 32 rows
+#   bash benchmarks/gpu_round2.sh q2  # (carries .model-a, copied first) speculative 8B at batch 8 and 32 (x2)
+#   bash benchmarks/gpu_round2.sh q3  # (carries .model-b) prompt lookup on the real model (y1); structured, this code
+#                                     against the code before (.prev)
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
@@ -293,6 +297,28 @@ case "${1:-a}" in
     for rows in 8 32; do
       MLXFUN_DENSE_KERNEL=$rows timeout 150 python3 -m mlxfun.bench --shape 1B --batch-sizes 1,2,4,8,16,32 \
         --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16 --json "$OUT/1B-dmv-rows-$rows.json" | tail -7
+    done
+    ;;
+  q1)  # dmv checked at 2-32 rows; 1B static at 1/8/32/128: this code, round 1's, this code with dmv up to 32 rows
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    timeout 90 python3 benchmarks/kernels_check.py --only dmv --json "$OUT/dmv-check.json" | tail -1
+    timeout 130 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/1B-new.json" | tail -5
+    old timeout 130 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/1B-old.json" | tail -5
+    MLXFUN_DENSE_KERNEL=32 timeout 130 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/1B-new-dmv32.json" \
+      | tail -5
+    ;;
+  q2)  # the first half of the default model's GGUF stays for q3; speculative 8B at batch 8 and 32 (x2)
+    mkdir -p $HOME/gpu && cp .model-a/part.00 $HOME/gpu/part.00.model
+    bash "$0" x2
+    ;;
+  q3)  # prompt lookup on the real model (y1); structured output, this code against the code before (.prev)
+    bash "$0" y1
+    wheels
+    structured=(--structured --shape 1B --batch-sizes 32 --gen-tokens 32)
+    for run in 1 2; do
+      timeout 100 python3 -m mlxfun.bench "${structured[@]}" --tokenizer .tok --json "$OUT/structured-new-$run.json" | tail -1
+      (cd .prev && timeout 100 python3 -m mlxfun.bench "${structured[@]}" --tokenizer ../.tok \
+        --json "$OUT/structured-prev-$run.json" | tail -1)
     done
     ;;
   y1)  # prompt lookup on real text with the real model (SmolLM2, carried in halves: benchmarks/carry_model.sh)
