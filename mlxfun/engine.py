@@ -477,8 +477,8 @@ class Engine:
         ready, self._inflight = self._inflight, []
         mx.async_eval([step_out for step_out, _ in ready])  # scheduled here: the worker thread has no stream
         owners = list(self.owner)
-        matched, values = threading.Event(), []
-        job = self._mask_pool().submit(self._read_and_mask, ready, owners, self._mask_buffer(), matched, values)
+        matched = threading.Event()
+        job = self._mask_pool().submit(self._read_and_mask, ready, owners, self._mask_buffer(), matched)
         # Queuing the forward pass holds the GIL throughout (MLX encodes the graph without
         # releasing it), so the worker gets a head start: once the tokens are read and matched it
         # computes the masks without the GIL. Tokens not yet on the host mean the device is
@@ -487,13 +487,7 @@ class Engine:
         logits, state = steps.forward(self.params, state)
         self._advanced(state)  # the old state unreferenced: the pool is written in place
         mx.async_eval(logits, self.state)
-        # The tokens read are handed out while the worker computes the masks: the next masks are
-        # chosen already (`_read_and_mask`), and handing out touches no matcher.
-        matched.wait()
-        events = []
-        for (step_out, step_owners), v in zip(ready, values):
-            events += self._take(step_out, step_owners, v, matched=True)
-        masks = job.result()  # raises what the worker raised
+        values, masks = job.result()
         out, state = steps.sample(logits, mx.array(masks), self.state if mode.penalties else
                                   self.state._replace(counts=None), self._settings)
         self.state = state if state.counts is not None else state._replace(counts=self.state.counts)
@@ -501,24 +495,26 @@ class Engine:
         self.stats.steps += 1
         self.stats.busy_row_steps += sum(o is not None for o in owners)
         self._inflight.append((out, owners))
+        events = []
+        for (step_out, step_owners), v in zip(ready, values):
+            events += self._take(step_out, step_owners, v, matched=True)
         self._count_rows()
         return events
 
-    def _read_and_mask(self, ready: list, owners: list, out: np.ndarray, matched: threading.Event,
-                       values: list) -> np.ndarray:
-        """On the mask worker (`masked_decode`): values <- the steps in flight read (waiting for
-        the device without the GIL), the constrained rows' matchers advanced by their tokens and
-        the matchers for the next masks chosen (then `matched` is set); -> out (B, W), the masks
-        of the rows `owners` hold for the next token."""
+    def _read_and_mask(self, ready: list, owners: list, out: np.ndarray, matched: threading.Event
+                       ) -> tuple[list, np.ndarray]:
+        """On the mask worker (`masked_decode`): the steps in flight read (waiting for the device
+        without the GIL), the constrained rows' matchers advanced by their tokens (then `matched`
+        is set), and out (B, W) <- the masks of the rows `owners` hold for the next token.
+        -> (each step's host values, out)."""
         try:
-            read = [host_values(step_out) for step_out, _ in ready]
-            for (_, step_owners), (tokens, _, _) in zip(ready, read):
+            values = [host_values(step_out) for step_out, _ in ready]
+            for (_, step_owners), (tokens, _, _) in zip(ready, values):
                 self._match(step_owners, tokens)
             matchers = [self._mask_matcher(o) for o in owners]
-            values += read
         finally:
             matched.set()
-        return structured.fill_masks(matchers, out)
+        return values, structured.fill_masks(matchers, out)
 
     def _match(self, owners: list, tokens: list[int]) -> None:
         """Constrained rows' matchers take their new tokens (before the tokens are handed out, so
