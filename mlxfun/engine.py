@@ -619,8 +619,9 @@ class Engine:
                 # A pipelined round's time: from the round before handed out to this one, while the
                 # next is in flight (a run's last round, handed out at once after, is not timed).
                 now = time.perf_counter() if keep is not None else None
-                if kept and now is not None and self._last_round is not None:
-                    self.policy.record(True, kept, now - self._last_round, most=self.num_draft_tokens + 1)
+                if kept:
+                    self.policy.record(True, kept, None if now is None or self._last_round is None else
+                                       now - self._last_round, most=self.num_draft_tokens + 1)
                 self._last_round = now
             else:
                 events += self._take(out, owners)

@@ -223,6 +223,13 @@ class PromptLookup:
         return []
 
 
+# Rounds of one try of the other mode. The engine times a round from the one before it: a
+# pipelined verify round from the previous round's hand-out, a decode step from the step before
+# once two have run. A try's third round is the first timed in both modes; a shorter try gave the
+# policy nothing to compare.
+TRY_ROUNDS = 3
+
+
 class Policy:
     """When speculation pays, measured as the engine runs: the tokens per row per second of decode
     steps and of verify rounds (moving averages). It speculates while verify rounds beat decode
@@ -243,6 +250,8 @@ class Policy:
         self.current = True  # start by measuring speculation
         self.round_seconds: float | None = None  # a verify round's time (moving average)
         self.most: int | None = None  # the tokens per row a verify round gives at best (k + 1)
+        self.bound = False  # rate[True] is `kept_nothing`'s bound, not a measure
+        self.trying = 0  # rounds left of the try under way
 
     def shadow(self, tokens: list[int]) -> None:
         """Rounds replayed while decoding plainly (`Drafter.shadow`): the tokens each would have
@@ -255,6 +264,15 @@ class Policy:
         for t in tokens:
             self.rate[True] = self._average(self.rate[True], t / self.round_seconds)
 
+    def kept_nothing(self, tokens_per_row: float) -> None:
+        """A verify round whose time is unknown (a pipelined run's first): if it kept no draft,
+        speculating lost whatever the round cost, since a round costs at least a decode step. Then
+        speculation stops at once (rate 0, a bound the next timed round replaces) instead of after
+        two timed rounds (the first is a warm-up): with a draft model each costs a few decode steps
+        (benchmarks/README.md, 8B with a 1B drafter)."""
+        if self.rate[True] is None and tokens_per_row <= self.margin:
+            self.rate[True], self.bound, self.warm[True] = 0.0, True, True
+
     def _average(self, old: float | None, new: float) -> float:
         """The moving average of a measure after one more value of it."""
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
@@ -266,20 +284,27 @@ class Policy:
         if self.rate[True] is None or self.rate[False] is None:
             return self.rate[True] is None  # measure each mode once
         best = self.rate[True] > self.margin * self.rate[False]
+        if self.trying:
+            self.trying -= 1
+            return not best
         self.countdown -= 1
         if self.countdown <= 0:  # a try of the other mode, to keep its estimate fresh
-            self.countdown = self.interval
+            self.countdown, self.trying = self.interval, TRY_ROUNDS - 1
             return not best
         return best
 
-    def record(self, speculating: bool, tokens_per_row: float, seconds: float, most: int | None = None) -> None:
-        """A round's tokens per row and time; `most`: the tokens per row a verify round can give
+    def record(self, speculating: bool, tokens_per_row: float, seconds: float | None, most: int | None = None) -> None:
+        """A round's tokens per row and time (None: unknown); `most`: the tokens per row a verify round can give
         at best (k + 1)."""
-        if seconds <= 0:
+        if seconds is None or seconds <= 0:  # a round whose time is unknown (a pipelined run's first)
+            if speculating:
+                self.kept_nothing(tokens_per_row)
             return
         if not self.warm[speculating]:  # a mode's first round traces and compiles: not its speed
             self.warm[speculating] = True
             return
+        if speculating and self.bound:  # the first timed round replaces the bound `kept_nothing` set
+            self.rate[True], self.bound = None, False
         if speculating:
             self.round_seconds = self._average(self.round_seconds, seconds)
             self.most = most if most is not None else self.most

@@ -324,7 +324,9 @@ def test_policy_stops_trying_rounds_that_cannot_pay():
         policy.record(s, 5.0 if s else 1.0, 6.0 if s else 1.0, most=5 if s else None)  # 5 tokens in 6 steps' time
     assert choices[:2] == [True, True] and policy.interval == 60  # the two rounds that measure it
     tries = [i for i, c in enumerate(choices) if c][2:]
-    assert len(tries) == 3 and all(b - a > 50 for a, b in zip(tries, tries[1:]))  # then one every 60 or so
+    starts = [t for i, t in enumerate(tries) if i == 0 or t - tries[i - 1] > 1]
+    assert len(tries) == 3 * speculative.TRY_ROUNDS  # then one try every 60 or so, each of TRY_ROUNDS rounds
+    assert len(starts) == 3 and all(b - a > 50 for a, b in zip(starts, starts[1:]))
     policy = speculative.Policy(interval=4, longest=60)
     choices = []
     for _ in range(200):
@@ -332,6 +334,34 @@ def test_policy_stops_trying_rounds_that_cannot_pay():
         choices.append(s)
         policy.record(s, 1.0 if s else 1.0, 3.0 if s else 1.0, most=5 if s else None)  # could pay: 5 in 3
     assert sum(choices[2:]) >= 5  # losing now, but tried as before: after 4, 8, 16, 32 rounds, then 60
+
+
+def test_policy_tries_last_until_a_round_of_them_is_timed():
+    """The engine times a round from the one before it, so a try of one round told the policy
+    nothing: each try runs TRY_ROUNDS rounds in a row, in either direction."""
+    policy = speculative.Policy(interval=4, longest=64)
+    choices = []
+    for _ in range(80):
+        s = policy.choose()
+        choices.append(s)
+        policy.record(s, 1.5 if s else 1.0, 2.0 if s else 1.0, most=5 if s else None)  # loses: 0.75x
+    assert choices[:4] == [True, True, False, False]  # each mode measured (a warm-up round, then a timed one)
+    runs = "".join("V" if c else "." for c in choices[4:]).split(".")
+    assert {len(r) for r in runs if r} == {speculative.TRY_ROUNDS}
+
+
+def test_a_pipelined_first_round_that_kept_nothing_stops_speculation():
+    """A pipelined run's first round is not timed; if it kept no draft it lost anyway (a round
+    costs at least a decode step): speculation stops there, and the next timed round replaces the bound."""
+    policy = speculative.Policy(interval=4)
+    assert policy.choose()
+    policy.record(True, 1.0, None, most=5)  # nothing kept, time unknown
+    assert policy.rate[True] == 0.0 and not policy.choose()
+    policy.record(True, 4.0, 1.0, most=5)  # a timed round (a try): measured, not averaged with the bound
+    assert policy.rate[True] == 4.0 and not policy.bound
+    fresh = speculative.Policy(interval=4)
+    fresh.record(True, 2.0, None, most=5)  # kept something: no conclusion without its time
+    assert fresh.rate[True] is None and fresh.choose()
 
 
 def test_lookup_with_the_rule_on_keeps_plain_tokens(tiny):
