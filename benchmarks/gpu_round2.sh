@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_round2.sh q2  # (carries .model-a, copied first) speculative 8B at batch 8 and 32 (x2)
 #   bash benchmarks/gpu_round2.sh q3  # (carries .model-b) prompt lookup on the real model (y1); structured, this code
 #                                     against the code before (.prev)
+#   bash benchmarks/gpu_round2.sh q4  # static batches of the continuous bench one by one; speculative 8B at 8-128
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
@@ -320,6 +321,11 @@ case "${1:-a}" in
       (cd .prev && timeout 100 python3 -m mlxfun.bench "${structured[@]}" --tokenizer ../.tok \
         --json "$OUT/structured-prev-$run.json" | tail -1)
     done
+    ;;
+  q4)  # the static half of the continuous bench batch by batch; speculative 8B at batch 8, 32, 128 with the rule's tries
+    timeout 120 python3 benchmarks/static_mixed.py --shape 1B --rows 32 --prompts 256 --json "$OUT/static-mixed.json" | tail -20
+    timeout 400 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 8,32,128 --alphas 0.7 --ks 4 \
+      --draft-shape 1B --gen-tokens 64 --json "$OUT/spec-8B-b8-128.json" | tail -14
     ;;
   y1)  # prompt lookup on real text with the real model (SmolLM2, carried in halves: benchmarks/carry_model.sh)
     cat $HOME/gpu/part.00.model .model-b/part.01 > $HOME/gpu/smollm2.gguf
