@@ -294,8 +294,8 @@ class Policy:
         return best
 
     def record(self, speculating: bool, tokens_per_row: float, seconds: float | None, most: int | None = None) -> None:
-        """A round's tokens per row and time (None: unknown); `most`: the tokens per row a verify round can give
-        at best (k + 1)."""
+        """A round's tokens per row and time (None: unknown); `most`: the tokens per row a verify
+        round can give at best (k + 1)."""
         if seconds is None or seconds <= 0:  # a round whose time is unknown (a pipelined run's first)
             if speculating:
                 self.kept_nothing(tokens_per_row)
