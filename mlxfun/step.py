@@ -147,8 +147,11 @@ def verify_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeSt
 
 def first_token(config: ModelConfig, mode: Mode, params: Params, h: mx.array, settings: sampling.Settings,
                 steps: mx.array, counts: mx.array | None, mask: mx.array | None = None) -> StepOut:
-    """h (B, E): the last prompt position's hidden state -> the first generated token."""
-    return choose(mode, llama.logits(params, h, fast=True), settings, steps, counts, mask)
+    """h (B, E): the last prompt position's hidden state -> the first generated token. MLX's
+    products, not mlxfun's few-row kernels: B is a prefill group's size, which varies from one
+    admission to the next, and those kernels are built for their row count (NVRTC, about 2 s per new
+    count on an H200: a static batch of mixed prompts paid it for each new group size)."""
+    return choose(mode, llama.logits(params, h), settings, steps, counts, mask)
 
 
 class Steps(NamedTuple):

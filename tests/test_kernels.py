@@ -306,3 +306,28 @@ def test_compact_drops_comments_and_indentation_only():
     src = "    const int a = 1;  // why\n\n    #pragma unroll\n    for (int i = 0; i < 4; ++i) a += i;\n    // gone\n"
     assert kernels.compact(src) == "const int a = 1;\n#pragma unroll\nfor (int i = 0; i < 4; ++i) a += i;"
     assert "//" not in qmv._MMA + qmv.MMA_HEADER + kernels._ATTENTION + dmv._MMA  # what MLX hashes per launch
+
+
+def test_first_token_runs_mlx_products_at_any_group_size(monkeypatch):
+    """A prefill group's first token goes through MLX's products, never the few-row kernels: group
+    sizes vary between admissions, and each new row count would build a kernel anew (seconds on
+    an H200). The decode steps, whose row count is the engine's, still ask for the kernels."""
+    from helpers import tiny_config, tiny_model
+
+    from mlxfun import llama, sampling, step
+
+    asked = []
+
+    def refuse(*args):
+        raise AssertionError("a few-row kernel ran")
+
+    monkeypatch.setattr(kernels, "available", lambda dtype: asked.append(dtype) or True)
+    monkeypatch.setattr(dmv, "fits", lambda rows, w: True)
+    monkeypatch.setattr(dmv, "product", refuse)
+    model = tiny_model(tiny_config())
+    h = mx.random.normal((5, model.config.hidden_size))
+    out = step.first_token(model.config, step.Mode(), model.params, h, sampling.make_settings(5),
+                           mx.zeros((5,), mx.int32), None)
+    assert out.tokens.tolist() == mx.argmax(llama.logits(model.params, h), axis=-1).tolist() and not asked
+    with pytest.raises(AssertionError, match="few-row kernel"):
+        llama.logits(model.params, h, fast=True)  # the decode steps' products do ask
