@@ -233,10 +233,11 @@ TRY_ROUNDS = 3
 class Policy:
     """When speculation pays, measured as the engine runs: the tokens per row per second of decode
     steps and of verify rounds (moving averages). It speculates while verify rounds beat decode
-    steps by `margin`, and tries the other mode once every `interval` rounds, the interval doubling
-    (up to `longest`) each time that try loses. Verifying k + 1 positions costs about one decode
-    step while the step is bound by reading the weights (small batches on a GPU), and about k + 1
-    where it is bound by compute (large batches; the CPU's reference BLAS at any batch). While
+    steps by `margin`, and tries the other mode for TRY_ROUNDS rounds once every `interval`, the
+    interval doubling (up to `longest`) each time that try loses. Verifying k + 1 positions costs
+    about one decode step while the step is bound by reading the weights (small batches on a
+    GPU), and about k + 1 where it is bound by compute (large batches; the CPU's reference BLAS at
+    any batch). While
     off, a drafter that can replay its rounds on the plain tokens (prompt lookup: `shadow`) keeps
     the speculating estimate current between tries."""
 
@@ -250,7 +251,7 @@ class Policy:
         self.current = True  # start by measuring speculation
         self.round_seconds: float | None = None  # a verify round's time (moving average)
         self.most: int | None = None  # the tokens per row a verify round gives at best (k + 1)
-        self.bound = False  # rate[True] is `kept_nothing`'s bound, not a measure
+        self.bound = False  # rate[True] is `_kept_nothing`'s bound, not a measure
         self.trying = 0  # rounds left of the try under way
 
     def shadow(self, tokens: list[int]) -> None:
@@ -264,7 +265,7 @@ class Policy:
         for t in tokens:
             self.rate[True] = self._average(self.rate[True], t / self.round_seconds)
 
-    def kept_nothing(self, tokens_per_row: float) -> None:
+    def _kept_nothing(self, tokens_per_row: float) -> None:
         """A verify round whose time is unknown (a pipelined run's first): if it kept no draft,
         speculating lost whatever the round cost, since a round costs at least a decode step. Then
         speculation stops at once (rate 0, a bound the next timed round replaces) instead of after
@@ -298,12 +299,12 @@ class Policy:
         round can give at best (k + 1)."""
         if seconds is None or seconds <= 0:  # a round whose time is unknown (a pipelined run's first)
             if speculating:
-                self.kept_nothing(tokens_per_row)
+                self._kept_nothing(tokens_per_row)
             return
         if not self.warm[speculating]:  # a mode's first round traces and compiles: not its speed
             self.warm[speculating] = True
             return
-        if speculating and self.bound:  # the first timed round replaces the bound `kept_nothing` set
+        if speculating and self.bound:  # the first timed round replaces the bound `_kept_nothing` set
             self.rate[True], self.bound = None, False
         if speculating:
             self.round_seconds = self._average(self.round_seconds, seconds)
