@@ -465,6 +465,8 @@ def main_speculative(args) -> int:
         if draft is not None:
             rows.append(bs.end_to_end(model, prompts, args.gen_tokens, "draft model", draft, 4))
             rows.append(bs.end_to_end(model, prompts, args.gen_tokens, "draft model", draft, 4, forced=True))
+            if args.shape is not None:  # a random draft model's drafts are never kept: its cost, the oracle's drafts
+                rows += bs.costed(model, prompts, args.gen_tokens, draft, alphas, 4)
         for name, prompt in tasks.items():
             for forced in (False, True):
                 rows.append(bs.end_to_end(model, [prompt] * B, args.gen_tokens, f"lookup, {name}", "prompt-lookup", 4,

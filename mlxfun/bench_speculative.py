@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxfun import sampling, speculative
+from mlxfun.drafting import DraftModel
 from mlxfun.engine import Engine
 from mlxfun.llama import Dense
 from mlxfun.load import Model
@@ -64,6 +65,23 @@ class DeviceOracle(speculative.Drafter):
         # One compiled call: each op costs the host a launch, and a pipelined round is host-bound.
         return (*_oracle_drafts(self.rows[1], state.steps, state.positions, self.alpha, self.vocab, self.seed, k),
                 None)
+
+
+class CostedOracle(DraftModel):
+    """A draft model's cost with the oracle's acceptance: each round runs the draft model as a
+    real drafter would (its prompts' prefill, k + 1 one-token steps), and proposes the oracle's
+    drafts instead of its own (a random-weight draft model's drafts are never kept). The issue's
+    "1B-shaped random drafter for the 8B target, with acceptance taken from the oracle runs"."""
+
+    def __init__(self, model: Model, engine: Engine, continuations: dict[int, list[int]], alpha: float):
+        super().__init__(model, engine)
+        self.oracle = DeviceOracle(continuations, alpha, engine.config.vocab_size)
+
+    def draft(self, engine: Engine, state, k: int):
+        own, valid, _ = super().draft(engine, state, k)
+        drafts, _, _ = self.oracle.draft(engine, state, k)
+        # The oracle's drafts, made to depend on the draft model's so that its round runs (own >= 0).
+        return mx.where(own >= 0, drafts, own), valid, None
 
 
 @mx.compile
@@ -117,7 +135,11 @@ class SpecRow:
 
 def _run(model: Model, prompts: list[list[int]], max_tokens: int, draft=None, k: int = 4, policy=None,
          ids_out: dict | None = None):
-    engine = Engine(model, len(prompts), draft=draft, num_draft_tokens=k, policy=policy)
+    """`draft`: what `Engine` takes, or a function of the engine that makes its drafter."""
+    engine = Engine(model, len(prompts), draft=None if callable(draft) else draft, num_draft_tokens=k,
+                    policy=policy)
+    if callable(draft):
+        engine.drafter = draft(engine)
     ids = [engine.add(p, max_tokens=max_tokens, ignore_eos=True) for p in prompts]
     for _ in engine.events():
         pass
@@ -172,6 +194,32 @@ def end_to_end(model: Model, prompts: list[list[int]], max_tokens: int, name: st
     print(f"  {row.drafter} B={len(prompts):4d} k={k}: {tps:9.1f} tok/s vs {plain:9.1f} ({row.speedup:.2f}x), "
           f"acceptance {row.acceptance:.2f}, {row.verify_rounds} of {row.steps} rounds verified", flush=True)
     return row
+
+
+def costed(model: Model, prompts: list[list[int]], max_tokens: int, draft: Model, alphas: list[float], k: int
+           ) -> list[SpecRow]:
+    """A draft model's cost with the oracle's acceptance (`CostedOracle`), the measured rule on
+    and forced, against plain decoding of the same `predictable` target."""
+    model = predictable(model)
+    _run(model, prompts, max_tokens)
+    continuation: dict[int, list[int]] = {}
+    _, plain = _run(model, prompts, max_tokens, ids_out=continuation)
+    out = []
+    for alpha in alphas:
+        def make(engine, alpha=alpha):
+            return CostedOracle(draft, engine, continuation, alpha)
+
+        _run(model, prompts, max_tokens, draft=make, k=k, policy=speculative.Always())  # compile the round
+        for forced in (False, True):
+            engine, tps = _run(model, prompts, max_tokens, draft=make, k=k,
+                               policy=speculative.Always() if forced else None)
+            out.append(_row("draft cost, oracle drafts" + (" (forced)" if forced else ""), len(prompts), k, alpha,
+                            plain, tps, engine))
+            r = out[-1]
+            print(f"  {r.drafter} B={len(prompts):4d} k={k} alpha={alpha}: {tps:9.1f} tok/s vs {plain:9.1f} "
+                  f"({r.speedup:.2f}x), {r.tokens_per_round:.2f} tokens per round, "
+                  f"{r.verify_rounds} of {r.steps} rounds verified", flush=True)
+    return out
 
 
 def _row(name, batch, k, alpha, plain, tps, engine) -> SpecRow:

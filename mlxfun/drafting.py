@@ -17,6 +17,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from mlxfun import cache as kv
 from mlxfun import llama, prefill, sampling
@@ -80,6 +81,7 @@ class DraftModel(Drafter):
         if sample != [model.tokenizer.token(i) for i in range(0, engine.config.vocab_size, 997)]:
             raise InputError("the draft model's tokenizer differs from the model's: it must share the tokenizer")
         self.model = model
+        self.cost = _step_bytes(model.params) / max(1, _step_bytes(engine.params))
         self.config = model.config.with_max_kv_size(engine.config.max_window) if engine.config.max_window and \
             all(w is not None for w in engine.config.layer_windows) else model.config
         self.dtype = model.params.norm.dtype
@@ -175,6 +177,15 @@ class DraftModel(Drafter):
     def verified(self, engine, row: int, count: int) -> None:
         """The draft KV is right up to the row's new last token (every draft was fed)."""
         self.draft_pos[row] += count
+
+
+def _step_bytes(params: llama.Params) -> int:
+    """The weight bytes a decode step reads: all but an embedding table of which it reads only
+    its rows' entries (one apart from the output head)."""
+    def size(tree) -> int:
+        return sum(a.nbytes for _, a in tree_flatten(tree) if isinstance(a, mx.array))
+
+    return size(params) - (size(params.embed) if params.lm_head is not None else 0)
 
 
 def _mode(records) -> Mode:

@@ -621,7 +621,8 @@ class Engine:
                 now = time.perf_counter() if keep is not None else None
                 if kept:
                     self.policy.record(True, kept, None if now is None or self._last_round is None else
-                                       now - self._last_round, most=self.num_draft_tokens + 1)
+                                       now - self._last_round, most=self.num_draft_tokens + 1,
+                                       least=1 + self.num_draft_tokens * self.drafter.cost)
                 self._last_round = now
             else:
                 events += self._take(out, owners)

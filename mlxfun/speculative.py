@@ -114,6 +114,10 @@ class Drafter:
     launch of the next round) overlaps the device's, as in plain decoding."""
 
     device = False
+    # A lower bound on what drafting one token costs, in decode steps of the target: 0 for a host
+    # drafter (prompt lookup), the ratio of weight bytes for a draft model (each step reads its
+    # weights, as the target's reads the target's). `Policy` judges a round it could not time by it.
+    cost = 0.0
 
     def propose(self, engine, rows: list[int], k: int) -> tuple[mx.array, mx.array, mx.array | None]:
         """-> drafts (B, k) int32, valid (B, k) bool, and the draft distributions (B, k, V) or None
@@ -265,14 +269,24 @@ class Policy:
         for t in tokens:
             self.rate[True] = self._average(self.rate[True], t / self.round_seconds)
 
-    def _kept_nothing(self, tokens_per_row: float) -> None:
-        """A verify round whose time is unknown (a pipelined run's first): if it kept no draft,
-        speculating lost whatever the round cost, since a round costs at least a decode step. Then
-        speculation stops at once (rate 0, a bound the next timed round replaces) instead of after
-        two timed rounds (the first is a warm-up): with a draft model each costs a few decode steps
-        (benchmarks/README.md, 8B with a 1B drafter)."""
-        if self.rate[True] is None and tokens_per_row <= self.margin:
+    def _kept_nothing(self, tokens_per_row: float, least: float) -> None:
+        """A verify round whose time is unknown (a pipelined run's first). A round takes at least
+        `least` decode steps' time (one for the verify pass, plus the drafter's steps at their
+        lowest cost: `Drafter.cost`), so one that gave no more tokens per row than that (by
+        `margin`) lost, whatever it cost. Then speculation stops at once instead of after two
+        timed rounds (the first is a warm-up), each of which costs a draft model a few decode
+        steps (benchmarks/README.md, 8B with a 1B drafter). Before any measure, the speculating
+        rate becomes 0 (a bound the next timed round replaces) and the next try comes after
+        twice the base interval; in a try of speculation, the try ends and counts as lost."""
+        if tokens_per_row > self.margin * least:
+            return
+        if self.rate[True] is None:
             self.rate[True], self.bound, self.warm[True] = 0.0, True, True
+            self.current, self.interval = False, min(self.longest, 2 * self.base)
+            self.countdown = self.interval
+        elif self.trying and not self.current:  # a try of speculation (decoding is the better mode)
+            self.trying, self.interval = 0, min(self.longest, 2 * self.interval)
+            self.countdown = self.interval
 
     def _average(self, old: float | None, new: float) -> float:
         """The moving average of a measure after one more value of it."""
@@ -294,12 +308,14 @@ class Policy:
             return not best
         return best
 
-    def record(self, speculating: bool, tokens_per_row: float, seconds: float | None, most: int | None = None) -> None:
+    def record(self, speculating: bool, tokens_per_row: float, seconds: float | None, most: int | None = None,
+               least: float = 1.0) -> None:
         """A round's tokens per row and time (None: unknown); `most`: the tokens per row a verify
-        round can give at best (k + 1)."""
+        round can give at best (k + 1); `least`: the decode steps' time a verify round takes at
+        least (see `_kept_nothing`)."""
         if seconds is None or seconds <= 0:  # a round whose time is unknown (a pipelined run's first)
             if speculating:
-                self._kept_nothing(tokens_per_row)
+                self._kept_nothing(tokens_per_row, least)
             return
         if not self.warm[speculating]:  # a mode's first round traces and compiles: not its speed
             self.warm[speculating] = True

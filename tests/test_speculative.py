@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import tiny_config, tiny_model, tiny_tokenizer
+from mlx.utils import tree_flatten
 from test_sampling import CHI2_999, chi2
 
 from mlxfun import sampling, speculative, weights
@@ -362,6 +363,56 @@ def test_a_pipelined_first_round_that_kept_nothing_stops_speculation():
     fresh = speculative.Policy(interval=4)
     fresh.record(True, 2.0, None, most=5)  # kept something: no conclusion without its time
     assert fresh.rate[True] is None and fresh.choose()
+
+
+def test_an_untimed_round_is_judged_by_the_drafters_least_cost():
+    """A draft model's round costs at least a verify pass and its k steps (`Drafter.cost` each):
+    an untimed round that gave no more tokens than that lost, though it kept some drafts. It stops
+    speculation with the next try after twice the base interval; in a later try of speculation
+    it ends the try (a lost try: the interval doubles)."""
+    policy = speculative.Policy(interval=4)
+    policy.record(True, 1.5, None, most=5, least=1.6)  # 1.5 tokens per row; a round costs >= 1.6 steps
+    assert policy.rate[True] == 0.0 and policy.interval == 8 and not policy.choose()
+    free = speculative.Policy(interval=4)
+    free.record(True, 1.5, None, most=5, least=1.0)  # a free drafter: 1.5 tokens may pay
+    assert free.rate[True] is None and free.choose()
+    # Decoding measured better; a try of speculation whose untimed first round keeps too little ends it.
+    policy = speculative.Policy(interval=4, longest=64)
+    for _ in range(4):
+        s = policy.choose()
+        policy.record(s, 1.2 if s else 1.0, 2.0 if s else 1.0, most=5)
+    choices = [policy.choose() for _ in range(4)]  # counts down to the try: its first round speculates
+    assert choices == [False, False, False, True] and policy.trying == speculative.TRY_ROUNDS - 1
+    interval = policy.interval
+    assert policy.choose()  # the try's second round (queued before the first is read, as the engine does)
+    policy.record(True, 1.0, None, most=5, least=1.6)
+    assert policy.trying == 0 and policy.interval == 2 * interval and not policy.choose()
+
+
+def test_a_draft_models_cost_is_its_share_of_the_weights_a_step_reads(tiny):
+    """`DraftModel.cost`: the draft's weight bytes per step over the target's (1 for the model itself)."""
+    from mlxfun.drafting import DraftModel
+
+    engine = Engine(tiny, 2)
+    assert DraftModel(tiny, engine).cost == 1.0
+    small = tiny_model(tiny_config(num_layers=1), seed=4)
+    cost = DraftModel(small, engine).cost
+    layer = sum(a.nbytes for _, a in tree_flatten(tiny.params.layers[0]) if a is not None)
+    assert cost == pytest.approx(1 - layer / sum(a.nbytes for _, a in tree_flatten(tiny.params) if a is not None))
+
+
+def test_a_draft_model_that_keeps_nothing_stops_after_its_first_rounds(tiny):
+    """With the rule made to try (this CPU never pays), a draft model whose drafts are never kept
+    (a few by chance) is stopped by its first, untimed round: two rounds run (the second was queued before the first
+    was read), then plain decoding to the end of a 60-token run, the tokens as plain decoding's."""
+    prompts = mixed_prompts(8, seed=7)
+    plain = generate(tiny, prompts, max_tokens=60, ignore_eos=True).token_ids
+    draft = tiny_model(tiny_config(max_position_embeddings=1024), seed=9)
+    engine = Engine(tiny, 8, draft=draft, policy=speculative.Policy(enabled=True))
+    ids = [engine.add(p, max_tokens=60, ignore_eos=True) for p in prompts]
+    list(engine.events())
+    assert [engine.take(i).row.token_ids for i in ids] == plain
+    assert engine.stats.verify_rounds == 2 and 4 * engine.stats.accepted < engine.stats.drafted  # 97 tokens: some match
 
 
 def test_lookup_with_the_rule_on_keeps_plain_tokens(tiny):
