@@ -427,7 +427,11 @@ class Engine:
         """Blocks for each live row's next position (a ring drops the one it displaces), the
         device state caught up; -> the step's mode and its input state (no counts without penalties)."""
         live = [r for r, o in enumerate(self.owner) if o is not None]
-        self.pages.prepare(len(live))
+        # One growth for every row entering a new block (if the pool must grow at all: admission
+        # reserved the blocks), rather than a growth per row. Not one per live row: a pool that
+        # its rows fill exactly (2^k + 1 blocks) grew by half for the last steps of every row.
+        bs = self.pool.block_size
+        self.pages.prepare(sum(self.pos[r] // bs not in self.pages.held[r] for r in live))
         for r in live:
             self.pages.ensure(r, self.pos[r], self.pos[r] + 1)
             self.pages.drop_behind(r, self.pos[r])

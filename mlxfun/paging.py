@@ -20,12 +20,14 @@ MIN_BLOCKS = 64
 
 
 def pool_size(blocks: int, max_blocks: int) -> int:
-    """The pool size for at least `blocks` blocks: 64 * 2^k or 96 * 2^k (steps of 1.5x and
-    1.33x), or `max_blocks` when that is smaller."""
+    """The pool size for at least `blocks` blocks, scratch block 0 included: 1 + 64 * 2^k or
+    1 + 96 * 2^k (steps of 1.5x and 1.33x in the blocks rows can hold), or `max_blocks` when that
+    is smaller. The scratch block sits beside the grid: a batch whose rows need 2^k blocks in all
+    (128 rows of 256 tokens) fits a pool of 2^k + 1, not of 1.5 * 2^k (2.1 GB more for the 8B)."""
     size = MIN_BLOCKS
-    while size < blocks:
+    while size < blocks - 1:
         size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
-    return min(size, max_blocks)
+    return min(1 + size, max_blocks)
 
 
 class Pages:

@@ -61,15 +61,26 @@ def test_retrace_once_per_capacity_bucket():
 
 
 def test_admission_sizes_the_pool_once():
-    # 16 rows of 10 + 200 tokens hold 224 blocks of 16: the pool would pass 64, 96, 128, 192 and
-    # 256 blocks growing on demand (a trace each); admission reserves them at once.
+    # 16 rows of 10 + 200 tokens hold 224 blocks of 16: the pool would pass 1 + 64, 96, 128, 192 and
+    # 256 blocks growing on demand (a trace each); admission reserves them at once (the scratch
+    # block beside them).
     model = tiny_model(tiny_config(max_position_embeddings=1024))
     steps, traces = counting_steps()
     result, engine = run_engine(model, prompts_of([10] * 16, model.config.vocab_size), steps=steps,
                                 ignore_eos=True, max_tokens=200)
     assert all(len(ids) == 200 for ids in result.token_ids)
-    assert engine.stats.peak_kv_bytes == 256 * engine.block_bytes
+    assert engine.stats.peak_kv_bytes == (1 + 256) * engine.block_bytes
     assert traces[0] == 1
+
+
+def test_a_batch_that_needs_a_power_of_two_blocks_gets_no_more():
+    """The scratch block is beside the pool's grid: 16 rows of 10 + 22 tokens need 32 blocks and
+    get a pool of 1 + 64 (the smallest), 64 rows need 128 and get 1 + 128, not 192."""
+    model = tiny_model(tiny_config(max_position_embeddings=1024))
+    for rows, blocks in ((16, 65), (64, 129)):
+        _, engine = run_engine(model, prompts_of([10] * rows, model.config.vocab_size), ignore_eos=True,
+                               max_tokens=22)
+        assert engine.stats.peak_kv_bytes == blocks * engine.block_bytes
 
 
 def test_new_batch_size_traces_once_more():
