@@ -43,6 +43,9 @@
 #   bash benchmarks/gpu_round2.sh q3  # (carries .model-b) prompt lookup on the real model (y1); structured, this code
 #                                     against the code before (.prev)
 #   bash benchmarks/gpu_round2.sh q4  # static batches of the continuous bench one by one; speculative 8B at 8-128
+#   bash benchmarks/gpu_round2.sh r1  # 8B static (batch 1-128): this code, round 1's; 1B static at 32 and 128 (the pool's grid)
+#   bash benchmarks/gpu_round2.sh r2  # speculative 8B at batch 1-128: oracle, the random 1B drafter, its cost with oracle drafts
+#   bash benchmarks/gpu_round2.sh r3  # structured output at 128 tokens, twice; the static half of the continuous bench; the pair
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
@@ -339,5 +342,29 @@ case "${1:-a}" in
     ;;
   e)
     timeout 200 python3 -m mlxfun.bench --shape 8B "${static[@]}" --json "$OUT/r2-8B-new.json" | tail -4
+    ;;
+  r1)
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    static8=(--shape 8B --batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 64 --dtypes bfloat16)
+    timeout 170 python3 -m mlxfun.bench "${static8[@]}" --json "$OUT/8B-new.json" | tail -5
+    old timeout 170 python3 -m mlxfun.bench "${static8[@]}" --json "$OUT/8B-old.json" | tail -5
+    static1=(--shape 1B --batch-sizes 32,128 --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16)
+    timeout 80 python3 -m mlxfun.bench "${static1[@]}" --json "$OUT/1B-new.json" | tail -3
+    old timeout 80 python3 -m mlxfun.bench "${static1[@]}" --json "$OUT/1B-old.json" | tail -3
+    ;;
+  r2)
+    timeout 560 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,8,32,128 --alphas 0.7 --ks 4 \
+      --draft-shape 1B --gen-tokens 64 --json "$OUT/spec-8B.json" | tail -24
+    ;;
+  r3)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:${PYTHONPATH}"
+    for run in 1 2; do
+      timeout 100 python3 -m mlxfun.bench --structured --shape 1B --tokenizer .tok --batch-sizes 32 --gen-tokens 128 \
+        --json "$OUT/structured-128-$run.json" | tail -1
+    done
+    timeout 120 python3 benchmarks/static_mixed.py --shape 1B --rows 32 --prompts 256 --json "$OUT/static-mixed.json" \
+      | tail -20
+    continuous_pair
     ;;
 esac
