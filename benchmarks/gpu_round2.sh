@@ -46,6 +46,7 @@
 #   bash benchmarks/gpu_round2.sh r1  # 8B static (batch 1-128): this code, round 1's; 1B static at 32 and 128 (the pool's grid)
 #   bash benchmarks/gpu_round2.sh r2  # speculative 8B at batch 1-128: oracle, the random 1B drafter, its cost with oracle drafts
 #   bash benchmarks/gpu_round2.sh r3  # structured output at 128 tokens, twice; the static half of the continuous bench; the pair
+#   bash benchmarks/gpu_round2.sh r4  # (carries .old, .whl, .tok) r3; an 8B admission's peak memory; r2 after the catch-up fix
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
@@ -366,5 +367,11 @@ case "${1:-a}" in
     timeout 120 python3 benchmarks/static_mixed.py --shape 1B --rows 32 --prompts 256 --json "$OUT/static-mixed.json" \
       | tail -20
     continuous_pair
+    ;;
+  r4)
+    bash "$0" r3
+    timeout 60 python3 benchmarks/admit_memory.py --shape 8B --batch 128 --prompt-tokens 128 --max-tokens 128 \
+      --json "$OUT/admit-memory-8B.json" | tail -4
+    bash "$0" r2
     ;;
 esac

@@ -415,6 +415,29 @@ def test_a_draft_model_that_keeps_nothing_stops_after_its_first_rounds(tiny):
     assert engine.stats.verify_rounds == 2 and 4 * engine.stats.accepted < engine.stats.drafted  # 97 tokens: some match
 
 
+def test_a_draft_models_catch_up_never_runs_the_few_row_product(tiny, monkeypatch):
+    """A draft model catching up on plain steps' tokens prefills them in chunks padded as the
+    engine pads its own (32 on a GPU): a few tokens unpadded would run the few-row product at a
+    row count of their own, which NVRTC builds per count (seconds each on an H200). With
+    stand-ins for the kernels, only the engine's own row counts reach it: its rows (a draft step)
+    and rows x (k + 1) (a verify pass). The tokens are plain decoding's."""
+    from mlxfun import dmv, kernels
+
+    prompts = mixed_prompts(2, seed=2)
+    plain = generate(tiny, prompts, max_tokens=20, ignore_eos=True).token_ids
+    rows = []
+    monkeypatch.setattr(kernels, "available", lambda dtype: True)
+    monkeypatch.setattr(kernels, "attention_fits", lambda *a: False)  # attention: MLX ops here
+    monkeypatch.setattr(dmv, "fits", lambda x, w: 2 <= x.shape[0] <= dmv.MAX_ROWS)
+    monkeypatch.setattr(dmv, "product", lambda x, w: rows.append(x.shape[0]) or x @ w.T)
+    draft = tiny_model(tiny_config(max_position_embeddings=1024), seed=9)
+    engine = Engine(tiny, 2, draft=draft, num_draft_tokens=3, policy=Alternate(), pad_multiple=32)
+    ids = [engine.add(p, max_tokens=20, ignore_eos=True) for p in prompts]
+    list(engine.events())
+    assert [engine.take(i).row.token_ids for i in ids] == plain
+    assert engine.stats.verify_rounds >= 4 and set(rows) == {2, 2 * (3 + 1)}
+
+
 def test_lookup_with_the_rule_on_keeps_plain_tokens(tiny):
     """The measured rule with prompt lookup (replaying rounds while off): the same tokens as plain
     decoding, and the replayed rounds reached the policy."""
