@@ -44,7 +44,8 @@ def test_plan_groups_equals_quadratic_rule():
         groups = []
         for i in order:
             g = groups[-1] if groups else []
-            if g and (len(g) + 1) * lengths[g[0]] <= 1.3 * (sum(lengths[j] for j in g) + lengths[i]):
+            if g and (len(g) + 1) * lengths[g[0]] <= 1.3 * (sum(lengths[j] for j in g) + lengths[i]) \
+                    and (len(g) + 1) * lengths[g[0]] <= 8192:
                 g.append(i)
             else:
                 groups.append([i])
@@ -54,6 +55,19 @@ def test_plan_groups_equals_quadratic_rule():
     for _ in range(50):
         lengths = [rng.randrange(1, 600) for _ in range(rng.randrange(1, 40))]
         assert plan_groups(lengths) == quadratic(lengths)
+
+
+def test_groups_hold_a_bounded_chunk():
+    """A chunk holds at most GROUP_TOKENS tokens (an admission's peak memory follows it): 128
+    prompts of 128 tokens go in two groups of 64; rows of prompts longer than a chunk count a
+    chunk's tokens each; one row alone may hold more."""
+    from mlxfun.prefill import GROUP_TOKENS
+
+    assert GROUP_TOKENS == 8192
+    assert [len(g) for g in plan_groups([128] * 128)] == [64, 64]
+    assert [len(g) for g in plan_groups([128] * 100)] == [64, 36]
+    assert [len(g) for g in plan_groups([2000] * 20, chunk=512)] == [16, 4]
+    assert plan_groups([10_000, 9_999]) == [[0], [1]]
 
 
 def test_slots_of_many_rows_equal_each_row_alone():
