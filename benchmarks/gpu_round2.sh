@@ -47,6 +47,8 @@
 #   bash benchmarks/gpu_round2.sh r2  # speculative 8B at batch 1-128: oracle, the random 1B drafter, its cost with oracle drafts
 #   bash benchmarks/gpu_round2.sh r3  # structured output at 128 tokens, twice; the static half of the continuous bench; the pair
 #   bash benchmarks/gpu_round2.sh r4  # (carries .old, .whl, .tok) r3; an 8B admission's peak memory; r2 after the catch-up fix
+#   bash benchmarks/gpu_round2.sh r5  # (carries .old, .whl, .tok) after the prefill chunk bound and the constrained step's
+#                                     new order: r1, structured at 128 tokens twice, the rule's trace with a draft model
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
@@ -373,5 +375,16 @@ case "${1:-a}" in
     timeout 60 python3 benchmarks/admit_memory.py --shape 8B --batch 128 --prompt-tokens 128 --max-tokens 128 \
       --json "$OUT/admit-memory-8B.json" | tail -4
     bash "$0" r2
+    ;;
+  r5)
+    bash "$0" r1
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:${PYTHONPATH}"
+    for run in 1 2; do
+      timeout 100 python3 -m mlxfun.bench --structured --shape 1B --tokenizer .tok --batch-sizes 32 --gen-tokens 128 \
+        --json "$OUT/structured-128-$run.json" | tail -1
+    done
+    timeout 150 python3 benchmarks/policy_trace.py --shape 8B --draft-shape 1B --batch-sizes 1,8,32 \
+      --json "$OUT/policy-trace.json" | grep "B="
     ;;
 esac

@@ -415,7 +415,7 @@ def test_a_draft_model_that_keeps_nothing_stops_after_its_first_rounds(tiny):
     assert engine.stats.verify_rounds == 2 and 4 * engine.stats.accepted < engine.stats.drafted  # 97 tokens: some match
 
 
-def test_a_draft_models_catch_up_never_runs_the_few_row_product(tiny, monkeypatch):
+def test_a_draft_models_catch_up_never_runs_the_few_row_product(monkeypatch):
     """A draft model catching up on plain steps' tokens prefills them in chunks padded as the
     engine pads its own (32 on a GPU): a few tokens unpadded would run the few-row product at a
     row count of their own, which NVRTC builds per count (seconds each on an H200). With
@@ -423,6 +423,9 @@ def test_a_draft_models_catch_up_never_runs_the_few_row_product(tiny, monkeypatc
     and rows x (k + 1) (a verify pass). The tokens are plain decoding's."""
     from mlxfun import dmv, kernels
 
+    # A config of its own: compiled steps are cached per config, and a step traced elsewhere
+    # without the stand-ins would not call them.
+    tiny = tiny_model(tiny_config(max_position_embeddings=777))
     prompts = mixed_prompts(2, seed=2)
     plain = generate(tiny, prompts, max_tokens=20, ignore_eos=True).token_ids
     rows = []
@@ -430,7 +433,7 @@ def test_a_draft_models_catch_up_never_runs_the_few_row_product(tiny, monkeypatc
     monkeypatch.setattr(kernels, "attention_fits", lambda *a: False)  # attention: MLX ops here
     monkeypatch.setattr(dmv, "fits", lambda x, w: 2 <= x.shape[0] <= dmv.MAX_ROWS)
     monkeypatch.setattr(dmv, "product", lambda x, w: rows.append(x.shape[0]) or x @ w.T)
-    draft = tiny_model(tiny_config(max_position_embeddings=1024), seed=9)
+    draft = tiny_model(tiny_config(max_position_embeddings=777), seed=9)
     engine = Engine(tiny, 2, draft=draft, num_draft_tokens=3, policy=Alternate(), pad_multiple=32)
     ids = [engine.add(p, max_tokens=20, ignore_eos=True) for p in prompts]
     list(engine.events())

@@ -1,0 +1,74 @@
+"""What the measured rule saw and chose, round by round (diagnostic): a random-weight target made
+`predictable`, a draft model's cost with the oracle's drafts (`bench_speculative.CostedOracle`),
+the rule on. Prints each choice and each recorded round (mode, tokens per row, seconds).
+
+Run: python benchmarks/policy_trace.py --shape 8B --draft-shape 1B --batch-sizes 8,32 [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from mlxfun import bench, speculative
+from mlxfun import bench_speculative as bs
+from mlxfun.load import Model
+
+
+class Traced(speculative.Policy):
+    """The engine's default policy, every choice and record logged with its time."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.log: list[tuple] = []
+        self.t0 = time.perf_counter()
+
+    def choose(self) -> bool:
+        c = super().choose()
+        self.log.append(("choose", c, round(1e3 * (time.perf_counter() - self.t0), 2)))
+        return c
+
+    def record(self, speculating, tokens_per_row, seconds, most=None, least=1.0):
+        self.log.append(("record", speculating, round(tokens_per_row, 2),
+                         None if seconds is None else round(1e3 * seconds, 3)))
+        super().record(speculating, tokens_per_row, seconds, most, least)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="8B")
+    p.add_argument("--draft-shape", default="1B")
+    p.add_argument("--batch-sizes", default="8,32")
+    p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--alpha", type=float, default=0.7)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    target = bs.predictable(bench.random_model(bench.SHAPES[args.shape]))
+    config = bench.SHAPES[args.draft_shape]
+    draft = Model(config, bench.random_params(config, target.params.norm.dtype, seed=1), target.tokenizer, "draft")
+    found = []
+    for B in [int(b) for b in args.batch_sizes.split(",")]:
+        prompts = bench.random_prompts(target.config.vocab_size, B, 128)
+        bs._run(target, prompts, args.gen_tokens)
+        cont: dict = {}
+        _, plain = bs._run(target, prompts, args.gen_tokens, ids_out=cont)
+
+        def make(engine):
+            return bs.CostedOracle(draft, engine, cont, args.alpha)
+
+        bs._run(target, prompts, args.gen_tokens, draft=make, policy=speculative.Always())
+        policy = Traced(enabled=speculative.may_pay(B, 4))
+        engine, tps = bs._run(target, prompts, args.gen_tokens, draft=make, policy=policy)
+        print(f"B={B}: plain {plain:.1f} tok/s, rule on {tps:.1f} ({tps / plain:.2f}x), "
+              f"{engine.stats.verify_rounds} of {engine.stats.steps} rounds verified; {policy}")
+        for entry in policy.log:
+            print("  ", *entry)
+        found.append(dict(batch=B, plain=plain, rule_on=tps, log=policy.log))
+    if args.json:
+        Path(args.json).write_text(json.dumps(found, indent=1))
+
+
+if __name__ == "__main__":
+    main()
