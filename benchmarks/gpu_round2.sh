@@ -49,6 +49,7 @@
 #   bash benchmarks/gpu_round2.sh r4  # (carries .old, .whl, .tok) r3; an 8B admission's peak memory; r2 after the catch-up fix
 #   bash benchmarks/gpu_round2.sh r5  # (carries .old, .whl, .tok) after the prefill chunk bound and the constrained step's
 #                                     new order: r1, structured at 128 tokens twice, the rule's trace with a draft model
+#   bash benchmarks/gpu_round2.sh r6  # the rule's trace and speculative 8B at 1-32, the oracle's rows independent
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
@@ -386,5 +387,11 @@ case "${1:-a}" in
     done
     timeout 150 python3 benchmarks/policy_trace.py --shape 8B --draft-shape 1B --batch-sizes 1,8,32 \
       --json "$OUT/policy-trace.json" | grep "B="
+    ;;
+  r6)
+    timeout 150 python3 benchmarks/policy_trace.py --shape 8B --draft-shape 1B --batch-sizes 1,8,32 \
+      --json "$OUT/policy-trace-rows.json" | grep "B="
+    timeout 300 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,8,32 --alphas 0.7 --ks 4 \
+      --draft-shape 1B --gen-tokens 64 --json "$OUT/spec-8B-rows.json" | tail -17
     ;;
 esac

@@ -30,8 +30,8 @@ from mlxfun import tokenizer as tok
 from mlxfun.engine import Engine
 from mlxfun.load import Model
 
-PHASES = ("admit", "_prepare_step", "decode", "collect", "queue_forward", "sample_masked", "_match", "_take",
-          "_fit_cache")
+PHASES = ("admit", "_prepare_step", "decode", "collect", "masked_decode", "_read_and_mask", "_match", "_take",
+          "_fit_cache")  # _read_and_mask runs on the mask worker, beside masked_decode
 
 
 def device_parts(engine: Engine) -> dict:

@@ -92,9 +92,11 @@ def _oracle_drafts(cont: mx.array, steps: mx.array, positions: mx.array, alpha: 
     B = cont.shape[0]
     index = steps[:, None] + mx.arange(k)[None, :]  # (B, k): the token index each draft takes
     truth = mx.take_along_axis(cont, mx.minimum(index, cont.shape[1] - 1), axis=1)  # (B, k)
-    slot = mx.broadcast_to(mx.arange(k, dtype=mx.uint32)[None, :], (B, k)).reshape(-1)
-    keep = sampling.uniform(slot + seed * 64, index.reshape(-1), 1).reshape(B, k) < alpha
-    other = sampling.uniform(slot + seed * 64 + 32, index.reshape(-1), 1).reshape(B, k) * vocab
+    # A stream per (row, draft slot): rows keep drafts independently (one stream per slot made every
+    # row keep the same drafts, and a round's mean over rows as noisy as one row's).
+    slot = (mx.arange(B, dtype=mx.uint32)[:, None] * 64 + mx.arange(k, dtype=mx.uint32)[None, :]).reshape(-1)
+    keep = sampling.uniform(slot + seed * (1 << 20), index.reshape(-1), 1).reshape(B, k) < alpha
+    other = sampling.uniform(slot + seed * (1 << 20) + 32, index.reshape(-1), 1).reshape(B, k) * vocab
     drafts = mx.where(keep, truth, mx.minimum(other.astype(mx.int32), vocab - 1))
     return drafts, mx.broadcast_to((positions >= 0)[:, None], (B, k))
 

@@ -12,9 +12,9 @@ Threads. One thread runs the engine: it calls `events`, `serve` or `step` (and `
 `decode`, `collect`, `take`, and reads `requests`). Any thread may call `submit`, `add` and
 `cancel`: they only put a message in a thread-safe inbox, which the engine thread drains at the
 start of each step, so a cancelled request leaves its row within one step. `stats` may be read
-from any thread (a snapshot that may be one step old). With structured output, the engine thread
-computes the next masks while the device runs the forward pass queued at the end of the round
-before (llguidance fills them on threads of its own, without the GIL).
+from any thread (a snapshot that may be one step old). With structured output, the engine's mask
+worker reads each step's tokens and advances the constrained rows' matchers while the engine
+thread queues the next forward pass; the engine thread waits for it before touching the records.
 
 Memory. Every request gets exactly one closing event (its finish reason: "stop", "length" or
 "cancelled"); its record then waits in `requests` until `take` releases it. Statistics keep
@@ -32,6 +32,7 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -57,6 +58,9 @@ from mlxfun.strategy import WeightStrategy, default_strategy, memory_limit, para
 
 # Recent samples kept for latency percentiles.
 WINDOW = 1024
+# Seconds a constrained step waits for its mask worker to read and match the last tokens before
+# it queues the forward pass (`Engine.masked_decode`); about a third of a 1B step's launch on an H200.
+HEAD_START = 0.001
 
 
 @dataclass
@@ -214,9 +218,7 @@ class Engine:
         self._inflight: list[tuple[StepOut, list]] = []  # outputs queued, not yet handed out
         self._vacated: list[int] = []  # rows released since the last step: their positions go to -1
         self._masks: np.ndarray | None = None  # (rows, V/32) uint32: the constrained rows' allowed tokens
-        # A constrained step's decoder half in flight, its sampling half not queued yet: (logits,
-        # mode, the rows' owners) (`queue_forward`, `sample_masked`).
-        self._forward: tuple[mx.array, Mode, list] | None = None
+        self._masker: ThreadPoolExecutor | None = None  # computes them while the engine thread queues the forward pass
         # Speculative decoding: a drafter (`speculative.PromptLookup`, `drafting.DraftModel`) and
         # the measured rule that turns it on and off.
         self.drafter, self.num_draft_tokens = drafter_for(draft, self), num_draft_tokens
@@ -298,22 +300,17 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return (self._inbox.empty() and not self.pending and not self._live() and not self._inflight
-                and self._forward is None)
+        return self._inbox.empty() and not self.pending and not self._live() and not self._inflight
 
     def step(self) -> list[Event]:
         """One round: take new messages, admit queued requests into free rows, queue a decode step
         for the live rows, then hand out the tokens of the round before (read one step behind, so
         the device never waits for the host). With a drafter, and when the policy says it pays,
         a round is a verify round instead, several tokens per row: queued one round ahead too
-        (`verify_ahead`) with a device drafter, else synchronous (`verify`). With a constrained
-        row, the step's decoder half is queued at the end of the round and its sampling half at
-        the start of the next (`queue_forward`, `sample_masked`)."""
-        events = self.sample_masked()
-        masked = False
+        (`verify_ahead`) with a device drafter, else synchronous (`verify`)."""
         if self.drafter is not None and self._speculate():
             t0 = time.perf_counter()
-            events += self.admit()
+            events = self.admit()
             if self.drafter.device and self.pages.ring is None:
                 if not self._pipelined:  # a run of pipelined rounds starts: the drafter catches up
                     events += self.collect()
@@ -327,19 +324,17 @@ class Engine:
                     events += self.verify(t0)
             self._last_decode, self._streak = None, 0
         else:
-            events += self.collect() if self._pipelined else []  # `pos` exact again before decoding
+            events = self.collect() if self._pipelined else []  # `pos` exact again before decoding
             self._pipelined = False
             events += self.admit()
-            masked = self._needs_decode() and any(self.requests[o].matcher is not None
-                                                  for o in self.owner if o is not None)
-            if not masked:
+            if self._needs_decode() and any(self.requests[o].matcher is not None for o in self.owner if o is not None):
+                events += self.masked_decode()
+            else:
                 queued = self.decode() if self._needs_decode() else None
                 events += self.collect(keep=queued)
             if self.drafter is not None and self.policy.enabled:
                 self.policy.shadow(self.drafter.shadow(self, self.num_draft_tokens))
         self._fit_cache()
-        if masked:  # after the cache is fitted: the rows the forward pass sees are those sampled next
-            self.queue_forward()
         return events
 
     def add_prompt_cache(self, cache) -> None:
@@ -476,47 +471,56 @@ class Engine:
         self._inflight.append((out, list(self.owner)))
         return out
 
-    def queue_forward(self) -> None:
-        """The decoder half of a constrained decode step (structured output), queued at the end of
-        a round: its input, the last tokens, is on the device already, so it runs right after the
-        sampling half before it while the host reads those tokens and computes the next masks
-        (`sample_masked`, at the start of the next round). Queued at the start of a round instead,
-        the device waited for the host between every two steps (1B at batch 32 on an H200: 3.79 ms
-        per constrained step against 2.88 free)."""
+    def masked_decode(self) -> list[Event]:
+        """A decode step when some live row is constrained (structured output). The mask worker
+        reads the tokens in flight, advances the constrained rows' matchers by them and computes
+        the next masks (llguidance, without the GIL), while this thread queues the forward pass
+        (it needs only the tokens already on the device): the host's two longest parts overlap.
+        Then the sampling half is queued with the masks, and the tokens read are handed out while
+        the device runs it."""
         mode, state = self._prepare_step()
         steps = self.steps(self.config, mode)
+        ready, self._inflight = self._inflight, []
+        mx.async_eval([step_out for step_out, _ in ready])  # scheduled here: the worker thread has no stream
+        owners = list(self.owner)
+        matched = threading.Event()
+        job = self._mask_pool().submit(self._read_and_mask, ready, owners, self._mask_buffer(), matched)
+        # Queuing the forward pass holds the GIL throughout (MLX encodes the graph without
+        # releasing it), so the worker gets a head start: once the tokens are read and matched it
+        # computes the masks without the GIL. Tokens not yet on the host mean the device is
+        # behind, and the launch goes ahead after HEAD_START (the device is busy meanwhile).
+        matched.wait(HEAD_START)
         logits, state = steps.forward(self.params, state)
         self._advanced(state)  # the old state unreferenced: the pool is written in place
         mx.async_eval(logits, self.state)
-        self.stats.steps += 1
-        self.stats.busy_row_steps += self._live()
-        self._forward = (logits, mode, list(self.owner))
-
-    def sample_masked(self) -> list[Event]:
-        """The sampling half of the constrained step `queue_forward` queued: the tokens in flight
-        read, the constrained rows' matchers advanced by them, the next masks computed (llguidance,
-        on its own threads) while the device runs the forward pass, the sampling half queued with
-        them; then the tokens read are handed out while the device samples."""
-        if self._forward is None:
-            return []
-        logits, mode, owners = self._forward
-        self._forward = None
-        ready, self._inflight = self._inflight, []
-        values = [host_values(step_out) for step_out, _ in ready]
-        for (_, step_owners), (tokens, _, _) in zip(ready, values):
-            self._match(step_owners, tokens)
-        masks = structured.fill_masks([self._mask_matcher(o) for o in owners], self._mask_buffer(len(owners)))
-        steps = self.steps(self.config, mode)
+        values, masks = job.result()
         out, state = steps.sample(logits, mx.array(masks), self.state if mode.penalties else
                                   self.state._replace(counts=None), self._settings)
         self.state = state if state.counts is not None else state._replace(counts=self.state.counts)
         mx.async_eval(out, self.state)
+        self.stats.steps += 1
+        self.stats.busy_row_steps += sum(o is not None for o in owners)
         self._inflight.append((out, owners))
         events = []
         for (step_out, step_owners), v in zip(ready, values):
             events += self._take(step_out, step_owners, v, matched=True)
         self._count_rows()
         return events
+
+    def _read_and_mask(self, ready: list, owners: list, out: np.ndarray, matched: threading.Event
+                       ) -> tuple[list, np.ndarray]:
+        """On the mask worker (`masked_decode`): the steps in flight read (waiting for the device
+        without the GIL), the constrained rows' matchers advanced by their tokens (then `matched`
+        is set), and out (B, W) <- the masks of the rows `owners` hold for the next token.
+        -> (each step's host values, out)."""
+        try:
+            values = [host_values(step_out) for step_out, _ in ready]
+            for (_, step_owners), (tokens, _, _) in zip(ready, values):
+                self._match(step_owners, tokens)
+            matchers = [self._mask_matcher(o) for o in owners]
+        finally:
+            matched.set()
+        return values, structured.fill_masks(matchers, out)
 
     def _match(self, owners: list, tokens: list[int]) -> None:
         """Constrained rows' matchers take their new tokens (before the tokens are handed out, so
@@ -545,9 +549,14 @@ class Engine:
             return None
         return None if record.complete else record.matcher
 
-    def _mask_buffer(self, rows: int) -> np.ndarray:
-        if self._masks is None or self._masks.shape[0] != rows:
-            self._masks = np.ones((rows, structured.words(self.config.vocab_size)), np.uint32)
+    def _mask_pool(self) -> ThreadPoolExecutor:
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="mlxfun-masks")
+        return self._masker
+
+    def _mask_buffer(self) -> np.ndarray:
+        if self._masks is None or self._masks.shape[0] != len(self.owner):
+            self._masks = np.ones((len(self.owner), structured.words(self.config.vocab_size)), np.uint32)
         return self._masks
 
     def verify(self, t0: float | None = None) -> list[Event]:

@@ -62,27 +62,6 @@ def test_continuous_batching_refills_constrained_rows(bytes_model):
     assert out.token_ids == static.token_ids
 
 
-def test_masks_are_computed_while_a_forward_pass_is_in_flight(bytes_model, monkeypatch):
-    """A constrained step's decoder half is queued at the end of a round, before the host reads
-    the last tokens and computes the next masks at the start of the next: every mask computation
-    of a decode step has that step's forward pass queued before it (F then M), so the device runs
-    it meanwhile instead of waiting for the host. The text still matches its constraint."""
-    from mlxfun import structured
-
-    order = []
-    fill, forward = structured.fill_masks, Engine.queue_forward
-    monkeypatch.setattr(structured, "fill_masks", lambda m, out: order.append("M") or fill(m, out))
-    monkeypatch.setattr(Engine, "queue_forward", lambda self: order.append("F") or forward(self))
-    engine = Engine(bytes_model, 2)
-    ids = [engine.add(p, max_tokens=12, response_format=FORMATS[1]) for p in PROMPTS[:2]]
-    list(engine.events())
-    out = [engine.take(i) for i in ids]
-    assert all(re.fullmatch(r"[a-z]{0,8}@?[a-z]*\.?[a-z]*", r.text.text) for r in out)
-    # The first tokens' masks at admission, then a forward pass before each step's masks.
-    steps = "".join(order[1:])
-    assert order[0] == "M" and steps == "FM" * (len(steps) // 2) and len(steps) >= 20
-
-
 def test_engine_add_takes_a_response_format(bytes_model):
     engine = Engine(bytes_model, 2)
     a = engine.add("Color: ", max_tokens=20, response_format={"type": "choice", "choice": WORDS},
