@@ -50,6 +50,10 @@
 #   bash benchmarks/gpu_round2.sh r5  # (carries .old, .whl, .tok) after the prefill chunk bound and the constrained step's
 #                                     new order: r1, structured at 128 tokens twice, the rule's trace with a draft model
 #   bash benchmarks/gpu_round2.sh r6  # the rule's trace and speculative 8B at 1-32, the oracle's rows independent
+#   bash benchmarks/gpu_round2.sh s1  # (carries .whl, .tok) structured variants alternating in one process; the rule's
+#                                     trace with the engine's phases (what a switch of modes costs)
+#   bash benchmarks/gpu_round2.sh s2  # after the draft pool fix and the windowed rule: the trace again (rule warmed),
+#                                     speculative 8B at batch 1 and 32 (oracle, the 1B drafter's cost, random 1B)
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
@@ -393,5 +397,19 @@ case "${1:-a}" in
       --json "$OUT/policy-trace-rows.json" | grep "B="
     timeout 300 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,8,32 --alphas 0.7 --ks 4 \
       --draft-shape 1B --gen-tokens 64 --json "$OUT/spec-8B-rows.json" | tail -17
+    ;;
+  s1)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:${PYTHONPATH}"
+    timeout 200 python3 benchmarks/structured_ab.py --shape 1B --tokenizer .tok --batch 32 --gen-tokens 128 \
+      --repeats 3 --json "$OUT/structured-ab.json" | tail -5
+    timeout 200 python3 benchmarks/policy_trace.py --shape 8B --draft-shape 1B --batch-sizes 1,32 --phases \
+      --json "$OUT/policy-phases.json" | grep "B="
+    ;;
+  s2)
+    timeout 200 python3 benchmarks/policy_trace.py --shape 8B --draft-shape 1B --batch-sizes 1,32 --phases --warm-rule \
+      --json "$OUT/policy-phases-2.json" | grep "B="
+    timeout 330 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,32 --alphas 0.7 --ks 4 \
+      --draft-shape 1B --gen-tokens 64 --json "$OUT/spec-8B.json" | tail -12
     ;;
 esac

@@ -190,6 +190,8 @@ def end_to_end(model: Model, prompts: list[list[int]], max_tokens: int, name: st
     policy = speculative.Always() if forced else None
     _run(model, prompts, max_tokens)  # compile both steps at this batch size and length (see `oracle`)
     _run(model, prompts, max_tokens, draft=draft, k=k, policy=speculative.Always())
+    if not forced:  # the rule's path once: its switches trace shapes forced rounds never reach
+        _run(model, prompts, max_tokens, draft=draft, k=k)
     _, plain = _run(model, prompts, max_tokens)
     engine, tps = _run(model, prompts, max_tokens, draft=draft, k=k, policy=policy)
     row = _row(name + (" (forced)" if forced else ""), len(prompts), k, None, plain, tps, engine)
@@ -213,6 +215,9 @@ def costed(model: Model, prompts: list[list[int]], max_tokens: int, draft: Model
 
         _run(model, prompts, max_tokens, draft=make, k=k, policy=speculative.Always())  # compile the round
         for forced in (False, True):
+            if not forced:  # the rule's path once: a catch-up after plain steps, a decode step at
+                # the table width rounds reached: shapes forced rounds never trace (H200: 30-60 ms each)
+                _run(model, prompts, max_tokens, draft=make, k=k)
             engine, tps = _run(model, prompts, max_tokens, draft=make, k=k,
                                policy=speculative.Always() if forced else None)
             out.append(_row("draft cost, oracle drafts" + (" (forced)" if forced else ""), len(prompts), k, alpha,

@@ -98,9 +98,15 @@ class DraftModel(Drafter):
 
     def admitted(self, engine, rows: list[int]) -> None:
         """Nothing fed yet: a row's prompt is prefilled by its first round (`draft`) or catch-up,
-        so that while the engine decodes plainly (the rule off) the draft model costs nothing."""
+        so that while the engine decodes plainly (the rule off) the draft model costs nothing.
+        The draft pool takes the engine's size, which admission reserved for every position its
+        rows may reach (the draft's rows hold the same positions): grown as rounds went, each
+        new size traced the round and the catch-up anew, 35-45 ms of a switch back to
+        speculation (8B with a 1B drafter, H200; benchmarks/README.md)."""
         for r in rows:
             self.draft_pos[r] = 0
+        if self.pool.size < engine.pool.size:
+            self.pool.grow(engine.pool.size)
 
     def released(self, engine, row: int) -> None:
         self.pages.release(row)

@@ -20,6 +20,7 @@ it reads the one before (`Drafter.device`).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple, Sequence
 
 import mlx.core as mx
@@ -232,11 +233,19 @@ class PromptLookup:
 # once two have run. A try's third round is the first timed in both modes; a shorter try gave the
 # policy nothing to compare.
 TRY_ROUNDS = 3
+# Timed rounds of each mode the rates are taken from (the latest; a ratio of sums, tokens over
+# seconds), and the timed decode steps measured before the first comparison. On an H200 one decode
+# step's time right after verify rounds ran up to 1.8x the steady one (8B, batch 32: 12.3 ms
+# against 7): a rule that compared one such step with one verify round chose to speculate and
+# lost 0.5-0.7x (benchmarks/README.md, the rule's trace). Decode steps cost nothing to measure
+# beyond not speculating meanwhile.
+WINDOW = 8
+MIN_DECODES = 3
 
 
 class Policy:
     """When speculation pays, measured as the engine runs: the tokens per row per second of decode
-    steps and of verify rounds (moving averages). It speculates while verify rounds beat decode
+    steps and of verify rounds (each over its latest WINDOW timed rounds). It speculates while verify rounds beat decode
     steps by `margin`, and tries the other mode for TRY_ROUNDS rounds once every `interval`, the
     interval doubling (up to `longest`) each time that try loses. Verifying k + 1 positions costs
     about one decode step while the step is bound by reading the weights (small batches on a
@@ -245,18 +254,29 @@ class Policy:
     off, a drafter that can replay its rounds on the plain tokens (prompt lookup: `shadow`) keeps
     the speculating estimate current between tries."""
 
-    def __init__(self, margin: float = 1.03, interval: int = 32, longest: int = 4096, smoothing: float = 0.3,
-                 enabled: bool = True):
-        self.margin, self.base, self.longest, self.smoothing = margin, interval, longest, smoothing
+    def __init__(self, margin: float = 1.03, interval: int = 32, longest: int = 4096, enabled: bool = True):
+        self.margin, self.base, self.longest = margin, interval, longest
         self.enabled = enabled  # False: never speculate (where it was measured never to pay)
         self.rate: dict[bool, float | None] = {True: None, False: None}  # speculating -> tokens/row/s
+        self.seen: dict[bool, deque] = {m: deque(maxlen=WINDOW) for m in (True, False)}  # (tokens, seconds)
+        self.rounds: deque = deque(maxlen=WINDOW)  # timed verify rounds' seconds
         self.warm = {True: False, False: False}
         self.interval, self.countdown = interval, interval
         self.current = True  # start by measuring speculation
-        self.round_seconds: float | None = None  # a verify round's time (moving average)
         self.most: int | None = None  # the tokens per row a verify round gives at best (k + 1)
         self.bound = False  # rate[True] is `_kept_nothing`'s bound, not a measure
         self.trying = 0  # rounds left of the try under way
+
+    @property
+    def round_seconds(self) -> float | None:
+        """A verify round's time (the mean of the latest timed rounds)."""
+        return sum(self.rounds) / len(self.rounds) if self.rounds else None
+
+    def _add(self, speculating: bool, tokens: float, seconds: float) -> None:
+        """One more timed round of a mode; its rate: the window's tokens over its seconds."""
+        seen = self.seen[speculating]
+        seen.append((tokens, seconds))
+        self.rate[speculating] = sum(t for t, _ in seen) / sum(s for _, s in seen)
 
     def shadow(self, tokens: list[int]) -> None:
         """Rounds replayed while decoding plainly (`Drafter.shadow`): the tokens each would have
@@ -267,7 +287,7 @@ class Policy:
         if not tokens or self.round_seconds is None or self.rate[True] is None:
             return
         for t in tokens:
-            self.rate[True] = self._average(self.rate[True], t / self.round_seconds)
+            self._add(True, t, self.round_seconds)
 
     def _kept_nothing(self, tokens_per_row: float, least: float) -> None:
         """A verify round whose time is unknown (a pipelined run's first). A round takes at least
@@ -288,16 +308,12 @@ class Policy:
             self.trying, self.interval = 0, min(self.longest, 2 * self.interval)
             self.countdown = self.interval
 
-    def _average(self, old: float | None, new: float) -> float:
-        """The moving average of a measure after one more value of it."""
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
-
     def choose(self) -> bool:
         """Whether the next round speculates."""
         if not self.enabled:
             return False
-        if self.rate[True] is None or self.rate[False] is None:
-            return self.rate[True] is None  # measure each mode once
+        if self.rate[True] is None or len(self.seen[False]) < MIN_DECODES:
+            return self.rate[True] is None  # measure each mode first
         best = self.rate[True] > self.margin * self.rate[False]
         if self.trying:
             self.trying -= 1
@@ -323,10 +339,10 @@ class Policy:
         if speculating and self.bound:  # the first timed round replaces the bound `_kept_nothing` set
             self.rate[True], self.bound = None, False
         if speculating:
-            self.round_seconds = self._average(self.round_seconds, seconds)
+            self.rounds.append(seconds)
             self.most = most if most is not None else self.most
-        self.rate[speculating] = self._average(self.rate[speculating], tokens_per_row / seconds)
-        if self.rate[True] is not None and self.rate[False] is not None:
+        self._add(speculating, tokens_per_row, seconds)
+        if self.rate[True] is not None and len(self.seen[False]) >= MIN_DECODES:
             best = self.rate[True] > self.margin * self.rate[False]
             if self.most is not None and self.most / self.round_seconds <= self.margin * self.rate[False]:
                 # Slower than plain decoding even with every draft kept (a draft model whose steps

@@ -351,6 +351,21 @@ def test_policy_tries_last_until_a_round_of_them_is_timed():
     assert {len(r) for r in runs if r} == {speculative.TRY_ROUNDS}
 
 
+def test_one_slow_decode_step_does_not_make_speculation_win():
+    """Rates are ratios of sums over the latest rounds, and decoding is compared only once
+    MIN_DECODES steps are timed: on an H200 the first decode step after verify rounds took 1.8x a
+    steady one, and a rule that compared it with one verify round speculated at 0.5-0.7x plain."""
+    policy = speculative.Policy(interval=32)
+    step_times = iter([1.0, 2.0] + [1.0] * 100)  # after the warm-up step, the first timed one is slow
+    choices = []
+    for _ in range(24):
+        s = policy.choose()
+        choices.append(s)
+        policy.record(s, 2.4 if s else 1.0, 3.4 if s else next(step_times))  # 0.71 tokens/s against 1
+    assert choices[:2] == [True, True] and not any(choices[2:])  # measured, then decoding to the next try
+    assert abs(policy.rate[False] - 1.0) < 0.2 and policy.speedup < 0.8
+
+
 def test_a_pipelined_first_round_that_kept_nothing_stops_speculation():
     """A pipelined run's first round is not timed; if it kept no draft it lost anyway (a round
     costs at least a decode step): speculation stops there, and the next timed round replaces the bound."""
@@ -378,7 +393,7 @@ def test_an_untimed_round_is_judged_by_the_drafters_least_cost():
     assert free.rate[True] is None and free.choose()
     # Decoding measured better; a try of speculation whose untimed first round keeps too little ends it.
     policy = speculative.Policy(interval=4, longest=64)
-    for _ in range(4):
+    for _ in range(3 + speculative.MIN_DECODES):  # speculation: a warm-up and a timed round; decoding the same
         s = policy.choose()
         policy.record(s, 1.2 if s else 1.0, 2.0 if s else 1.0, most=5)
     choices = [policy.choose() for _ in range(4)]  # counts down to the try: its first round speculates
@@ -439,6 +454,22 @@ def test_a_draft_models_catch_up_never_runs_the_few_row_product(monkeypatch):
     list(engine.events())
     assert [engine.take(i).row.token_ids for i in ids] == plain
     assert engine.stats.verify_rounds >= 4 and set(rows) == {2, 2 * (3 + 1)}
+
+
+def test_a_draft_models_pool_takes_the_engines_size_at_admission(tiny):
+    """The draft pool is sized once, as the engine's (admission reserved every position the rows
+    may reach), not grown as rounds go: each new size traced the draft round and its catch-up
+    anew, 35-45 ms of each switch back to speculation on an H200. Tokens as plain decoding's."""
+    prompts = mixed_prompts(8, seed=3)
+    plain = generate(tiny, prompts, max_tokens=200, ignore_eos=True).token_ids
+    engine = Engine(tiny, 8, draft=tiny_model(tiny_config(), seed=9), num_draft_tokens=3, policy=Alternate())
+    sizes = []
+    round_ = engine.drafter._round
+    engine.drafter._round = lambda *a: sizes.append(engine.drafter.pool.size) or round_(*a)
+    ids = [engine.add(p, max_tokens=200, ignore_eos=True) for p in prompts]
+    list(engine.events())
+    assert [engine.take(i).row.token_ids for i in ids] == plain
+    assert engine.stats.verify_rounds >= 20 and engine.pool.size > 65 and set(sizes) == {engine.pool.size}
 
 
 def test_lookup_with_the_rule_on_keeps_plain_tokens(tiny):
