@@ -54,6 +54,7 @@
 #                                     trace with the engine's phases (what a switch of modes costs)
 #   bash benchmarks/gpu_round2.sh s2  # after the draft pool fix and the windowed rule: the trace again (rule warmed),
 #                                     speculative 8B at batch 1 and 32 (oracle, the 1B drafter's cost, random 1B)
+#   bash benchmarks/gpu_round2.sh s3  # s2's trace alone (it ran past s2's time limit)
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
@@ -411,5 +412,9 @@ case "${1:-a}" in
       --json "$OUT/policy-phases-2.json" | grep "B="
     timeout 330 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,32 --alphas 0.7 --ks 4 \
       --draft-shape 1B --gen-tokens 64 --json "$OUT/spec-8B.json" | tail -12
+    ;;
+  s3)
+    timeout 500 python3 benchmarks/policy_trace.py --shape 8B --draft-shape 1B --batch-sizes 1,32 --phases --warm-rule \
+      --json "$OUT/policy-phases-2.json" | grep "B="
     ;;
 esac

@@ -241,6 +241,12 @@ TRY_ROUNDS = 3
 # beyond not speculating meanwhile.
 WINDOW = 8
 MIN_DECODES = 3
+# With a drafter that costs device time (a draft model), speculation must beat decoding by this
+# much more before the rule turns it back on: each return drains the pipeline and feeds the draft
+# model the plain tokens (15-35 ms on an H200 at batch 32, 2-5 decode steps of an 8B target),
+# and near break-even the measured rates differ by more than their gap, so the rule went back
+# and forth five times in 64 tokens (benchmarks/README.md, tenth session).
+ENTER = 1.1
 
 
 class Policy:
@@ -266,6 +272,7 @@ class Policy:
         self.most: int | None = None  # the tokens per row a verify round gives at best (k + 1)
         self.bound = False  # rate[True] is `_kept_nothing`'s bound, not a measure
         self.trying = 0  # rounds left of the try under way
+        self.costly = False  # the drafter's rounds cost device time (`least` > 1): switching back costs
 
     @property
     def round_seconds(self) -> float | None:
@@ -273,10 +280,22 @@ class Policy:
         return sum(self.rounds) / len(self.rounds) if self.rounds else None
 
     def _add(self, speculating: bool, tokens: float, seconds: float) -> None:
-        """One more timed round of a mode; its rate: the window's tokens over its seconds."""
+        """One more timed round of a mode. Verify rounds' rate: the window's tokens over its
+        seconds (their tokens vary). Decode steps' rate: the median step's (each gives one token;
+        the steps right after a switch ran up to 2x a steady one, 8B at batch 32 on an H200)."""
         seen = self.seen[speculating]
         seen.append((tokens, seconds))
-        self.rate[speculating] = sum(t for t, _ in seen) / sum(s for _, s in seen)
+        if speculating:
+            self.rate[True] = sum(t for t, _ in seen) / sum(s for _, s in seen)
+        else:
+            rates = sorted(t / s for t, s in seen)
+            n = len(rates)
+            self.rate[False] = rates[n // 2] if n % 2 else (rates[n // 2 - 1] + rates[n // 2]) / 2
+
+    def _best(self) -> bool:
+        """Whether speculating is the better mode now (with ENTER's hysteresis for a costly drafter)."""
+        need = self.margin * (ENTER if self.costly and not self.current else 1.0)
+        return self.rate[True] > need * self.rate[False]
 
     def shadow(self, tokens: list[int]) -> None:
         """Rounds replayed while decoding plainly (`Drafter.shadow`): the tokens each would have
@@ -314,7 +333,7 @@ class Policy:
             return False
         if self.rate[True] is None or len(self.seen[False]) < MIN_DECODES:
             return self.rate[True] is None  # measure each mode first
-        best = self.rate[True] > self.margin * self.rate[False]
+        best = self._best()
         if self.trying:
             self.trying -= 1
             return not best
@@ -341,9 +360,10 @@ class Policy:
         if speculating:
             self.rounds.append(seconds)
             self.most = most if most is not None else self.most
+            self.costly = least > 1
         self._add(speculating, tokens_per_row, seconds)
         if self.rate[True] is not None and len(self.seen[False]) >= MIN_DECODES:
-            best = self.rate[True] > self.margin * self.rate[False]
+            best = self._best()
             if self.most is not None and self.most / self.round_seconds <= self.margin * self.rate[False]:
                 # Slower than plain decoding even with every draft kept (a draft model whose steps
                 # cost more than the target's): try again only rarely.

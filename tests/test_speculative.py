@@ -366,6 +366,27 @@ def test_one_slow_decode_step_does_not_make_speculation_win():
     assert abs(policy.rate[False] - 1.0) < 0.2 and policy.speedup < 0.8
 
 
+def test_a_costly_drafter_must_win_by_more_to_turn_speculation_back_on():
+    """Returning to speculation with a draft model drains the pipeline and feeds the draft model
+    the plain tokens, so once decoding is the better mode a costly drafter (`least` > 1) must win
+    by ENTER, not just `margin`: at 1.06x it stays off (but for its tries), where a free drafter
+    (prompt lookup) turns back on."""
+    def run(least: float) -> list[bool]:
+        policy = speculative.Policy(interval=4, longest=64)
+        choices = []
+        for i in range(300):
+            s = policy.choose()
+            choices.append(s)
+            tokens = 0.9 if i < 20 else 1.06  # verify rounds lose at first, then win by 6%
+            policy.record(s, tokens if s else 1.0, 1.0, most=5, least=least if s else 1.0)
+        return choices
+
+    costly, free = run(1.6), run(1.0)
+    assert sum(free[-100:]) > 80  # speculating again, decoding only in tries
+    assert sum(costly[-100:]) < 20  # decoding, speculating only in tries
+    assert 1.03 < 1.06 < speculative.ENTER * 1.03
+
+
 def test_a_pipelined_first_round_that_kept_nothing_stops_speculation():
     """A pipelined run's first round is not timed; if it kept no draft it lost anyway (a round
     costs at least a decode step): speculation stops there, and the next timed round replaces the bound."""
