@@ -86,7 +86,8 @@ def main() -> None:
 
         bs._run(target, prompts, args.gen_tokens, draft=make, policy=speculative.Always())
         if args.warm_rule:  # the rule's own path once (a catch-up's shapes, a decode at wider tables)
-            bs._run(target, prompts, args.gen_tokens, draft=make, policy=Traced(enabled=speculative.may_pay(B, 4)))
+            rule = speculative.Policy(enabled=speculative.may_pay(B, 4))
+            bs._run(target, prompts, args.gen_tokens, draft=make, policy=rule)
         policy = Traced(enabled=speculative.may_pay(B, 4))
         saved = timed_phases(policy.log, policy.t0) if args.phases else []
         try:

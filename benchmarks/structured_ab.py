@@ -14,18 +14,16 @@ Run: python benchmarks/structured_ab.py --shape 1B --tokenizer .tok --batch 32 [
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
+from structured_costs import add_rows, random_model  # benchmarks/ is on the path: these scripts run from there
 
-from mlxfun import bench, bench_structured, sampling
+from mlxfun import bench
 from mlxfun import engine as engine_mod
-from mlxfun import tokenizer as tok
 from mlxfun.engine import Engine
 from mlxfun.load import Model
 
@@ -41,10 +39,7 @@ VARIANTS = {
 def run(model: Model, batch: int, gen_tokens: int, constrained: bool, prompt: list[int]) -> dict:
     """One engine run; -> ms per decode step after the admission, steps, tokens."""
     engine = Engine(model, batch)
-    for i in range(batch):
-        engine.add(prompt, max_tokens=gen_tokens, ignore_eos=True,
-                   response_format=bench_structured.FORMAT if constrained else None,
-                   settings=sampling.make_settings(1, temperature=0.7, seed=i))
+    add_rows(engine, batch, gen_tokens, constrained, prompt)
     start = None
     for _ in engine.events():
         if start is None and engine.stats.steps >= 1:  # the admission and first step are behind
@@ -65,13 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape (CPU smoke runs)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    tokenizer = tok.from_folder(Path(args.tokenizer), {})
-    config = dataclasses.replace(bench.SHAPES[args.shape], vocab_size=tokenizer.vocab_size)
-    if args.layers:
-        config = dataclasses.replace(config, num_layers=args.layers, layer_windows=None)
-    dtype = mx.bfloat16 if bench.on_gpu() else mx.float32
-    model = Model(config, bench.random_params(config, dtype), tokenizer, f"random {args.shape}")
-    prompt = tokenizer.encode("Describe a person as a JSON object with name, age, email, role, tags, score, address.")
+    model, prompt = random_model(args.shape, Path(args.tokenizer), args.layers)
     default_switch = sys.getswitchinterval()
     found: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     try:

@@ -62,10 +62,7 @@ def device_parts(engine: Engine) -> dict:
 
 def run(model: Model, batch: int, gen_tokens: int, constrained: bool, prompt: list[int]) -> dict:
     engine = Engine(model, batch)
-    for i in range(batch):
-        engine.add(prompt, max_tokens=gen_tokens, ignore_eos=True,
-                   response_format=bench_structured.FORMAT if constrained else None,
-                   settings=sampling.make_settings(1, temperature=0.7, seed=i))
+    add_rows(engine, batch, gen_tokens, constrained, prompt)
     times: dict[str, float] = collections.defaultdict(float)
     saved = {}
     for name in PHASES:
@@ -107,6 +104,27 @@ def run(model: Model, batch: int, gen_tokens: int, constrained: bool, prompt: li
             "phase_ms_per_step": phases}
 
 
+def random_model(shape: str, tokenizer: Path, layers: int | None = None) -> tuple[Model, list[int]]:
+    """A random-weight `shape` with a real tokenizer (a Hugging Face folder; `layers`: fewer, for
+    CPU smoke runs), bf16 on a GPU; and the prompt the constrained runs answer."""
+    tokenizer = tok.from_folder(tokenizer, {})
+    config = dataclasses.replace(bench.SHAPES[shape], vocab_size=tokenizer.vocab_size)
+    if layers:
+        config = dataclasses.replace(config, num_layers=layers, layer_windows=None)
+    dtype = mx.bfloat16 if bench.on_gpu() else mx.float32
+    model = Model(config, bench.random_params(config, dtype), tokenizer, f"random {shape}")
+    ask = "Describe a person as a JSON object with name, age, email, role, tags, score, address."
+    return model, tokenizer.encode(ask)
+
+
+def add_rows(engine: Engine, batch: int, gen_tokens: int, constrained: bool, prompt: list[int]) -> None:
+    """`batch` requests of `prompt`, sampled (seeded per row), each with the JSON schema or none."""
+    for i in range(batch):
+        engine.add(prompt, max_tokens=gen_tokens, ignore_eos=True,
+                   response_format=bench_structured.FORMAT if constrained else None,
+                   settings=sampling.make_settings(1, temperature=0.7, seed=i))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="1B", choices=sorted(bench.SHAPES))
@@ -116,13 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape (CPU smoke runs)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    tokenizer = tok.from_folder(Path(args.tokenizer), {})
-    config = dataclasses.replace(bench.SHAPES[args.shape], vocab_size=tokenizer.vocab_size)
-    if args.layers:
-        config = dataclasses.replace(config, num_layers=args.layers, layer_windows=None)
-    dtype = mx.bfloat16 if bench.on_gpu() else mx.float32
-    model = Model(config, bench.random_params(config, dtype), tokenizer, f"random {args.shape}")
-    prompt = tokenizer.encode("Describe a person as a JSON object with name, age, email, role, tags, score, address.")
+    model, prompt = random_model(args.shape, Path(args.tokenizer), args.layers)
     rows = []
     for constrained in (False, True, False, True):  # the first of each compiles
         rows.append(run(model, args.batch, args.gen_tokens, constrained, prompt))

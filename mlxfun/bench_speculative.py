@@ -214,10 +214,10 @@ def costed(model: Model, prompts: list[list[int]], max_tokens: int, draft: Model
             return CostedOracle(draft, engine, continuation, alpha)
 
         _run(model, prompts, max_tokens, draft=make, k=k, policy=speculative.Always())  # compile the round
+        # The rule's path once: a catch-up after plain steps, a decode step at the table width rounds
+        # reached: shapes forced rounds never trace (H200: 30-60 ms each).
+        _run(model, prompts, max_tokens, draft=make, k=k)
         for forced in (False, True):
-            if not forced:  # the rule's path once: a catch-up after plain steps, a decode step at
-                # the table width rounds reached: shapes forced rounds never trace (H200: 30-60 ms each)
-                _run(model, prompts, max_tokens, draft=make, k=k)
             engine, tps = _run(model, prompts, max_tokens, draft=make, k=k,
                                policy=speculative.Always() if forced else None)
             out.append(_row("draft cost, oracle drafts" + (" (forced)" if forced else ""), len(prompts), k, alpha,

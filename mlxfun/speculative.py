@@ -20,6 +20,7 @@ it reads the one before (`Drafter.device`).
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from typing import NamedTuple, Sequence
 
@@ -233,8 +234,8 @@ class PromptLookup:
 # once two have run. A try's third round is the first timed in both modes; a shorter try gave the
 # policy nothing to compare.
 TRY_ROUNDS = 3
-# Timed rounds of each mode the rates are taken from (the latest; a ratio of sums, tokens over
-# seconds), and the timed decode steps measured before the first comparison. On an H200 one decode
+# Timed rounds of each mode the rates are taken from (the latest; `Policy._add`), and the timed
+# decode steps measured before the first comparison. On an H200 one decode
 # step's time right after verify rounds ran up to 1.8x the steady one (8B, batch 32: 12.3 ms
 # against 7): a rule that compared one such step with one verify round chose to speculate and
 # lost 0.5-0.7x (benchmarks/README.md, the rule's trace). Decode steps cost nothing to measure
@@ -251,14 +252,13 @@ ENTER = 1.1
 
 class Policy:
     """When speculation pays, measured as the engine runs: the tokens per row per second of decode
-    steps and of verify rounds (each over its latest WINDOW timed rounds). It speculates while verify rounds beat decode
-    steps by `margin`, and tries the other mode for TRY_ROUNDS rounds once every `interval`, the
-    interval doubling (up to `longest`) each time that try loses. Verifying k + 1 positions costs
-    about one decode step while the step is bound by reading the weights (small batches on a
-    GPU), and about k + 1 where it is bound by compute (large batches; the CPU's reference BLAS at
-    any batch). While
-    off, a drafter that can replay its rounds on the plain tokens (prompt lookup: `shadow`) keeps
-    the speculating estimate current between tries."""
+    steps and of verify rounds, each over its latest WINDOW timed rounds. It speculates while
+    verify rounds beat decode steps by `margin`, and tries the other mode for TRY_ROUNDS rounds once
+    every `interval`, the interval doubling (up to `longest`) each time that try loses. Verifying
+    k + 1 positions costs about one decode step while the step is bound by reading the weights
+    (small batches on a GPU), and about k + 1 where it is bound by compute (large batches; the CPU's
+    reference BLAS at any batch). While off, a drafter that can replay its rounds on the plain
+    tokens (prompt lookup: `shadow`) keeps the speculating estimate current between tries."""
 
     def __init__(self, margin: float = 1.03, interval: int = 32, longest: int = 4096, enabled: bool = True):
         self.margin, self.base, self.longest = margin, interval, longest
@@ -288,9 +288,7 @@ class Policy:
         if speculating:
             self.rate[True] = sum(t for t, _ in seen) / sum(s for _, s in seen)
         else:
-            rates = sorted(t / s for t, s in seen)
-            n = len(rates)
-            self.rate[False] = rates[n // 2] if n % 2 else (rates[n // 2 - 1] + rates[n // 2]) / 2
+            self.rate[False] = statistics.median(t / s for t, s in seen)
 
     def _best(self) -> bool:
         """Whether speculating is the better mode now (with ENTER's hysteresis for a costly drafter)."""

@@ -352,8 +352,8 @@ def test_policy_tries_last_until_a_round_of_them_is_timed():
 
 
 def test_one_slow_decode_step_does_not_make_speculation_win():
-    """Rates are ratios of sums over the latest rounds, and decoding is compared only once
-    MIN_DECODES steps are timed: on an H200 the first decode step after verify rounds took 1.8x a
+    """Rates come from windows of the latest rounds (decoding's: the median step), and decoding
+    is compared only once MIN_DECODES steps are timed: on an H200 the first decode step after verify rounds took 1.8x a
     steady one, and a rule that compared it with one verify round speculated at 0.5-0.7x plain."""
     policy = speculative.Policy(interval=32)
     step_times = iter([1.0, 2.0] + [1.0] * 100)  # after the warm-up step, the first timed one is slow
