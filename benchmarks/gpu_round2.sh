@@ -55,6 +55,13 @@
 #   bash benchmarks/gpu_round2.sh s2  # after the draft pool fix and the windowed rule: the trace again (rule warmed),
 #                                     speculative 8B at batch 1 and 32 (oracle, the 1B drafter's cost, random 1B)
 #   bash benchmarks/gpu_round2.sh s3  # s2's trace alone (it ran past s2's time limit)
+#   bash benchmarks/gpu_round2.sh n1  # the prefill chunk compiled or not, alternating (1B, 8B); speculative 8B at batch
+#                                     1 and 32, 64 tokens, with the rule's measuring budget
+#   bash benchmarks/gpu_round2.sh n2  # speculative 8B at batch 1 and 32, 256 tokens, plain and speculative runs
+#                                     alternating (3 of each, medians)
+#   bash benchmarks/gpu_round2.sh n3  # (carries .old) 1B static against round 1 (the prefill compiled on a GPU),
+#                                     processes alternating, twice each
+#   bash benchmarks/gpu_round2.sh n4  # n2 at 64 tokens
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
@@ -412,6 +419,28 @@ case "${1:-a}" in
       --json "$OUT/policy-phases-2.json" | grep "B="
     timeout 330 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,32 --alphas 0.7 --ks 4 \
       --draft-shape 1B --gen-tokens 64 --json "$OUT/spec-8B.json" | tail -12
+    ;;
+  n1)
+    timeout 120 python3 benchmarks/prefill_compile_ab.py --shape 1B --batch-sizes 1,8,32,128 \
+      --json "$OUT/prefill-compile-1B.json"
+    timeout 150 python3 benchmarks/prefill_compile_ab.py --shape 8B --batch-sizes 1,8,32 --repeats 6 \
+      --json "$OUT/prefill-compile-8B.json"
+    timeout 300 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,32 --alphas 0.7 --ks 4 \
+      --draft-shape 1B --gen-tokens 64 --json "$OUT/spec-8B-64.json" | tail -12
+    ;;
+  n2)
+    timeout 560 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,32 --alphas 0.7 --ks 4 \
+      --draft-shape 1B --gen-tokens 256 --repeats 3 --json "$OUT/spec-8B-256.json" | tail -12
+    ;;
+  n4)
+    timeout 560 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,32 --alphas 0.7 --ks 4 \
+      --draft-shape 1B --gen-tokens 64 --repeats 3 --json "$OUT/spec-8B-64-paired.json" | tail -12
+    ;;
+  n3)
+    for run in 1 2; do
+      timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/1B-new-$run.json" | tail -5
+      old timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/1B-old-$run.json" | tail -5
+    done
     ;;
   s3)
     timeout 500 python3 benchmarks/policy_trace.py --shape 8B --draft-shape 1B --batch-sizes 1,32 --phases --warm-rule \

@@ -32,8 +32,8 @@ class Traced(speculative.Policy):
         self.log: list[tuple] = []
         self.t0 = time.perf_counter()
 
-    def choose(self) -> bool:
-        c = super().choose()
+    def choose(self, ahead=None, least=1.0) -> bool:
+        c = super().choose(ahead, least)
         self.log.append(("choose", c, round(1e3 * (time.perf_counter() - self.t0), 2)))
         return c
 

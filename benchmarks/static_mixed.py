@@ -9,7 +9,8 @@ import json
 import time
 
 import mlxfun.step as step
-from mlxfun import bench, bench_workloads as bw
+from mlxfun import bench
+from mlxfun import bench_workloads as bw
 from mlxfun.generate import generate
 
 traces = [0]

@@ -323,7 +323,8 @@ def parse_args(argv):
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--gen-tokens", type=int, default=128 if gpu else 32, help="default: 128 on a GPU, 32 on the CPU")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per configuration; the best is kept "
-                                                          "(use 2-3 on a shared, noisy machine)")
+                                                          "(use 2-3 on a shared, noisy machine); with --speculative, "
+                                                          "plain and speculative runs alternate and medians are kept")
     p.add_argument("--warmup-tokens", type=int, default=None,
                    help="tokens of the untimed run that compiles each config (default: on a GPU as many as the "
                         "timed run, so it meets the same pool and table sizes and traces nothing; on the CPU 4)")
@@ -463,14 +464,15 @@ def main_speculative(args) -> int:
         prompts = random_prompts(model.config.vocab_size, B, args.prompt_tokens)
         rows += bs.oracle(model, prompts, args.gen_tokens, alphas, ks)
         if draft is not None:
-            rows.append(bs.end_to_end(model, prompts, args.gen_tokens, "draft model", draft, 4))
-            rows.append(bs.end_to_end(model, prompts, args.gen_tokens, "draft model", draft, 4, forced=True))
+            for forced in (False, True):
+                rows.append(bs.end_to_end(model, prompts, args.gen_tokens, "draft model", draft, 4, forced,
+                                          args.repeats))
             if args.shape is not None:  # a random draft model's drafts are never kept: its cost, the oracle's drafts
-                rows += bs.costed(model, prompts, args.gen_tokens, draft, alphas, 4)
+                rows += bs.costed(model, prompts, args.gen_tokens, draft, alphas, 4, args.repeats)
         for name, prompt in tasks.items():
             for forced in (False, True):
                 rows.append(bs.end_to_end(model, [prompt] * B, args.gen_tokens, f"lookup, {name}", "prompt-lookup", 4,
-                                          forced=forced))
+                                          forced, args.repeats))
     print()
     print(bs.table(rows))
     if args.json:

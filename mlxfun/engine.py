@@ -671,7 +671,15 @@ class Engine:
         live = [self.requests[o] for o in self.owner if o is not None]
         if not live and not self.pending and self._inbox.empty():
             return False
-        return not any(r.mode.penalties or r.mode.masked for r in live) and self.policy.choose()
+        if any(r.mode.penalties or r.mode.masked for r in live):
+            return False
+        return self.policy.choose(self._ahead(), 1 + self.num_draft_tokens * self.drafter.cost)
+
+    def _ahead(self) -> int:
+        """The most tokens a live or queued request may still generate: the decode steps left, at
+        most (0 while requests are still in the inbox, unread)."""
+        live = [self.remaining(r) for r, o in enumerate(self.owner) if o is not None]
+        return max(live + [self._limit(self.requests[rid].request) for rid in self.pending], default=0)
 
     def _take_verified(self, out: Verdict, owners: list, proposed: list[int] | None = None
                        ) -> tuple[list[Event], float]:

@@ -248,6 +248,19 @@ MIN_DECODES = 3
 # and near break-even the measured rates differ by more than their gap, so the rule went back
 # and forth five times in 64 tokens (benchmarks/README.md, tenth session).
 ENTER = 1.1
+# A costly drafter's measuring costs device time: each of its rounds takes at least `least` decode
+# steps (`Drafter.cost`), and a switch to it and back drains the pipeline and feeds the draft model
+# the plain tokens. So its first measure, and each later try, runs only where its expected loss is at
+# most BUDGET of the decode steps it is spread over (the work ahead; and the interval to the next
+# try): an 8B target with a 1B drafter on an H200 lost 10-30% of a 64-token run to measuring alone,
+# its first rounds 35-50 ms each at batch 32 against 8 ms a decode step (benchmarks/README.md,
+# tenth session). A free drafter (prompt lookup) measures at no cost and is never held back.
+BUDGET = 0.03
+# Rounds the first measure of speculation takes: the untimed first, a warm-up, a timed one, and the
+# one queued behind it; and the decode steps of a switch there and back, beyond its rounds (a drain
+# and a catch-up: 2-5 steps of an 8B target at batch 32).
+FIRST_ROUNDS = 4
+SWITCH_STEPS = 2.0
 
 
 class Policy:
@@ -258,10 +271,12 @@ class Policy:
     k + 1 positions costs about one decode step while the step is bound by reading the weights
     (small batches on a GPU), and about k + 1 where it is bound by compute (large batches; the CPU's
     reference BLAS at any batch). While off, a drafter that can replay its rounds on the plain
-    tokens (prompt lookup: `shadow`) keeps the speculating estimate current between tries."""
+    tokens (prompt lookup: `shadow`) keeps the speculating estimate current between tries. A
+    costly drafter measures only where it can afford to (`budget`, see BUDGET; None: always)."""
 
-    def __init__(self, margin: float = 1.03, interval: int = 32, longest: int = 4096, enabled: bool = True):
-        self.margin, self.base, self.longest = margin, interval, longest
+    def __init__(self, margin: float = 1.03, interval: int = 32, longest: int = 4096, enabled: bool = True,
+                 budget: float | None = BUDGET):
+        self.margin, self.base, self.longest, self.budget = margin, interval, longest, budget
         self.enabled = enabled  # False: never speculate (where it was measured never to pay)
         self.rate: dict[bool, float | None] = {True: None, False: None}  # speculating -> tokens/row/s
         self.seen: dict[bool, deque] = {m: deque(maxlen=WINDOW) for m in (True, False)}  # (tokens, seconds)
@@ -273,6 +288,7 @@ class Policy:
         self.bound = False  # rate[True] is `_kept_nothing`'s bound, not a measure
         self.trying = 0  # rounds left of the try under way
         self.costly = False  # the drafter's rounds cost device time (`least` > 1): switching back costs
+        self.started = False  # the first measure of speculation has begun
 
     @property
     def round_seconds(self) -> float | None:
@@ -325,19 +341,46 @@ class Policy:
             self.trying, self.interval = 0, min(self.longest, 2 * self.interval)
             self.countdown = self.interval
 
-    def choose(self) -> bool:
-        """Whether the next round speculates."""
+    def expected_loss(self, least: float, rounds: int) -> float:
+        """Decode steps that `rounds` verify rounds and a switch there and back are expected to lose
+        against decoding (a drafter whose round costs at least `least` steps): from the measured
+        rates where they exist, else a round costing `least` steps and giving 1 token per row."""
+        if self.rate[True] and self.rate[False] and self.round_seconds and not self.bound:
+            steps = self.round_seconds * self.rate[False]  # a verify round, in decode steps
+            per_round = max(0.0, steps - self.rate[True] * self.round_seconds)
+        else:
+            per_round = least - 1.0
+        return rounds * per_round + SWITCH_STEPS
+
+    def affords(self, loss: float, span: int | None, least: float) -> bool:
+        """Whether measuring that loses `loss` decode steps may run, spread over `span` steps."""
+        return least <= 1.0 or self.budget is None or span is None or loss <= self.budget * span
+
+    def choose(self, ahead: int | None = None, least: float = 1.0) -> bool:
+        """Whether the next round speculates. `ahead`: the decode steps the live and queued rows may
+        still take (None: unknown); `least`: a verify round's least cost in decode steps (1 + k x
+        `Drafter.cost`)."""
         if not self.enabled:
             return False
-        if self.rate[True] is None or len(self.seen[False]) < MIN_DECODES:
-            return self.rate[True] is None  # measure each mode first
+        if self.rate[True] is None:  # measure speculation first, where it can afford to
+            if not self.started:
+                self.started = self.affords(self.expected_loss(least, FIRST_ROUNDS), ahead, least)
+            return self.started
+        if len(self.seen[False]) < MIN_DECODES:
+            return False
         best = self._best()
         if self.trying:
             self.trying -= 1
             return not best
         self.countdown -= 1
         if self.countdown <= 0:  # a try of the other mode, to keep its estimate fresh
-            self.countdown, self.trying = self.interval, TRY_ROUNDS - 1
+            self.countdown = self.interval
+            span = self.interval if ahead is None else min(ahead, self.interval)
+            if not best and not self.affords(self.expected_loss(least, TRY_ROUNDS), span, least):
+                # Too dear for the steps around it: skipped, as if lost (tries grow apart).
+                self.interval = min(self.longest, 2 * self.interval)
+                return best
+            self.trying = TRY_ROUNDS - 1
             return not best
         return best
 
@@ -401,5 +444,5 @@ def may_pay(rows: int, k: int) -> bool:
 class Always(Policy):
     """Speculate every round (measurements, tests)."""
 
-    def choose(self) -> bool:
+    def choose(self, ahead: int | None = None, least: float = 1.0) -> bool:
         return True

@@ -164,9 +164,11 @@ class Steps(NamedTuple):
     sample: Callable  # compiled: (logits, mask, state, settings) -> (StepOut, state)
 
 
-def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | None = None) -> Steps:
+def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | None = None,
+               compile_prefill: bool = False) -> Steps:
     """Fresh compiled steps. `on_trace` runs each time a decode step (the fused one, or either half
-    of the split one) is traced (profiling, tests)."""
+    of the split one) is traced (profiling, tests). `compile_prefill`: the prefill chunk compiled
+    too (traced per chunk shape and pool size)."""
 
     def traced():
         if on_trace is not None:
@@ -197,9 +199,13 @@ def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | N
         out, new = sample_compiled(logits, mask, state._replace(cache=None), settings)
         return out, new._replace(cache=state.cache)
 
-    return Steps(mx.compile(decode), prefill, mx.compile(verify), mx.compile(forward), sample)
+    return Steps(mx.compile(decode), mx.compile(prefill) if compile_prefill else prefill, mx.compile(verify),
+                 mx.compile(forward), sample)
 
 
 @lru_cache(maxsize=32)
 def compiled_steps(config: ModelConfig, mode: Mode) -> Steps:
-    return make_steps(config, mode)
+    # The prefill chunk compiled on a GPU: its host time (graph building, one launch per unfused
+    # op) bounds small admissions there; on the CPU the products bound them, and every new chunk
+    # shape would compile anew.
+    return make_steps(config, mode, compile_prefill=mx.default_device() == mx.gpu)

@@ -110,3 +110,23 @@ def test_compiled_equals_uncompiled_quantized():
     compiled = run(model, prompts, counting_steps()[0], max_tokens=12)
     plain = run(model, prompts, uncompiled_steps, max_tokens=12)
     assert compiled.token_ids == plain.token_ids
+
+
+def test_a_compiled_prefill_equals_the_plain_one():
+    """`make_steps(compile_prefill=True)` (the GPU's default) gives the same tokens and logprobs as
+    the plain prefill: first chunks of fresh rows, later chunks (prefill_step 8), rows reusing a
+    cached prefix (their first chunk reads the pool), and rings whose chunks wrap (max_kv_size)."""
+    model = tiny_model()
+    shared = prompts_of([20], model.config.vocab_size)[0]
+    prompts = [shared + [3, 4], prompts_of([2], model.config.vocab_size)[0], shared[:17] + [9, 9, 9, 9, 9]]
+    made: dict = {}
+
+    def compiled(config, mode) -> Steps:  # per config: max_kv_size makes another
+        return made.setdefault((config, mode), make_steps(config, mode, compile_prefill=True))
+
+    for options in (dict(prefill_step=8), dict(prefill_step=8, max_kv_size=12)):
+        a = run(model, prompts, compiled, max_tokens=10, logprobs=2, **options)
+        b = run(model, prompts, uncompiled_steps, max_tokens=10, logprobs=2, **options)
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert mx.allclose(mx.array(x), mx.array(y), atol=1e-4).item()

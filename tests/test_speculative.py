@@ -75,7 +75,7 @@ class Alternate(speculative.Policy):
         super().__init__()
         self.calls = 0
 
-    def choose(self) -> bool:
+    def choose(self, ahead=None, least=1.0) -> bool:
         self.calls += 1
         return self.calls % 5 < 2
 
@@ -207,12 +207,57 @@ def test_the_measured_rule_turns_speculation_off_where_it_loses(tiny):
     out, engine = run(tiny, prompts, draft=draft, always=False, max_tokens=60, ignore_eos=True)
     assert [r.token_ids for r in out] == plain and engine.stats.verify_rounds == 0
     assert not speculative.may_pay(8, 4)
-    engine = Engine(tiny, 8, draft=draft, policy=speculative.Policy(enabled=True))
+    # Made to try with no budget: a draft model as large as the target cannot afford to measure in 60 tokens.
+    engine = Engine(tiny, 8, draft=draft, policy=speculative.Policy(enabled=True, budget=None))
     ids = [engine.add(p, max_tokens=60, ignore_eos=True) for p in prompts]
     list(engine.events())
     assert [engine.take(i).row.token_ids for i in ids] == plain
     assert engine.policy.speedup is not None and engine.policy.speedup < 1.0
     assert 0 < engine.stats.verify_rounds < engine.stats.steps / 3
+
+
+def test_a_costly_drafter_measures_only_where_the_work_ahead_pays_for_it(tiny):
+    """A draft model's first measure loses about FIRST_ROUNDS x (least - 1) + SWITCH_STEPS decode
+    steps: it runs only where that is within BUDGET of the steps the rows may still take. With the
+    default budget, a draft model as large as the target (a round costs at least k + 1 steps) never
+    speculates in a 60-token run; the rule never began to measure, and the tokens are plain decoding's."""
+    prompts = mixed_prompts(4, seed=7)
+    plain = generate(tiny, prompts, max_tokens=60, ignore_eos=True).token_ids
+    draft = tiny_model(tiny_config(max_position_embeddings=1024), seed=9)
+    engine = Engine(tiny, 4, draft=draft, policy=speculative.Policy(enabled=True))
+    ids = [engine.add(p, max_tokens=60, ignore_eos=True) for p in prompts]
+    list(engine.events())
+    assert [engine.take(i).row.token_ids for i in ids] == plain
+    assert engine.stats.verify_rounds == 0 and not engine.policy.started
+    loss = engine.policy.expected_loss(1 + 4 * engine.drafter.cost, speculative.FIRST_ROUNDS)
+    assert loss == pytest.approx(speculative.FIRST_ROUNDS * 4 * engine.drafter.cost + speculative.SWITCH_STEPS)
+    assert loss > speculative.BUDGET * 60
+
+
+def test_a_costly_drafters_tries_are_spread_by_their_expected_loss():
+    """The first measure runs where the work ahead affords it (and is put off, not given up, where
+    it does not yet); later tries of a losing costly drafter come only where their loss, from the
+    measured rates, is within BUDGET of the steps around them: skipped tries count as lost (the
+    interval doubles). A free drafter (least 1) is never held back."""
+    least = 1.68  # a 1B drafter for an 8B target, k = 4
+    policy = speculative.Policy(interval=32, longest=4096)
+    assert not policy.choose(ahead=64, least=least) and not policy.started  # 4.7 steps > 3% of 64
+    assert policy.choose(ahead=None, least=least) and policy.started  # unknown work: measure
+    free = speculative.Policy(interval=32)
+    assert free.choose(ahead=2, least=1.0)
+    # Rounds take 4.5 decode steps' time for 2.7 tokens per row: each loses 1.8 steps.
+    choices = []
+    for _ in range(3000):
+        s = policy.choose(ahead=10_000, least=least)
+        choices.append(s)
+        policy.record(s, 2.7 if s else 1.0, 4.5 if s else 1.0, most=5, least=least if s else 1.0)
+    loss = policy.expected_loss(least, speculative.TRY_ROUNDS)
+    assert loss == pytest.approx(speculative.TRY_ROUNDS * 1.8 + speculative.SWITCH_STEPS)
+    rounds = [i for i, c in enumerate(choices) if c]
+    tries = [t for j, t in enumerate(rounds) if j == 0 or t - rounds[j - 1] > 1][1:]  # after the first measure
+    assert len(tries) >= 2 and all(b - a >= loss / speculative.BUDGET for a, b in zip(tries, tries[1:]))
+    assert tries[0] > 256  # tries at 32, 64 and 128 steps skipped (each under loss / BUDGET = 247 steps)
+    assert sum(choices) * 1.8 + len(tries) * speculative.SWITCH_STEPS < 0.02 * len(choices)  # steps lost
 
 
 class Silent(speculative.Drafter):
@@ -444,7 +489,7 @@ def test_a_draft_model_that_keeps_nothing_stops_after_its_first_rounds(tiny):
     prompts = mixed_prompts(8, seed=7)
     plain = generate(tiny, prompts, max_tokens=60, ignore_eos=True).token_ids
     draft = tiny_model(tiny_config(max_position_embeddings=1024), seed=9)
-    engine = Engine(tiny, 8, draft=draft, policy=speculative.Policy(enabled=True))
+    engine = Engine(tiny, 8, draft=draft, policy=speculative.Policy(enabled=True, budget=None))
     ids = [engine.add(p, max_tokens=60, ignore_eos=True) for p in prompts]
     list(engine.events())
     assert [engine.take(i).row.token_ids for i in ids] == plain
