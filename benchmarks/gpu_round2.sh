@@ -62,6 +62,8 @@
 #   bash benchmarks/gpu_round2.sh n3  # (carries .old) 1B static against round 1 (the prefill compiled on a GPU),
 #                                     processes alternating, twice each
 #   bash benchmarks/gpu_round2.sh n4  # n2 at 64 tokens
+#   bash benchmarks/gpu_round2.sh n6  # (carries .old) after chunks over 2,048 tokens went uncompiled: n5, then 1B
+#   bash benchmarks/gpu_round2.sh n5  # (carries .old) 8B static against round 1 (prompt 128, 64 generated), alternating
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
@@ -431,6 +433,16 @@ case "${1:-a}" in
   n2)
     timeout 560 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,32 --alphas 0.7 --ks 4 \
       --draft-shape 1B --gen-tokens 256 --repeats 3 --json "$OUT/spec-8B-256.json" | tail -12
+    ;;
+  n5)
+    static8=(--shape 8B --batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 64 --dtypes bfloat16)
+    timeout 170 python3 -m mlxfun.bench "${static8[@]}" --json "$OUT/8B-new.json" | tail -5
+    old timeout 170 python3 -m mlxfun.bench "${static8[@]}" --json "$OUT/8B-old.json" | tail -5
+    ;;
+  n6)
+    bash "$0" n5
+    timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/1B-new.json" | tail -5
+    old timeout 110 python3 -m mlxfun.bench --shape 1B "${static[@]}" --json "$OUT/1B-old.json" | tail -5
     ;;
   n4)
     timeout 560 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 1,32 --alphas 0.7 --ks 4 \

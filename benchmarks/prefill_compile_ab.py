@@ -26,12 +26,12 @@ from mlxfun.load import Model
 
 @lru_cache(maxsize=None)
 def compiled_prefill(config, mode) -> step.Steps:
-    return step.make_steps(config, mode, compile_prefill=True)
+    return step.make_steps(config, mode, compile_prefill=1 << 30)
 
 
 @lru_cache(maxsize=None)
 def plain_prefill(config, mode) -> step.Steps:
-    return step.make_steps(config, mode, compile_prefill=False)
+    return step.make_steps(config, mode, compile_prefill=0)
 
 
 VARIANTS = {"plain": plain_prefill, "compiled": compiled_prefill}

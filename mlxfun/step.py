@@ -165,10 +165,11 @@ class Steps(NamedTuple):
 
 
 def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | None = None,
-               compile_prefill: bool = False) -> Steps:
+               compile_prefill: int = 0) -> Steps:
     """Fresh compiled steps. `on_trace` runs each time a decode step (the fused one, or either half
-    of the split one) is traced (profiling, tests). `compile_prefill`: the prefill chunk compiled
-    too (traced per chunk shape and pool size)."""
+    of the split one) is traced (profiling, tests). Prefill chunks of at most `compile_prefill`
+    tokens (rows x length) run compiled too, traced per chunk shape and pool size (see
+    PREFILL_COMPILED_TOKENS)."""
 
     def traced():
         if on_trace is not None:
@@ -178,8 +179,14 @@ def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | N
         traced()
         return decode_step(config, mode, params, state, settings)
 
-    def prefill(params, tokens, positions, cache, slots, last, wraps=True, fresh=False):
+    def plain_prefill(params, tokens, positions, cache, slots, last, wraps=True, fresh=False):
         return prefill_chunk(config, params, tokens, positions, cache, slots, last, wraps, fresh)
+
+    compiled_prefill = mx.compile(plain_prefill)
+
+    def prefill(params, tokens, positions, cache, slots, last, wraps=True, fresh=False):
+        fn = compiled_prefill if tokens.size <= compile_prefill else plain_prefill
+        return fn(params, tokens, positions, cache, slots, last, wraps, fresh)
 
     def verify(params, state, drafts, valid, draft_probs, settings):
         return verify_step(config, mode, params, state, drafts, valid, draft_probs, settings)
@@ -199,13 +206,18 @@ def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | N
         out, new = sample_compiled(logits, mask, state._replace(cache=None), settings)
         return out, new._replace(cache=state.cache)
 
-    return Steps(mx.compile(decode), mx.compile(prefill) if compile_prefill else prefill, mx.compile(verify),
-                 mx.compile(forward), sample)
+    return Steps(mx.compile(decode), prefill, mx.compile(verify), mx.compile(forward), sample)
+
+
+# Prefill chunks of at most this many tokens run compiled on a GPU. Their host time (building the
+# graph, one launch per unfused op) bounds small admissions there: compiled, an admission of 1-32
+# prompts of 128 tokens took 1.16-1.30x less time (1B and 8B on an H200, alternating in one
+# process). But a compiled chunk peaks higher (about 18% of an admission's peak on the CPU; 8B at
+# batch 128 on the H200: 40.1 GB against 34.3), so larger chunks, which the device bounds, stay
+# uncompiled. On the CPU the products bound every chunk, and each new chunk shape would compile.
+PREFILL_COMPILED_TOKENS = 2048
 
 
 @lru_cache(maxsize=32)
 def compiled_steps(config: ModelConfig, mode: Mode) -> Steps:
-    # The prefill chunk compiled on a GPU: its host time (graph building, one launch per unfused
-    # op) bounds small admissions there; on the CPU the products bound them, and every new chunk
-    # shape would compile anew.
-    return make_steps(config, mode, compile_prefill=mx.default_device() == mx.gpu)
+    return make_steps(config, mode, compile_prefill=PREFILL_COMPILED_TOKENS if mx.default_device() == mx.gpu else 0)
