@@ -3,7 +3,8 @@
 N concurrent streaming clients (`--clients 8,32,128`) send /v1/completions requests of
 `--prompt-tokens` tokens asking for `--gen-tokens` tokens, arriving spread evenly over the first
 `--arrival` seconds; with `--requests R` (default: one per client) each client sends its share of
-the R requests one after another, the next as soon as the last has ended (a closed loop). Reported: aggregate generated tok/s (usage.completion_tokens over the time
+the R requests one after another, the next as soon as the last has ended (a closed loop).
+Reported: aggregate generated tok/s (usage.completion_tokens over the time
 from the first request to the last token), time to first token p50 / p99, and inter-token
 latency p50 / p99 (gaps between a stream's chunks with text). `--modes greedy,seeded`: seeded
 requests sample at temperature 0.7 with a seed each (mlx-lm's server runs those one at a time).
@@ -296,7 +297,8 @@ def main(argv=None) -> int:
         info["mlx_lm"], info["mlx_lm_mlx"] = v.stdout.split()
     print(json.dumps(info))
     model = build_model(args)
-    prompts = make_prompts(model, 2 * max(clients + [args.requests or 0]), args.prompt_tokens)  # the second half warms up
+    # the second half warms up
+    prompts = make_prompts(model, 2 * max(clients + [args.requests or 0]), args.prompt_tokens)
     rows, runs = [], []
     with tempfile.TemporaryDirectory(prefix="mlxfun-serve-load-") as tmp:
         folder = save(model, Path(tmp) / "model")

@@ -3,10 +3,12 @@ against another moves a step's time 20-30% on the H200's host, more than the eff
 
 B rows of a random-weight shape with a real tokenizer; a constrained run gives every row
 `bench_structured`'s JSON schema, sampled at temperature 0.7 (seeded); variants of the engine's
-constrained step: the mask worker's head start (`engine.HEAD_START`, seconds) and the
-interpreter's switch interval (how soon a thread waiting for the GIL makes the holder drop it).
+constrained step's masks read in place as the engine does (`mapped.HostArray`) or copied to a
+fresh array each step. Split variants take the grammar away to tell the split step's own cost
+from the masks': every row goes through the constrained step with all-ones masks, mapped, copied
+each step, or one array kept on the device. `--uploads` first times a mask's upload alone.
 Each variant runs once to warm up, then `--repeats` times in turn; reported: median ms per
-decode step (admission excluded) and its ratio to the free runs' median.
+decode step (admission excluded) and its ratio to the first variant's median (free, by default).
 
 Run: python benchmarks/structured_ab.py --shape 1B --tokenizer .tok --batch 32 [--json PATH]
 """
@@ -14,40 +16,131 @@ Run: python benchmarks/structured_ab.py --shape 1B --tokenizer .tok --batch 32 [
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 from structured_costs import add_rows, random_model  # benchmarks/ is on the path: these scripts run from there
 
-from mlxfun import bench
+from mlxfun import bench, structured
 from mlxfun import engine as engine_mod
 from mlxfun.engine import Engine
 from mlxfun.load import Model
 
-# name -> (constrained, head start s, switch interval s or None: the interpreter's default)
+# name -> (rows: "free", "schema" or "split" (every row through the constrained step, all-ones
+# masks, no grammar), the masks: "engine" (`Engine._mask_buffer`: read in place on a GPU,
+# `mapped.HostArray`), "copied" (a fresh `mx.array` each step), "kept" (one all-ones array on the
+# device; split rows only))
 VARIANTS = {
-    "free": (False, engine_mod.HEAD_START, None),
-    "schema, head start 1 ms": (True, 0.001, None),
-    "schema, no head start": (True, 0.0, None),
-    "schema, no head start, switch 0.2 ms": (True, 0.0, 0.0002),
+    "free": ("free", "engine"),
+    "split step, masks mapped": ("split", "engine"),
+    "split step, masks copied": ("split", "copied"),
+    "split step, masks kept on the device": ("split", "kept"),
+    "schema": ("schema", "engine"),
+    "schema, masks copied": ("schema", "copied"),
 }
 
 
-def run(model: Model, batch: int, gen_tokens: int, constrained: bool, prompt: list[int]) -> dict:
+class Everything:
+    """A row's stand-in constraint, and matcher, that allows every token."""
+
+    is_finished = False
+
+    def matcher(self, eos) -> Everything:
+        return self
+
+    def advance(self, token: int) -> None:
+        pass
+
+
+class VariantEngine(Engine):
+    """The engine with a variant's rows and upload: `split`, every row through the constrained
+    step with all-ones masks and no grammar; `upload` as in VARIANTS."""
+
+    def __init__(self, model: Model, rows: int, split: bool, upload: str):
+        super().__init__(model, rows)
+        self.split, self.upload = split, upload
+        self.kept = mx.array(np.full((rows, structured.words(model.config.vocab_size)), 0xFFFFFFFF, np.uint32))
+
+    def submit(self, request):
+        return super().submit(dataclasses.replace(request, constraint=Everything()) if self.split else request)
+
+    def _first_token(self, params, h, records):
+        if not self.split:
+            return super()._first_token(params, h, records)
+        matchers = [r.matcher for r in records]
+        for r in records:  # all-ones masks for the first token too (fill_masks' free rows)
+            r.matcher = None
+        try:
+            return super()._first_token(params, h, records)
+        finally:
+            for r, m in zip(records, matchers):
+                r.matcher = m
+
+    def _read_and_mask(self, ready, owners, out):
+        if not self.split:
+            return super()._read_and_mask(ready, owners, out)
+        values = [engine_mod.host_values(step_out) for step_out, _ in ready]
+        for (_, step_owners), (tokens, _, _) in zip(ready, values):
+            self._match(step_owners, tokens)
+        out[:] = 0xFFFFFFFF
+        return values, out
+
+    def _mask_buffer(self, mapped=None):
+        return super()._mask_buffer(False if self.upload == "copied" else mapped)
+
+    def _upload(self):
+        return self.kept if self.upload == "kept" else super()._upload()
+
+
+def upload_costs(rows: int, vocab_size: int, n: int = 200) -> dict:
+    """us per call, medians: a (rows, W) uint32 mask uploaded and read by one small reduction, the
+    same reduction over an array kept on the device, and a (rows,) int32 result read to the host."""
+    host = np.random.default_rng(0).integers(0, 2 ** 32, (rows, structured.words(vocab_size)), dtype=np.uint32)
+    kept = mx.array(host)
+    mx.eval(kept)
+
+    def timed(fn) -> float:
+        ts = []
+        for i in range(n + 5):
+            t = time.perf_counter()
+            fn(i)
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts[5:]) * 1e6
+
+    def uploaded(i):
+        host[0, 0] = i  # the host writes the buffer each step, as the mask worker does
+        mx.eval(mx.sum(mx.array(host) & 1))
+
+    held = []
+
+    def created(i):  # the array alone (its host copy), kept alive so it is not recycled at once
+        host[0, 0] = i
+        held.append(mx.array(host))
+        del held[:-4]
+
+    return {"upload_and_reduce_us": timed(uploaded), "create_us": timed(created),
+            "reduce_kept_us": timed(lambda i: mx.eval(mx.sum(kept & 1))),
+            "read_tokens_us": timed(lambda i: (mx.arange(rows) + i).tolist())}
+
+
+def run(model: Model, batch: int, gen_tokens: int, rows: str, upload: str, prompt: list[int]) -> dict:
     """One engine run; -> ms per decode step after the admission, steps, tokens."""
-    engine = Engine(model, batch)
-    add_rows(engine, batch, gen_tokens, constrained, prompt)
-    start = None
-    for _ in engine.events():
+    engine = VariantEngine(model, batch, rows == "split", upload)
+    add_rows(engine, batch, gen_tokens, rows == "schema", prompt)
+    start, tokens = None, {}
+    for event in engine.events():
+        tokens.setdefault(event.index, []).append(event.token)
         if start is None and engine.stats.steps >= 1:  # the admission and first step are behind
             start = (time.perf_counter(), engine.stats.steps)
     t, s = start
     steps = engine.stats.steps - s
     return {"step_ms": (time.perf_counter() - t) * 1e3 / max(1, steps), "steps": steps,
-            "tokens": engine.stats.generation_tokens}
+            "tokens": engine.stats.generation_tokens, "output": sorted(tokens.items())}
 
 
 def main(argv=None) -> int:
@@ -58,34 +151,42 @@ def main(argv=None) -> int:
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape (CPU smoke runs)")
+    p.add_argument("--uploads", action="store_true", help="time a mask's upload alone first")
+    p.add_argument("--variants", default=None, help="comma-separated indices into VARIANTS (default: all)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     model, prompt = random_model(args.shape, Path(args.tokenizer), args.layers)
-    default_switch = sys.getswitchinterval()
-    found: dict[str, list[dict]] = {name: [] for name in VARIANTS}
-    try:
-        for repeat in range(args.repeats + 1):  # the first pass warms every variant up
-            for name, (constrained, head, switch) in VARIANTS.items():
-                engine_mod.HEAD_START = head
-                sys.setswitchinterval(switch or default_switch)
-                r = run(model, args.batch, args.gen_tokens, constrained, prompt)
-                if repeat:
-                    found[name].append(r)
-                print(json.dumps({"repeat": repeat, "variant": name, **{k: round(v, 3) for k, v in r.items()}}),
-                      flush=True)
-    finally:
-        sys.setswitchinterval(default_switch)
-    free = statistics.median(r["step_ms"] for r in found["free"])
+    uploads = upload_costs(args.batch, model.config.vocab_size) if args.uploads else None
+    if uploads:
+        print(json.dumps({"uploads": {k: round(v, 1) for k, v in uploads.items()}}), flush=True)
+    names = list(VARIANTS) if args.variants is None else [list(VARIANTS)[int(i)] for i in args.variants.split(",")]
+    found: dict[str, list[dict]] = {name: [] for name in names}
+    outputs: dict[str, set[str]] = {}
+    for repeat in range(args.repeats + 1):  # the first pass warms every variant up
+        for name in names:
+            r = run(model, args.batch, args.gen_tokens, *VARIANTS[name], prompt)
+            if repeat:
+                found[name].append(r)
+            output = r.pop("output")
+            outputs.setdefault("schema" if VARIANTS[name][0] == "schema" else "free", set()).add(repr(output))
+            print(json.dumps({"repeat": repeat, "variant": name, **{k: round(v, 3) for k, v in r.items()}}),
+                  flush=True)
+    # Seeded rows: every run of a kind gives the same tokens (split rows' all-ones masks: the free ones).
+    same = {kind: len(found_) == 1 for kind, found_ in outputs.items()}
+    print(f"same tokens in every run: {same}")
+    free = statistics.median(r["step_ms"] for r in found[names[0]])
     rows = []
-    print(f"{'variant':<40} {'ms/step (median)':>17} {'runs':>24} {'ratio':>7}")
+    print(f"{'variant':<48} {'ms/step (median)':>17} {'runs':>24} {'ratio':>7}")
     for name, runs in found.items():
         ms = [r["step_ms"] for r in runs]
         med = statistics.median(ms)
         rows.append({"variant": name, "step_ms_median": med, "step_ms": ms, "ratio": med / free})
-        print(f"{name:<40} {med:>17.3f} {' '.join(f'{m:.2f}' for m in ms):>24} {med / free:>7.3f}")
+        print(f"{name:<48} {med:>17.3f} {' '.join(f'{m:.2f}' for m in ms):>24} {med / free:>7.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": bench.machine(), "shape": args.shape, "batch": args.batch,
-                                               "gen_tokens": args.gen_tokens, "rows": rows}, indent=2))
+                                               "gen_tokens": args.gen_tokens, "uploads": uploads, "same_tokens": same,
+                                               "rows": rows},
+                                              indent=2))
     return 0
 
 

@@ -49,6 +49,7 @@ from mlxfun.detok import RowText
 from mlxfun.errors import InputError
 from mlxfun.events import Event, Stats
 from mlxfun.load import Model
+from mlxfun.mapped import HostArray
 from mlxfun.options import GenerationConfig, Request, check_bool, check_positive_int, make_request
 from mlxfun.paging import MIN_BLOCKS, Pages, pool_size
 from mlxfun.rows import Row, host_values
@@ -58,11 +59,6 @@ from mlxfun.strategy import WeightStrategy, default_strategy, memory_limit, para
 
 # Recent samples kept for latency percentiles.
 WINDOW = 1024
-# Seconds a constrained step waits for its mask worker to read and match the last tokens before
-# it queues the forward pass (`Engine.masked_decode`); about a third of a 1B step's launch on an H200.
-HEAD_START = 0.001
-
-
 @dataclass
 class Record:
     """A submitted request and, as it runs, its output (`row`). Owned by the engine thread."""
@@ -217,7 +213,7 @@ class Engine:
         self._settings: sampling.Settings | None = None  # per-row settings of the live rows
         self._inflight: list[tuple[StepOut, list]] = []  # outputs queued, not yet handed out
         self._vacated: list[int] = []  # rows released since the last step: their positions go to -1
-        self._masks: np.ndarray | None = None  # (rows, V/32) uint32: the constrained rows' allowed tokens
+        self._masks: HostArray | None = None  # (rows, V/32) uint32: the constrained rows' allowed tokens
         self._masker: ThreadPoolExecutor | None = None  # computes them while the engine thread queues the forward pass
         # Speculative decoding: a drafter (`speculative.PromptLookup`, `drafting.DraftModel`) and
         # the measured rule that turns it on and off.
@@ -483,18 +479,16 @@ class Engine:
         ready, self._inflight = self._inflight, []
         mx.async_eval([step_out for step_out, _ in ready])  # scheduled here: the worker thread has no stream
         owners = list(self.owner)
-        matched = threading.Event()
-        job = self._mask_pool().submit(self._read_and_mask, ready, owners, self._mask_buffer(), matched)
-        # Queuing the forward pass holds the GIL throughout (MLX encodes the graph without
-        # releasing it), so the worker gets a head start: once the tokens are read and matched it
-        # computes the masks without the GIL. Tokens not yet on the host mean the device is
-        # behind, and the launch goes ahead after HEAD_START (the device is busy meanwhile).
-        matched.wait(HEAD_START)
+        job = self._mask_pool().submit(self._read_and_mask, ready, owners, self._mask_buffer())
+        # The forward pass is queued at once. MLX holds the GIL while it encodes the graph, so the
+        # worker reads and matches the tokens after that; letting it go first (up to 1 ms) left
+        # the device idle meanwhile: 1.16-1.22x a free step against 1.07-1.12x (1B and 8B, batch 32,
+        # H200; benchmarks/README.md, twelfth session).
         logits, state = steps.forward(self.params, state)
         self._advanced(state)  # the old state unreferenced: the pool is written in place
         mx.async_eval(logits, self.state)
-        values, masks = job.result()
-        out, state = steps.sample(logits, mx.array(masks), self.state if mode.penalties else
+        values, _ = job.result()
+        out, state = steps.sample(logits, self._upload(), self.state if mode.penalties else
                                   self.state._replace(counts=None), self._settings)
         self.state = state if state.counts is not None else state._replace(counts=self.state.counts)
         mx.async_eval(out, self.state)
@@ -507,20 +501,18 @@ class Engine:
         self._count_rows()
         return events
 
-    def _read_and_mask(self, ready: list, owners: list, out: np.ndarray, matched: threading.Event
-                       ) -> tuple[list, np.ndarray]:
+    def _upload(self) -> mx.array:
+        """The masks the worker filled into `_mask_buffer`, as the array the sampling half reads."""
+        return self._masks.device()
+
+    def _read_and_mask(self, ready: list, owners: list, out: np.ndarray) -> tuple[list, np.ndarray]:
         """On the mask worker (`masked_decode`): the steps in flight read (waiting for the device
-        without the GIL), the constrained rows' matchers advanced by their tokens (then `matched`
-        is set), and out (B, W) <- the masks of the rows `owners` hold for the next token.
-        -> (each step's host values, out)."""
-        try:
-            values = [host_values(step_out) for step_out, _ in ready]
-            for (_, step_owners), (tokens, _, _) in zip(ready, values):
-                self._match(step_owners, tokens)
-            matchers = [self._mask_matcher(o) for o in owners]
-        finally:
-            matched.set()
-        return values, structured.fill_masks(matchers, out)
+        without the GIL), the constrained rows' matchers advanced by their tokens, and out (B, W)
+        <- the masks of the rows `owners` hold for the next token. -> (each step's host values, out)."""
+        values = [host_values(step_out) for step_out, _ in ready]
+        for (_, step_owners), (tokens, _, _) in zip(ready, values):
+            self._match(step_owners, tokens)
+        return values, structured.fill_masks([self._mask_matcher(o) for o in owners], out)
 
     def _match(self, owners: list, tokens: list[int]) -> None:
         """Constrained rows' matchers take their new tokens (before the tokens are handed out, so
@@ -554,10 +546,13 @@ class Engine:
             self._masker = ThreadPoolExecutor(1, thread_name_prefix="mlxfun-masks")
         return self._masker
 
-    def _mask_buffer(self) -> np.ndarray:
-        if self._masks is None or self._masks.shape[0] != len(self.owner):
-            self._masks = np.ones((len(self.owner), structured.words(self.config.vocab_size)), np.uint32)
-        return self._masks
+    def _mask_buffer(self, mapped: bool | None = None) -> np.ndarray:
+        """The host side of the masks' array (`mapped.HostArray`: on a GPU the device reads it in
+        place); the worker fills it after reading the tokens of the step that read it last."""
+        if self._masks is None or self._masks.host.shape[0] != len(self.owner):
+            self._masks = HostArray((len(self.owner), structured.words(self.config.vocab_size)), np.uint32,
+                                    0xFFFFFFFF, mapped)
+        return self._masks.host
 
     def verify(self, t0: float | None = None) -> list[Event]:
         """One verify round for the live rows (nothing in flight): each drafts up to
@@ -1048,3 +1043,4 @@ def _rows(a: mx.array, keep: list[int], width: int, fill) -> mx.array:
 
 def _stack(settings: list[sampling.Settings]) -> sampling.Settings:
     return sampling.Settings(*(mx.concatenate(fields) for fields in zip(*settings)))
+
