@@ -90,8 +90,8 @@ class VariantEngine(Engine):
         out[:] = 0xFFFFFFFF
         return values, out
 
-    def _mask_buffer(self, mapped=None):
-        return super()._mask_buffer(False if self.upload == "copied" else mapped)
+    def _mask_buffer(self, mapped=True):
+        return super()._mask_buffer(mapped and self.upload != "copied")
 
     def _upload(self):
         return self.kept if self.upload == "kept" else super()._upload()

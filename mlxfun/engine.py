@@ -546,7 +546,7 @@ class Engine:
             self._masker = ThreadPoolExecutor(1, thread_name_prefix="mlxfun-masks")
         return self._masker
 
-    def _mask_buffer(self, mapped: bool | None = None) -> np.ndarray:
+    def _mask_buffer(self, mapped: bool = True) -> np.ndarray:
         """The host side of the masks' array (`mapped.HostArray`: on a GPU the device reads it in
         place); the worker fills it after reading the tokens of the step that read it last."""
         if self._masks is None or self._masks.host.shape[0] != len(self.owner):

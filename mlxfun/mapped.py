@@ -6,12 +6,15 @@ and 0.6 ms for 32 rows', against 0.05 ms for the same read of a device-resident 
 (benchmarks/README.md, twelfth session). A constrained decode step uploads fresh masks every
 step, and its sampling waits for them. A `HostArray` is one MLX array whose pages are advised to
 stay on the host and to be mapped for the device (cudaMemAdvise), written in place through a
-NumPy view: the device reads it over the link, without migrating anything.
+NumPy view: the device reads it over the link, without migrating anything. On the CPU the array's
+memory is the host's: it is written in place the same way, which saves the copy, and lets the
+CPU tests run the protocol the GPU runs.
 
 Writing into an MLX array is outside MLX's model (arrays are immutable), so the owner must write
 `host` only while nothing queued reads it: the engine fills a step's masks after reading the
-tokens of the step that read the last ones. Where mapping is not available (the CPU, no CUDA
-runtime to call), `device()` returns a fresh copy of `host`, as `mx.array` does.
+tokens of the step that read the last ones. Where mapping is not available (a GPU without a CUDA
+runtime to call: written in place unadvised, 32 rows' masks cost more than a copy), `device()`
+returns a fresh copy of `host`, as `mx.array` does.
 """
 
 from __future__ import annotations
@@ -33,18 +36,18 @@ _CPU_DEVICE_ID = -1
 class HostArray:
     """A (shape) array: the host writes `host` (NumPy), the device reads `device()`."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, fill: int, mapped: bool | None = None):
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, fill: int, mapped: bool = True):
+        """`mapped=False`: always copies (measurements)."""
         self.array: mx.array | None = None
-        if mapped is None:
-            mapped = mx.default_device() == mx.gpu
         if mapped:
             array = mx.full(shape, fill, dtype=mx.array(np.zeros((), dtype)).dtype)
             mx.eval(array)
             view = np.asarray(array)
-            if view.flags.writeable and view.flags.c_contiguous and _advise(view.ctypes.data, view.nbytes):
+            gpu = mx.default_device() == mx.gpu
+            if view.flags.writeable and view.flags.c_contiguous and (not gpu or _advise(view.ctypes.data, view.nbytes)):
                 self.array, self.host = array, view
-                # Its memory returns to MLX's buffer cache with the array: migratable again by then.
-                weakref.finalize(self, _advise, view.ctypes.data, view.nbytes, False)
+                if gpu:  # its memory returns to MLX's buffer cache with the array: migratable again by then
+                    weakref.finalize(self, _advise, view.ctypes.data, view.nbytes, False)
         if self.array is None:
             self.host = np.full(shape, fill, dtype)
 
