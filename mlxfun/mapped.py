@@ -40,7 +40,7 @@ class HostArray:
         """`mapped=False`: always copies (measurements)."""
         self.array: mx.array | None = None
         if mapped:
-            array = mx.full(shape, fill, dtype=mx.array(np.zeros((), dtype)).dtype)
+            array = mx.array(np.full(shape, fill, dtype))  # (mx.full(.., 0, dtype=mx.bool_) gives int32)
             mx.eval(array)
             view = np.asarray(array)
             gpu = mx.default_device() == mx.gpu

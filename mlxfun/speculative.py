@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxfun import sampling
+from mlxfun.mapped import HostArray
 
 # Salt for the acceptance draws, so they never coincide with the token draws of the same step.
 ACCEPT_SALT = 0x2545F491
@@ -166,6 +167,10 @@ class LookupDrafter(Drafter):
         self.lookup = PromptLookup()
         # request id -> (its token count where its shadow round starts, that round's drafts or None)
         self.rounds: dict[int, tuple[int, list[int] | None]] = {}
+        # The drafts and their flags, written in place each round (the round before has been read:
+        # a host drafter's rounds are synchronous); on a GPU a fresh upload stalls the device
+        # while it migrates the pages (`mapped`).
+        self.buffers: tuple[HostArray, HostArray] | None = None
 
     def shadow(self, engine, k: int) -> list[int]:
         """Verify rounds replayed on the tokens plain steps gave: a round starts where the one
@@ -199,14 +204,17 @@ class LookupDrafter(Drafter):
 
     def propose(self, engine, rows: list[int], k: int):
         B = len(engine.owner)
-        drafts, valid = np.zeros((B, k), np.int32), np.zeros((B, k), bool)
+        if self.buffers is None or self.buffers[0].host.shape != (B, k):
+            self.buffers = HostArray((B, k), np.int32, 0), HostArray((B, k), np.bool_, 0)
+        drafts, valid = self.buffers[0].host, self.buffers[1].host
+        drafts[:], valid[:] = 0, False
         for r in rows:
             record = engine.requests[engine.owner[r]]
             left = engine.remaining(r) - 1  # tokens a draft may add before the row's limit
             if left > 0:
                 d = self.lookup.propose(list(record.request.prompt) + record.row.text.tokens, min(k, left))
                 drafts[r, :len(d)], valid[r, :len(d)] = d, True
-        return mx.array(drafts), mx.array(valid), None
+        return self.buffers[0].device(), self.buffers[1].device(), None
 
 
 class PromptLookup:

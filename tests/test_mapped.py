@@ -28,3 +28,10 @@ def test_asked_for_copies_the_device_array_keeps_what_it_had():
     buffer.host[1] = 7  # written after: the array taken before keeps what it had
     assert first.dtype == mx.uint32 and first.tolist()[1] == [0, 1, 2, 3, 4]
     assert buffer.device().tolist()[1] == [7] * 5
+
+
+def test_each_dtype_is_kept_in_place():
+    for dtype, mx_dtype in ((np.bool_, mx.bool_), (np.int32, mx.int32), (np.uint32, mx.uint32)):
+        buffer = HostArray((2, 3), dtype, 0)
+        buffer.host[0, 1] = 1
+        assert buffer.device().dtype == mx_dtype and buffer.device().tolist() == [[0, 1, 0], [0, 0, 0]]
