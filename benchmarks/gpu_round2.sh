@@ -64,11 +64,7 @@
 #   bash benchmarks/gpu_round2.sh n4  # n2 at 64 tokens
 #   bash benchmarks/gpu_round2.sh n6  # (carries .old) after chunks over 2,048 tokens went uncompiled: n5, then 1B
 #   bash benchmarks/gpu_round2.sh n5  # (carries .old) 8B static against round 1 (prompt 128, 64 generated), alternating
-#   bash benchmarks/gpu_round2.sh m1  # (carries .whl, .tok) structured: the split step's own cost (all-ones masks,
-#                                     uploaded or kept), a mask's upload alone, the schema, head start or not
-#   bash benchmarks/gpu_round2.sh m2  # (carries .whl, .tok) m1 with more runs: 8B and 1B at batch 32
-#   bash benchmarks/gpu_round2.sh m3  # (carries .whl, .tok) after the head start went: the masks uploaded on a stream
-#                                     of their own or on the step's (1B and 8B, batch 32)
+#   (m1-m3, twelfth session: intermediate versions of structured_ab.py, described in benchmarks/README.md)
 #   bash benchmarks/gpu_round2.sh m4  # (carries .whl, .tok) masks read in place (mapped.HostArray): the probe, then
 #                                     structured variants, 1B and 8B at batch 32
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
@@ -446,32 +442,13 @@ case "${1:-a}" in
     timeout 170 python3 -m mlxfun.bench "${static8[@]}" --json "$OUT/8B-new.json" | tail -5
     old timeout 170 python3 -m mlxfun.bench "${static8[@]}" --json "$OUT/8B-old.json" | tail -5
     ;;
-  m1)
-    wheels
-    timeout 300 python3 benchmarks/structured_ab.py --shape 1B --tokenizer .tok --batch 32 --gen-tokens 128 \
-      --repeats 3 --uploads --json "$OUT/structured-split.json" | grep -v repeat
-    ;;
-  m2)
-    wheels
-    timeout 240 python3 benchmarks/structured_ab.py --shape 8B --tokenizer .tok --batch 32 --gen-tokens 128 \
-      --repeats 5 --variants 0,4,5 --json "$OUT/structured-8B.json" | grep -v repeat
-    timeout 300 python3 benchmarks/structured_ab.py --shape 1B --tokenizer .tok --batch 32 --gen-tokens 128 \
-      --repeats 6 --uploads --variants 0,2,3,4,5 --json "$OUT/structured-1B.json" | grep -v repeat
-    ;;
-  m3)
-    wheels
-    timeout 200 python3 benchmarks/structured_ab.py --shape 1B --tokenizer .tok --batch 32 --gen-tokens 128 \
-      --repeats 6 --json "$OUT/structured-1B-upload.json" | grep -v repeat
-    timeout 300 python3 benchmarks/structured_ab.py --shape 8B --tokenizer .tok --batch 32 --gen-tokens 128 \
-      --repeats 5 --variants 0,4,5 --json "$OUT/structured-8B-upload.json" | grep -v repeat
-    ;;
   m4)
     wheels
     timeout 60 python3 benchmarks/mapped_masks.py --rows 1,32,128
     timeout 200 python3 benchmarks/structured_ab.py --shape 1B --tokenizer .tok --batch 32 --gen-tokens 128 \
       --repeats 6 --json "$OUT/structured-1B-mapped.json" | grep -v repeat
     timeout 300 python3 benchmarks/structured_ab.py --shape 8B --tokenizer .tok --batch 32 --gen-tokens 128 \
-      --repeats 6 --variants 0,4,5 --json "$OUT/structured-8B-mapped.json" | grep -v repeat
+      --repeats 6 --variants 0,3,4 --json "$OUT/structured-8B-mapped.json" | grep -v repeat
     ;;
   n6)
     bash "$0" n5

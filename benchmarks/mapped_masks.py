@@ -27,7 +27,6 @@ def main() -> int:
     p.add_argument("--rows", default="1,32,128")
     p.add_argument("--steps", type=int, default=200)
     args = p.parse_args()
-    out = {}
     for rows in map(int, args.rows.split(",")):
         W = 1536
         rng = np.random.default_rng(rows)
@@ -64,7 +63,6 @@ def main() -> int:
             return mx.sum(buffer.device() & 1).item()
 
         res["mapped_us"] = timed(mapped)
-        out[rows] = res
         print(rows, json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
     return 0
 

@@ -5,8 +5,8 @@ B rows of a random-weight shape with a real tokenizer; a constrained run gives e
 `bench_structured`'s JSON schema, sampled at temperature 0.7 (seeded); variants of the engine's
 constrained step's masks read in place as the engine does (`mapped.HostArray`) or copied to a
 fresh array each step. Split variants take the grammar away to tell the split step's own cost
-from the masks': every row goes through the constrained step with all-ones masks, mapped, copied
-each step, or one array kept on the device. `--uploads` first times a mask's upload alone.
+from the masks': every row goes through the constrained step with all-ones masks, mapped or
+copied each step. A mask's upload alone: benchmarks/mapped_masks.py.
 Each variant runs once to warm up, then `--repeats` times in turn; reported: median ms per
 decode step (admission excluded) and its ratio to the first variant's median (free, by default).
 
@@ -22,24 +22,20 @@ import statistics
 import time
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
 from structured_costs import add_rows, random_model  # benchmarks/ is on the path: these scripts run from there
 
-from mlxfun import bench, structured
+from mlxfun import bench
 from mlxfun import engine as engine_mod
 from mlxfun.engine import Engine
 from mlxfun.load import Model
 
 # name -> (rows: "free", "schema" or "split" (every row through the constrained step, all-ones
-# masks, no grammar), the masks: "engine" (`Engine._mask_buffer`: read in place on a GPU,
-# `mapped.HostArray`), "copied" (a fresh `mx.array` each step), "kept" (one all-ones array on the
-# device; split rows only))
+# masks, no grammar), the masks: "engine" (`Engine._mask_buffer`: read in place,
+# `mapped.HostArray`) or "copied" (a fresh `mx.array` each step))
 VARIANTS = {
     "free": ("free", "engine"),
     "split step, masks mapped": ("split", "engine"),
     "split step, masks copied": ("split", "copied"),
-    "split step, masks kept on the device": ("split", "kept"),
     "schema": ("schema", "engine"),
     "schema, masks copied": ("schema", "copied"),
 }
@@ -64,7 +60,6 @@ class VariantEngine(Engine):
     def __init__(self, model: Model, rows: int, split: bool, upload: str):
         super().__init__(model, rows)
         self.split, self.upload = split, upload
-        self.kept = mx.array(np.full((rows, structured.words(model.config.vocab_size)), 0xFFFFFFFF, np.uint32))
 
     def submit(self, request):
         return super().submit(dataclasses.replace(request, constraint=Everything()) if self.split else request)
@@ -88,44 +83,10 @@ class VariantEngine(Engine):
         for (_, step_owners), (tokens, _, _) in zip(ready, values):
             self._match(step_owners, tokens)
         out[:] = 0xFFFFFFFF
-        return values, out
+        return values
 
     def _mask_buffer(self, mapped=True):
         return super()._mask_buffer(mapped and self.upload != "copied")
-
-    def _upload(self):
-        return self.kept if self.upload == "kept" else super()._upload()
-
-
-def upload_costs(rows: int, vocab_size: int, n: int = 200) -> dict:
-    """us per call, medians: a (rows, W) uint32 mask uploaded and read by one small reduction, the
-    same reduction over an array kept on the device, and a (rows,) int32 result read to the host."""
-    host = np.random.default_rng(0).integers(0, 2 ** 32, (rows, structured.words(vocab_size)), dtype=np.uint32)
-    kept = mx.array(host)
-    mx.eval(kept)
-
-    def timed(fn) -> float:
-        ts = []
-        for i in range(n + 5):
-            t = time.perf_counter()
-            fn(i)
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts[5:]) * 1e6
-
-    def uploaded(i):
-        host[0, 0] = i  # the host writes the buffer each step, as the mask worker does
-        mx.eval(mx.sum(mx.array(host) & 1))
-
-    held = []
-
-    def created(i):  # the array alone (its host copy), kept alive so it is not recycled at once
-        host[0, 0] = i
-        held.append(mx.array(host))
-        del held[:-4]
-
-    return {"upload_and_reduce_us": timed(uploaded), "create_us": timed(created),
-            "reduce_kept_us": timed(lambda i: mx.eval(mx.sum(kept & 1))),
-            "read_tokens_us": timed(lambda i: (mx.arange(rows) + i).tolist())}
 
 
 def run(model: Model, batch: int, gen_tokens: int, rows: str, upload: str, prompt: list[int]) -> dict:
@@ -151,14 +112,10 @@ def main(argv=None) -> int:
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape (CPU smoke runs)")
-    p.add_argument("--uploads", action="store_true", help="time a mask's upload alone first")
     p.add_argument("--variants", default=None, help="comma-separated indices into VARIANTS (default: all)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     model, prompt = random_model(args.shape, Path(args.tokenizer), args.layers)
-    uploads = upload_costs(args.batch, model.config.vocab_size) if args.uploads else None
-    if uploads:
-        print(json.dumps({"uploads": {k: round(v, 1) for k, v in uploads.items()}}), flush=True)
     names = list(VARIANTS) if args.variants is None else [list(VARIANTS)[int(i)] for i in args.variants.split(",")]
     found: dict[str, list[dict]] = {name: [] for name in names}
     outputs: dict[str, set[str]] = {}
@@ -184,7 +141,7 @@ def main(argv=None) -> int:
         print(f"{name:<48} {med:>17.3f} {' '.join(f'{m:.2f}' for m in ms):>24} {med / free:>7.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": bench.machine(), "shape": args.shape, "batch": args.batch,
-                                               "gen_tokens": args.gen_tokens, "uploads": uploads, "same_tokens": same,
+                                               "gen_tokens": args.gen_tokens, "same_tokens": same,
                                                "rows": rows},
                                               indent=2))
     return 0

@@ -59,6 +59,8 @@ from mlxfun.strategy import WeightStrategy, default_strategy, memory_limit, para
 
 # Recent samples kept for latency percentiles.
 WINDOW = 1024
+
+
 @dataclass
 class Record:
     """A submitted request and, as it runs, its output (`row`). Owned by the engine thread."""
@@ -487,8 +489,8 @@ class Engine:
         logits, state = steps.forward(self.params, state)
         self._advanced(state)  # the old state unreferenced: the pool is written in place
         mx.async_eval(logits, self.state)
-        values, _ = job.result()
-        out, state = steps.sample(logits, self._upload(), self.state if mode.penalties else
+        values = job.result()  # the masks are in `_masks`
+        out, state = steps.sample(logits, self._masks.device(), self.state if mode.penalties else
                                   self.state._replace(counts=None), self._settings)
         self.state = state if state.counts is not None else state._replace(counts=self.state.counts)
         mx.async_eval(out, self.state)
@@ -501,18 +503,15 @@ class Engine:
         self._count_rows()
         return events
 
-    def _upload(self) -> mx.array:
-        """The masks the worker filled into `_mask_buffer`, as the array the sampling half reads."""
-        return self._masks.device()
-
-    def _read_and_mask(self, ready: list, owners: list, out: np.ndarray) -> tuple[list, np.ndarray]:
+    def _read_and_mask(self, ready: list, owners: list, out: np.ndarray) -> list:
         """On the mask worker (`masked_decode`): the steps in flight read (waiting for the device
         without the GIL), the constrained rows' matchers advanced by their tokens, and out (B, W)
-        <- the masks of the rows `owners` hold for the next token. -> (each step's host values, out)."""
+        <- the masks of the rows `owners` hold for the next token. -> each step's host values."""
         values = [host_values(step_out) for step_out, _ in ready]
         for (_, step_owners), (tokens, _, _) in zip(ready, values):
             self._match(step_owners, tokens)
-        return values, structured.fill_masks([self._mask_matcher(o) for o in owners], out)
+        structured.fill_masks([self._mask_matcher(o) for o in owners], out)
+        return values
 
     def _match(self, owners: list, tokens: list[int]) -> None:
         """Constrained rows' matchers take their new tokens (before the tokens are handed out, so
@@ -1043,4 +1042,3 @@ def _rows(a: mx.array, keep: list[int], width: int, fill) -> mx.array:
 
 def _stack(settings: list[sampling.Settings]) -> sampling.Settings:
     return sampling.Settings(*(mx.concatenate(fields) for fields in zip(*settings)))
-

@@ -67,26 +67,18 @@ class _Location(ctypes.Structure):
 def _advise(ptr: int, size: int, keep: bool = True) -> bool:
     """Keep [ptr, ptr + size) on the host, mapped for device 0 (`keep`; else undo it); False where
     that fails."""
-    lib = _cudart()
-    if lib is None:
+    runtime = _mem_advise()
+    if runtime is None:
         return False
-    version = ctypes.c_int()
-    if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
-        return False
-    f = lib.cudaMemAdvise
-    if version.value >= 13000:
-        f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, _Location]
-        where, by = _Location(_LOCATION_HOST, 0), _Location(_LOCATION_DEVICE, 0)
-    else:
-        f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
-        where, by = _CPU_DEVICE_ID, 0
+    f, where, by = runtime
     undo = 0 if keep else 1
     return f(ptr, size, _PREFERRED_LOCATION + undo, where) == 0 and f(ptr, size, _ACCESSED_BY + undo, by) == 0
 
 
 @lru_cache(maxsize=1)
-def _cudart():
-    """The CUDA runtime MLX loaded (else the system's), or None."""
+def _mem_advise():
+    """(cudaMemAdvise, the host's location, device 0's) from the CUDA runtime MLX loaded (else the
+    system's), or None."""
     names = []
     try:
         with open("/proc/self/maps") as maps:
@@ -95,7 +87,16 @@ def _cudart():
         pass
     for name in names + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
         try:
-            return ctypes.CDLL(name)
+            lib = ctypes.CDLL(name)
         except OSError:
             continue
+        version = ctypes.c_int()
+        if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
+            return None
+        f = lib.cudaMemAdvise
+        if version.value >= 13000:
+            f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, _Location]
+            return f, _Location(_LOCATION_HOST, 0), _Location(_LOCATION_DEVICE, 0)
+        f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+        return f, _CPU_DEVICE_ID, 0
     return None
