@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxfun import bench, llama
+from mlxfun import bench, llama, prefill
 from mlxfun.engine import Engine
 
 
@@ -60,15 +60,19 @@ def main(argv=None) -> int:
         engine.admit()  # evaluates: nothing else is decoding
         pool["mb"] = engine.pool.size * engine.block_bytes / 1e6
 
-    def forward():
-        ids = mx.array(prompts)
+    def forward(rows=len(prompts)):
+        ids = mx.array(prompts[:rows])
         positions = mx.broadcast_to(mx.arange(args.prompt_tokens)[None], ids.shape)
         h, _ = llama.hidden(config, model.params, ids, positions)
         mx.eval(h[:, -1])
 
+    # An admission prefills groups of at most prefill.GROUP_TOKENS tokens, one after the other.
+    group = max(1, min(len(prompts), prefill.GROUP_TOKENS // args.prompt_tokens))
     row = {"batch": args.batch, "tokens": args.prompt_tokens, "admit_peak_mb": peak_of(admit),
-           "pool_mb": pool["mb"], "forward_peak_mb": peak_of(forward)}
+           "pool_mb": pool["mb"], "forward_peak_mb": peak_of(forward), "group_rows": group,
+           "group_forward_peak_mb": peak_of(lambda: forward(group))}
     row["beyond_mb"] = row["admit_peak_mb"] - row["pool_mb"] - row["forward_peak_mb"]
+    row["beyond_group_mb"] = row["admit_peak_mb"] - row["pool_mb"] - row["group_forward_peak_mb"]
     print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}))
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": bench.machine(), "shape": args.shape,

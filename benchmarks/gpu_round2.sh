@@ -67,6 +67,13 @@
 #   (m1-m3, twelfth session: intermediate versions of structured_ab.py, described in benchmarks/README.md)
 #   bash benchmarks/gpu_round2.sh m4  # (carries .whl, .tok) masks read in place (mapped.HostArray): the probe, then
 #                                     structured variants, 1B and 8B at batch 32
+#   bash benchmarks/gpu_round2.sh p1  # (carries .old) round 1 against this code alternating in one process
+#                                     (benchmarks/rounds_ab.py), 8B then 1B static batches
+#   bash benchmarks/gpu_round2.sh p2  # (carries .whl, .tok) a draft model priced by its layers too: speculative 8B at
+#                                     batch 32, 256 tokens, the rule's rows only (5 of each); structured 8B again
+#   bash benchmarks/gpu_round2.sh p3  # (carries .old) after the admission's pool copy fix: 8B static at 32 and 128
+#                                     against round 1 (rounds_ab.py); `mlxfun profile` 8B batch 128, both versions
+#   bash benchmarks/gpu_round2.sh p4  # speculative 8B at batch 32, 512 tokens, the rule's rows only (it measures)
 # A later call on the same warm machine needs no install: the CUDA build stays in $HOME/gpu-site.
 # Each step has its own time limit and output file, so one failure costs only itself.
 set -u
@@ -449,6 +456,31 @@ case "${1:-a}" in
       --repeats 6 --json "$OUT/structured-1B-mapped.json" | grep -v repeat
     timeout 300 python3 benchmarks/structured_ab.py --shape 8B --tokenizer .tok --batch 32 --gen-tokens 128 \
       --repeats 6 --variants 0,3,4 --json "$OUT/structured-8B-mapped.json" | grep -v repeat
+    ;;
+  p1)
+    timeout 320 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 1,8,32,128 --gen-tokens 64 \
+      --repeats 4 --json "$OUT/rounds-ab-8B.json"
+    timeout 200 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
+      --repeats 4 --json "$OUT/rounds-ab-1B.json"
+    ;;
+  p3)
+    timeout 230 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 32,128 --gen-tokens 64 \
+      --repeats 4 --json "$OUT/rounds-ab-8B-fix.json"
+    timeout 150 python3 -m mlxfun.profile --shape 8B --batch-sizes 128 --no-matmuls --json "$OUT/profile-8B-128.json" \
+      | tail -25
+    old timeout 150 python3 -m mlxfun.profile --shape 8B --batch-sizes 128 --no-matmuls \
+      --json "$OUT/profile-8B-128-old.json" | tail -25
+    ;;
+  p4)
+    timeout 500 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 32 --alphas 0.7 --draft-shape 1B \
+      --gen-tokens 512 --repeats 5 --rule-only --json "$OUT/spec-8B-512-rule.json" | tail -6
+    ;;
+  p2)
+    wheels
+    timeout 330 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 32 --alphas 0.7 --draft-shape 1B \
+      --gen-tokens 256 --repeats 5 --rule-only --json "$OUT/spec-8B-256-rule.json" | tail -6
+    timeout 220 python3 benchmarks/structured_ab.py --shape 8B --tokenizer .tok --batch 32 --gen-tokens 128 \
+      --repeats 6 --variants 0,3 --json "$OUT/structured-8B-mapped-2.json" | grep -v repeat
     ;;
   n6)
     bash "$0" n5

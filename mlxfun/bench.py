@@ -354,6 +354,8 @@ def parse_args(argv):
                         "and real drafters)")
     p.add_argument("--alphas", default="0.5,0.7,0.9", help="oracle acceptance rates")
     p.add_argument("--ks", default="2,4,6", help="draft lengths for the oracle")
+    p.add_argument("--rule-only", action="store_true",
+                   help="with --speculative: only the real drafters, the measured rule on (no oracle, none forced)")
     p.add_argument("--draft-shape", choices=sorted(SHAPES), default=None,
                    help="a random-weight draft model for --shape (e.g. 1B for 8B)")
     p.add_argument("--structured", action="store_true",
@@ -460,17 +462,19 @@ def main_speculative(args) -> int:
             config = SHAPES[args.draft_shape]
             draft = Model(config, random_params(config, DTYPES[args.base_dtype], seed=1), model.tokenizer, "draft")
         tasks = {}
+    modes = (False,) if args.rule_only else (False, True)  # forced: speculation on every round
     for B in args.batch_sizes:
         prompts = random_prompts(model.config.vocab_size, B, args.prompt_tokens)
-        rows += bs.oracle(model, prompts, args.gen_tokens, alphas, ks)
+        if not args.rule_only:
+            rows += bs.oracle(model, prompts, args.gen_tokens, alphas, ks)
         if draft is not None:
-            for forced in (False, True):
+            for forced in modes:
                 rows.append(bs.end_to_end(model, prompts, args.gen_tokens, "draft model", draft, 4, forced,
                                           args.repeats))
             if args.shape is not None:  # a random draft model's drafts are never kept: its cost, the oracle's drafts
-                rows += bs.costed(model, prompts, args.gen_tokens, draft, alphas, 4, args.repeats)
+                rows += bs.costed(model, prompts, args.gen_tokens, draft, alphas, 4, args.repeats, modes)
         for name, prompt in tasks.items():
-            for forced in (False, True):
+            for forced in modes:
                 rows.append(bs.end_to_end(model, [prompt] * B, args.gen_tokens, f"lookup, {name}", "prompt-lookup", 4,
                                           forced, args.repeats))
     print()

@@ -217,9 +217,9 @@ def end_to_end(model: Model, prompts: list[list[int]], max_tokens: int, name: st
 
 
 def costed(model: Model, prompts: list[list[int]], max_tokens: int, draft: Model, alphas: list[float], k: int,
-           repeats: int = 1) -> list[SpecRow]:
+           repeats: int = 1, modes: tuple[bool, ...] = (False, True)) -> list[SpecRow]:
     """A draft model's cost with the oracle's acceptance (`CostedOracle`), the measured rule on
-    and forced, against plain decoding of the same `predictable` target (`repeats` runs of each
+    and forced (`modes`: forced or not), against plain decoding of the same `predictable` target (`repeats` runs of each
     alternating, `paired`)."""
     model = predictable(model)
     _run(model, prompts, max_tokens)
@@ -234,7 +234,7 @@ def costed(model: Model, prompts: list[list[int]], max_tokens: int, draft: Model
         # The rule's path once: a catch-up after plain steps, a decode step at the table width rounds
         # reached: shapes forced rounds never trace (H200: 30-60 ms each).
         _run(model, prompts, max_tokens, draft=make, k=k)
-        for forced in (False, True):
+        for forced in modes:
             base, tps, engine = paired(model, prompts, max_tokens, repeats, make, k,
                                        speculative.Always if forced else lambda: None)
             out.append(_row("draft cost, oracle drafts" + (" (forced)" if forced else ""), len(prompts), k, alpha,

@@ -81,7 +81,7 @@ class DraftModel(Drafter):
         if sample != [model.tokenizer.token(i) for i in range(0, engine.config.vocab_size, 997)]:
             raise InputError("the draft model's tokenizer differs from the model's: it must share the tokenizer")
         self.model = model
-        self.cost = _step_bytes(model.params) / max(1, _step_bytes(engine.params))
+        self.cost = step_cost(model.params, engine.params, mx.default_device() != mx.cpu)
         self.config = model.config.with_max_kv_size(engine.config.max_window) if engine.config.max_window and \
             all(w is not None for w in engine.config.layer_windows) else model.config
         self.dtype = model.params.norm.dtype
@@ -187,6 +187,24 @@ class DraftModel(Drafter):
     def verified(self, engine, row: int, count: int) -> None:
         """The draft KV is right up to the row's new last token (every draft was fed)."""
         self.draft_pos[row] += count
+
+
+# The share of a target's decode step that is per-layer work independent of the weights' size (the
+# host's launch of each layer's kernels) on a GPU. A 1B-shaped draft step cost about a third of an
+# 8B target's on an H200 (benchmarks/README.md, ninth session: launch-bound), where its weight
+# bytes are 0.155 of the 8B's and its layers half; with this share the model below gives 0.33.
+# Priced by bytes alone, the rule expected a 1B drafter's first measure to lose 4.5 decode steps
+# and ran it in 256-token runs at batch 32, where it lost about 8% (eleventh session).
+LAUNCH_SHARE = 0.5
+
+
+def step_cost(draft: llama.Params, target: llama.Params, gpu: bool) -> float:
+    """A draft model's decode step in steps of the target's: on a GPU the mean of its layers' and its
+    weight bytes' ratios, weighted by LAUNCH_SHARE; on the CPU (its products are the step) the bytes'."""
+    weights = _step_bytes(draft) / max(1, _step_bytes(target))
+    if not gpu:
+        return weights
+    return LAUNCH_SHARE * len(draft.layers) / len(target.layers) + (1 - LAUNCH_SHARE) * weights
 
 
 def _step_bytes(params: llama.Params) -> int:

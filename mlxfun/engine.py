@@ -622,7 +622,7 @@ class Engine:
                 if kept:
                     self.policy.record(True, kept, None if now is None or self._last_round is None else
                                        now - self._last_round, most=self.num_draft_tokens + 1,
-                                       least=1 + self.num_draft_tokens * self.drafter.cost)
+                                       least=self.drafter.least(self.num_draft_tokens))
                 self._last_round = now
             else:
                 events += self._take(out, owners)
@@ -667,7 +667,7 @@ class Engine:
             return False
         if any(r.mode.penalties or r.mode.masked for r in live):
             return False
-        return self.policy.choose(self._ahead(), 1 + self.num_draft_tokens * self.drafter.cost)
+        return self.policy.choose(self._ahead(), self.drafter.least(self.num_draft_tokens))
 
     def _ahead(self) -> int:
         """The most tokens a live or queued request may still generate: the decode steps left, at
@@ -870,6 +870,9 @@ class Engine:
                                             [r.cached_tokens for r, _ in chosen], self.prefill_step,
                                             self.pad_multiple, chains)
             self.state = self.state._replace(cache=cache)
+            # No local reference to the pool may outlive this group: the next group's writes
+            # would then copy the whole pool rather than write it in place.
+            del cache
             out = self._first_token(params, h, [r for r, _ in chosen])
             self._merge(rows, out.tokens, [len(r.request.prompt) for r, _ in chosen])
             outs.append((out, [r.id for r, _ in chosen]))

@@ -117,10 +117,15 @@ class Drafter:
     launch of the next round) overlaps the device's, as in plain decoding."""
 
     device = False
-    # A lower bound on what drafting one token costs, in decode steps of the target: 0 for a host
-    # drafter (prompt lookup), the ratio of weight bytes for a draft model (each step reads its
-    # weights, as the target's reads the target's). `Policy` judges a round it could not time by it.
+    # A lower bound on what one step of drafting costs, in decode steps of the target: 0 for a host
+    # drafter (prompt lookup); for a draft model, its step's share of the target's
+    # (`drafting.step_cost`). `Policy` judges a round it could not time by it.
     cost = 0.0
+
+    def least(self, k: int) -> float:
+        """A verify round's least cost in decode steps of the target: the verify pass, and k + 1
+        steps of drafting (a draft model's last step writes the k-th draft's KV)."""
+        return 1.0 + (k + 1) * self.cost
 
     def propose(self, engine, rows: list[int], k: int) -> tuple[mx.array, mx.array, mx.array | None]:
         """-> drafts (B, k) int32, valid (B, k) bool, and the draft distributions (B, k, V) or None
@@ -257,7 +262,7 @@ MIN_DECODES = 3
 # and forth five times in 64 tokens (benchmarks/README.md, tenth session).
 ENTER = 1.1
 # A costly drafter's measuring costs device time: each of its rounds takes at least `least` decode
-# steps (`Drafter.cost`), and a switch to it and back drains the pipeline and feeds the draft model
+# steps (`Drafter.least`), and a switch to it and back drains the pipeline and feeds the draft model
 # the plain tokens. So its first measure, and each later try, runs only where its expected loss is at
 # most BUDGET of the decode steps it is spread over (the work ahead; and the interval to the next
 # try): an 8B target with a 1B drafter on an H200 lost 10-30% of a 64-token run to measuring alone,
@@ -333,7 +338,7 @@ class Policy:
     def _kept_nothing(self, tokens_per_row: float, least: float) -> None:
         """A verify round whose time is unknown (a pipelined run's first). A round takes at least
         `least` decode steps' time (one for the verify pass, plus the drafter's steps at their
-        lowest cost: `Drafter.cost`), so one that gave no more tokens per row than that (by
+        lowest cost: `Drafter.least`), so one that gave no more tokens per row than that (by
         `margin`) lost, whatever it cost. Then speculation stops at once instead of after two
         timed rounds (the first is a warm-up), each of which costs a draft model a few decode
         steps (benchmarks/README.md, 8B with a 1B drafter). Before any measure, the speculating
@@ -366,8 +371,8 @@ class Policy:
 
     def choose(self, ahead: int | None = None, least: float = 1.0) -> bool:
         """Whether the next round speculates. `ahead`: the decode steps the live and queued rows may
-        still take (None: unknown); `least`: a verify round's least cost in decode steps (1 + k x
-        `Drafter.cost`)."""
+        still take (None: unknown); `least`: a verify round's least cost in decode steps
+        (`Drafter.least`)."""
         if not self.enabled:
             return False
         if self.rate[True] is None:  # measure speculation first, where it can afford to

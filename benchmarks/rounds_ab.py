@@ -1,0 +1,110 @@
+"""Round 1's static batches against this code's, alternating in one process (issue 14: "old and new
+side by side in one run"). One process against another moved a run 20-30% on the H200's host,
+more than the gap measured, so both versions run here on the same weights (one copy, shared).
+
+Round 1's package (a folder holding `mlxfun/`, e.g. `.old` from `git archive bb0fcea mlxfun`) is
+copied to a temporary folder as `mlxfun_r1`, its imports and its CUDA kernels' names renamed, so
+both import side by side. Each version's own `bench.run_batch` runs each batch: once to warm up,
+then `--repeats` times in turn, the order swapped every repeat (ABBA). Reported: medians of prompt
+and generated tok/s and of peak GB (weights included, the same for both), and their ratios.
+
+Run: python benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 1,8,32,128 [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlxfun import bench
+
+R1 = "mlxfun_r1"
+
+
+def import_round1(folder: Path, into: Path):
+    """Round 1's package from `folder`/mlxfun, importable beside this one as `mlxfun_r1`."""
+    target = into / R1
+    shutil.copytree(folder / "mlxfun", target)
+    for path in target.glob("*.py"):
+        text = path.read_text()
+        text = re.sub(r"\b(from|import) mlxfun\b", rf"\1 {R1}", text)
+        text = text.replace('import_module(f"mlxfun.', f'import_module(f"{R1}.')
+        text = text.replace('name="mlxfun_', f'name="{R1}_')  # MLX keys compiled CUDA kernels by name
+        path.write_text(text)
+    sys.path.insert(0, str(into))
+    return importlib.import_module(f"{R1}.bench"), importlib.import_module(f"{R1}.llama"), \
+        importlib.import_module(f"{R1}.load")
+
+
+def as_round1(tree, llama1):
+    """This code's params tree rebuilt with round 1's NamedTuple classes (same fields), same arrays."""
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        cls = getattr(llama1, type(tree).__name__)
+        return cls(*(as_round1(x, llama1) for x in tree))
+    if isinstance(tree, tuple):
+        return tuple(as_round1(x, llama1) for x in tree)
+    return tree
+
+
+def timed(run_batch, model, prompts, gen_tokens) -> dict:
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    stats, _, _ = run_batch(model, prompts, gen_tokens, None)
+    return {"prompt_tps": stats.prompt_tps, "gen_tps": stats.generation_tps, "peak_gb": stats.peak_memory_gb}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=sorted(bench.SHAPES), default="1B")
+    p.add_argument("--old", type=Path, default=Path(".old"), help="a folder holding round 1's mlxfun/")
+    p.add_argument("--batch-sizes", default="1,8,32,128")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    tmp = Path(tempfile.mkdtemp())
+    bench1, llama1, load1 = import_round1(args.old, tmp)
+    new = bench.random_model(bench.SHAPES[args.shape])
+    old = load1.Model(bench1.SHAPES[args.shape], as_round1(new.params, llama1),
+                      bench1.word_tokenizer(new.config.vocab_size), "random")
+    runs = {"round 1": (bench1.run_batch, old), "this code": (bench.run_batch, new)}
+    out = {"machine": bench.machine(), "args": vars(args) | {"old": str(args.old)}, "batches": []}
+    print(f"{'batch':>5s} {'version':10s} {'prompt tok/s':>12s} {'gen tok/s':>10s} {'peak GB':>8s}  (medians)")
+    for B in [int(b) for b in args.batch_sizes.split(",")]:
+        prompts = bench.random_prompts(new.config.vocab_size, B, args.prompt_tokens)
+        seen: dict[str, list[dict]] = {name: [] for name in runs}
+        for fn, model in runs.values():
+            fn(model, prompts, 4, None)  # compile for this batch size
+        for rep in range(args.repeats):
+            for name in (list(runs) if rep % 2 == 0 else list(runs)[::-1]):
+                fn, model = runs[name]
+                seen[name].append(timed(fn, model, prompts, args.gen_tokens))
+        med = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for name, rows in seen.items()}
+        for name in runs:
+            m = med[name]
+            print(f"{B:5d} {name:10s} {m['prompt_tps']:12.1f} {m['gen_tps']:10.1f} {m['peak_gb']:8.2f}", flush=True)
+        ratio = {k: med["this code"][k] / med["round 1"][k] for k in med["round 1"]}
+        print(f"{B:5d} {'ratio':10s} {ratio['prompt_tps']:11.2f}x {ratio['gen_tps']:9.2f}x {ratio['peak_gb']:7.2f}x",
+              flush=True)
+        out["batches"].append({"batch": B, "runs": seen, "medians": med, "ratio": ratio})
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
