@@ -67,6 +67,14 @@
 #   (m1-m3, twelfth session: intermediate versions of structured_ab.py, described in benchmarks/README.md)
 #   bash benchmarks/gpu_round2.sh m4  # (carries .whl, .tok) masks read in place (mapped.HostArray): the probe, then
 #                                     structured variants, 1B and 8B at batch 32
+#   bash benchmarks/gpu_round2.sh p10 # p9 over 1,536 tokens, where the rule measures at 32 rows (no rule-off runs)
+#   bash benchmarks/gpu_round2.sh p9  # what an idle draft model costs: no drafter / rule off / rule on (8B, 32 rows)
+#   bash benchmarks/gpu_round2.sh p8  # p4 after the catch-up priced and the budget's headroom: 8B batch 32, 512 tokens
+#   bash benchmarks/gpu_round2.sh p7  # chunk write variants (a new handle, uint64 words) timed, and in an admission
+#   bash benchmarks/gpu_round2.sh p6  # the chunk write from a strided view (chunk_write.py); admission peaks; 8B and
+#                                     1B at 32 and 128 against round 1, and with GROUP_TOKENS 4096
+#   bash benchmarks/gpu_round2.sh p5  # an 8B admission's peak under variants (admit_variants.py); 8B batch 128
+#                                     against round 1 with one prefill group (GROUP_TOKENS 16384)
 #   bash benchmarks/gpu_round2.sh p1  # (carries .old) round 1 against this code alternating in one process
 #                                     (benchmarks/rounds_ab.py), 8B then 1B static batches
 #   bash benchmarks/gpu_round2.sh p2  # (carries .whl, .tok) a draft model priced by its layers too: speculative 8B at
@@ -456,6 +464,37 @@ case "${1:-a}" in
       --repeats 6 --json "$OUT/structured-1B-mapped.json" | grep -v repeat
     timeout 300 python3 benchmarks/structured_ab.py --shape 8B --tokenizer .tok --batch 32 --gen-tokens 128 \
       --repeats 6 --variants 0,3,4 --json "$OUT/structured-8B-mapped.json" | grep -v repeat
+    ;;
+  p10)
+    timeout 250 python3 benchmarks/idle_drafter.py --shape 8B --draft-shape 1B --batch 32 --gen-tokens 1536 \
+      --repeats 3 --skip-off --json "$OUT/idle-drafter-8B-32-1536.json"
+    ;;
+  p9)
+    timeout 400 python3 benchmarks/idle_drafter.py --shape 8B --draft-shape 1B --batch 32 --gen-tokens 512 \
+      --repeats 6 --json "$OUT/idle-drafter-8B-32.json"
+    ;;
+  p8)
+    timeout 480 python3 -m mlxfun.bench --speculative --shape 8B --batch-sizes 32 --alphas 0.7 --draft-shape 1B \
+      --gen-tokens 512 --repeats 3 --rule-only --json "$OUT/spec-8B-512-rule-priced.json" | tail -8
+    ;;
+  p7)
+    timeout 60 python3 benchmarks/chunk_write.py --json "$OUT/chunk-write-8B-2.json"
+    timeout 200 python3 benchmarks/admit_variants.py --shape 8B --batch 128 --variants wide \
+      --json "$OUT/admit-variants-8B-writes.json"
+    ;;
+  p6)
+    timeout 60 python3 benchmarks/chunk_write.py --json "$OUT/chunk-write-8B.json"
+    timeout 120 python3 benchmarks/admit_variants.py --shape 8B --batch 128 --variants base,group4096,nowrite \
+      --json "$OUT/admit-variants-8B-view.json"
+    timeout 250 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 32,128 --gen-tokens 16 \
+      --repeats 4 --group-tokens 4096 --json "$OUT/rounds-ab-8B-view.json"
+    timeout 150 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 32,128 --gen-tokens 16 \
+      --repeats 4 --group-tokens 4096 --json "$OUT/rounds-ab-1B-view.json"
+    ;;
+  p5)
+    timeout 330 python3 benchmarks/admit_variants.py --shape 8B --batch 128 --json "$OUT/admit-variants-8B.json"
+    timeout 250 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 128 --gen-tokens 16 \
+      --repeats 4 --group-tokens 16384 --json "$OUT/rounds-ab-8B-groups.json"
     ;;
   p1)
     timeout 320 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 1,8,32,128 --gen-tokens 64 \

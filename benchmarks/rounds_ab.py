@@ -56,6 +56,19 @@ def as_round1(tree, llama1):
     return tree
 
 
+def grouped(tokens: int):
+    """This code's run_batch with prefill.GROUP_TOKENS set to `tokens` while it runs."""
+    from mlxfun import prefill
+
+    def run(*a):
+        shipped, prefill.GROUP_TOKENS = prefill.GROUP_TOKENS, tokens
+        try:
+            return bench.run_batch(*a)
+        finally:
+            prefill.GROUP_TOKENS = shipped
+    return run
+
+
 def timed(run_batch, model, prompts, gen_tokens) -> dict:
     gc.collect()
     mx.clear_cache()
@@ -72,6 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--group-tokens", default="",
+                   help="also this code with prefill.GROUP_TOKENS set to each of these (comma-separated)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -81,6 +96,8 @@ def main(argv=None) -> int:
     old = load1.Model(bench1.SHAPES[args.shape], as_round1(new.params, llama1),
                       bench1.word_tokenizer(new.config.vocab_size), "random")
     runs = {"round 1": (bench1.run_batch, old), "this code": (bench.run_batch, new)}
+    for n in [int(n) for n in args.group_tokens.split(",") if n]:
+        runs[f"group {n}"] = (grouped(n), new)
     out = {"machine": bench.machine(), "args": vars(args) | {"old": str(args.old)}, "batches": []}
     print(f"{'batch':>5s} {'version':10s} {'prompt tok/s':>12s} {'gen tok/s':>10s} {'peak GB':>8s}  (medians)")
     for B in [int(b) for b in args.batch_sizes.split(",")]:
@@ -89,17 +106,20 @@ def main(argv=None) -> int:
         for fn, model in runs.values():
             fn(model, prompts, 4, None)  # compile for this batch size
         for rep in range(args.repeats):
-            for name in (list(runs) if rep % 2 == 0 else list(runs)[::-1]):
+            for name in (list(runs) if rep % 2 == 0 else list(runs)[::-1]):  # ABBA (ABCCBA, ...)
                 fn, model = runs[name]
                 seen[name].append(timed(fn, model, prompts, args.gen_tokens))
         med = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for name, rows in seen.items()}
         for name in runs:
             m = med[name]
             print(f"{B:5d} {name:10s} {m['prompt_tps']:12.1f} {m['gen_tps']:10.1f} {m['peak_gb']:8.2f}", flush=True)
-        ratio = {k: med["this code"][k] / med["round 1"][k] for k in med["round 1"]}
-        print(f"{B:5d} {'ratio':10s} {ratio['prompt_tps']:11.2f}x {ratio['gen_tps']:9.2f}x {ratio['peak_gb']:7.2f}x",
-              flush=True)
-        out["batches"].append({"batch": B, "runs": seen, "medians": med, "ratio": ratio})
+        ratios = {name: {k: med[name][k] / med["round 1"][k] for k in med["round 1"]} for name in list(runs)[1:]}
+        for name, ratio in ratios.items():
+            label = "ratio" if name == "this code" else f"ratio {name.split()[-1]}"
+            print(f"{B:5d} {label:10s} {ratio['prompt_tps']:11.2f}x {ratio['gen_tps']:9.2f}x "
+                  f"{ratio['peak_gb']:7.2f}x", flush=True)
+        out["batches"].append({"batch": B, "runs": seen, "medians": med, "ratio": ratios["this code"],
+                               "ratios": ratios})
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     shutil.rmtree(tmp, ignore_errors=True)

@@ -108,6 +108,15 @@ class DraftModel(Drafter):
         if self.pool.size < engine.pool.size:
             self.pool.grow(engine.pool.size)
 
+    def lacking(self, engine) -> int:
+        """Tokens the live rows' draft KV lacks before the next round (which feeds each row's last)."""
+        total = 0
+        for r, rid in enumerate(engine.owner):
+            if rid is not None:
+                record = engine.requests[rid]
+                total += max(0, len(record.request.prompt) + len(record.row.text.tokens) - 1 - self.draft_pos[r])
+        return total
+
     def released(self, engine, row: int) -> None:
         self.pages.release(row)
         self.draft_pos[row] = 0

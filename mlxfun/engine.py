@@ -119,6 +119,7 @@ class EngineStats(Stats):
     prefix_hits: int = 0  # prompt blocks found in the prefix cache
     ttft: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # recent times to first token, s
     itl: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # recent gaps between a row's tokens, s
+    timed_prompt_tokens: int = 0  # the prompt tokens of the admissions `prompt_time` counts
 
     @property
     def occupancy(self) -> float:
@@ -421,6 +422,7 @@ class Engine:
         if not busy:
             mx.eval([o[0] for o in outs], self.state)
             self.stats.prompt_time += time.perf_counter() - t0
+            self.stats.timed_prompt_tokens += sum(len(r.request.prompt) - r.cached_tokens for r in records)
         return events
 
     def _prepare_step(self) -> tuple[Mode, DecodeState]:
@@ -665,9 +667,20 @@ class Engine:
         live = [self.requests[o] for o in self.owner if o is not None]
         if not live and not self.pending and self._inbox.empty():
             return False
-        if any(r.mode.penalties or r.mode.masked for r in live):
+        if not self.policy.enabled or any(r.mode.penalties or r.mode.masked for r in live):
             return False
-        return self.policy.choose(self._ahead(), self.drafter.least(self.num_draft_tokens))
+        k = self.num_draft_tokens
+        return self.policy.choose(self._ahead(), self.drafter.least(k), self._feed_steps(),
+                                  speculative.headroom(len(live), k))
+
+    def _feed_steps(self) -> float:
+        """Decode steps the drafter's catch-up before its next round is expected to take: the
+        tokens it lacks, each priced at its cost times this engine's prefill time per token
+        (admissions made while nothing decoded), in timed decode steps. 0 where either is unknown."""
+        rate, stats = self.policy.rate[False], self.stats
+        if not self.drafter.cost or not rate or not stats.timed_prompt_tokens:
+            return 0.0
+        return self.drafter.cost * self.drafter.lacking(self) * stats.prompt_time / stats.timed_prompt_tokens * rate
 
     def _ahead(self) -> int:
         """The most tokens a live or queued request may still generate: the decode steps left, at

@@ -153,6 +153,12 @@ class Drafter:
     def reorder(self, engine, keep: list[int]) -> None:
         """The engine's rows `keep` became its rows 0, 1, ... (`Engine.shrink_rows`)."""
 
+    def lacking(self, engine) -> int:
+        """Tokens this drafter must take in before its next round beyond the round's own (a draft
+        model's catch-up: the prompts of rows it has not seen, the tokens plain steps added). 0 by
+        default."""
+        return 0
+
     def shadow(self, engine, k: int) -> list[int]:
         """After plain decode steps' tokens were handed out: the tokens verify rounds would have
         given (accepted drafts + 1) where that is now known, for drafters that can tell at no cost
@@ -269,6 +275,14 @@ ENTER = 1.1
 # its first rounds 35-50 ms each at batch 32 against 8 ms a decode step (benchmarks/README.md,
 # tenth session). A free drafter (prompt lookup) measures at no cost and is never held back.
 BUDGET = 0.03
+# The first measure also pays the draft model's catch-up: the prompts it has not seen (8B with a 1B
+# drafter at batch 32, prompts of 128 tokens: about 5 decode steps, unpriced before, where the rule
+# expected 8.6 steps for the rest; the runs lost 2.6-3.5% at 512 tokens against a 3% budget). It is
+# priced from the engine's measured prefill time, in decode steps' time, so a costly drafter's
+# first measure waits for MIN_DECODES timed decode steps (plain decoding is what it is judged against).
+# And what speculation can win shrinks as rows x (k + 1) nears COMPUTE_ROWS (`may_pay`), so the budget
+# shrinks with it (`headroom`): measuring may cost what the measure can win back, not 3% everywhere.
+COMPUTE_ROWS = 256
 # Rounds the first measure of speculation takes: the untimed first, a warm-up, a timed one, and the
 # one queued behind it; and the decode steps of a switch there and back, beyond its rounds (a drain
 # and a catch-up: 2-5 steps of an 8B target at batch 32).
@@ -365,19 +379,25 @@ class Policy:
             per_round = least - 1.0
         return rounds * per_round + SWITCH_STEPS
 
-    def affords(self, loss: float, span: int | None, least: float) -> bool:
-        """Whether measuring that loses `loss` decode steps may run, spread over `span` steps."""
-        return least <= 1.0 or self.budget is None or span is None or loss <= self.budget * span
+    def affords(self, loss: float, span: int | None, least: float, share: float = 1.0) -> bool:
+        """Whether measuring that loses `loss` decode steps may run, spread over `span` steps, with
+        `share` of the budget (`headroom`)."""
+        return least <= 1.0 or self.budget is None or span is None or loss <= share * self.budget * span
 
-    def choose(self, ahead: int | None = None, least: float = 1.0) -> bool:
+    def choose(self, ahead: int | None = None, least: float = 1.0, feed: float = 0.0, share: float = 1.0) -> bool:
         """Whether the next round speculates. `ahead`: the decode steps the live and queued rows may
         still take (None: unknown); `least`: a verify round's least cost in decode steps
-        (`Drafter.least`)."""
+        (`Drafter.least`); `feed`: the decode steps the drafter's catch-up before its next round
+        takes (`Drafter.lacking`, priced by the engine once decode steps are timed); `share`: the
+        part of the budget the batch may spend (`headroom`)."""
         if not self.enabled:
             return False
         if self.rate[True] is None:  # measure speculation first, where it can afford to
             if not self.started:
-                self.started = self.affords(self.expected_loss(least, FIRST_ROUNDS), ahead, least)
+                if least > 1.0 and self.budget is not None and ahead is not None \
+                        and len(self.seen[False]) < MIN_DECODES:
+                    return False  # a costly drafter's measure is priced in decode steps' time: time some first
+                self.started = self.affords(self.expected_loss(least, FIRST_ROUNDS) + feed, ahead, least, share)
             return self.started
         if len(self.seen[False]) < MIN_DECODES:
             return False
@@ -389,7 +409,7 @@ class Policy:
         if self.countdown <= 0:  # a try of the other mode, to keep its estimate fresh
             self.countdown = self.interval
             span = self.interval if ahead is None else min(ahead, self.interval)
-            if not best and not self.affords(self.expected_loss(least, TRY_ROUNDS), span, least):
+            if not best and not self.affords(self.expected_loss(least, TRY_ROUNDS) + feed, span, least, share):
                 # Too dear for the steps around it: skipped, as if lost (tries grow apart).
                 self.interval = min(self.longest, 2 * self.interval)
                 return best
@@ -441,6 +461,14 @@ class Policy:
         return self.rate[True] / self.rate[False]
 
 
+def headroom(rows: int, k: int) -> float:
+    """The share of BUDGET a costly drafter's measures may spend with `rows` live rows: what
+    verification can win falls from about k + 1 tokens per step's time at one row (bound by
+    reading the weights) to nothing where rows x (k + 1) positions reach COMPUTE_ROWS (bound by
+    compute), so the budget falls with it."""
+    return max(0.0, 1.0 - rows * (k + 1) / COMPUTE_ROWS)
+
+
 def may_pay(rows: int, k: int) -> bool:
     """Whether verification can beat decoding here at all, before measuring (probing costs rounds).
     On the CPU with MLX's bundled reference BLAS every verified position costs what a decode step
@@ -451,11 +479,11 @@ def may_pay(rows: int, k: int) -> bool:
         from mlxfun import blas
 
         return bool(blas.LOADED)
-    return rows * (k + 1) <= 256
+    return rows * (k + 1) <= COMPUTE_ROWS
 
 
 class Always(Policy):
     """Speculate every round (measurements, tests)."""
 
-    def choose(self, ahead: int | None = None, least: float = 1.0) -> bool:
+    def choose(self, ahead: int | None = None, least: float = 1.0, feed: float = 0.0, share: float = 1.0) -> bool:
         return True

@@ -75,7 +75,7 @@ class Alternate(speculative.Policy):
         super().__init__()
         self.calls = 0
 
-    def choose(self, ahead=None, least=1.0) -> bool:
+    def choose(self, ahead=None, least=1.0, feed=0.0, share=1.0) -> bool:
         self.calls += 1
         return self.calls % 5 < 2
 
@@ -234,6 +234,27 @@ def test_a_costly_drafter_measures_only_where_the_work_ahead_pays_for_it(tiny):
     loss = engine.policy.expected_loss(least, speculative.FIRST_ROUNDS)
     assert loss == pytest.approx(speculative.FIRST_ROUNDS * 5 * engine.drafter.cost + speculative.SWITCH_STEPS)
     assert loss > speculative.BUDGET * 60
+
+
+def test_a_draft_models_catch_up_is_priced_from_the_measured_prefill(tiny):
+    """Before its first round a draft model lacks every live row's prompt and the tokens since (all
+    but each row's last, which the round feeds); the engine prices them at the draft's cost times
+    its own measured prefill time per token, in timed decode steps' time."""
+    prompts = mixed_prompts(4, seed=3)
+    draft = tiny_model(tiny_config(max_position_embeddings=1024), seed=9)
+    engine = Engine(tiny, 4, draft=draft, policy=speculative.Policy(enabled=True, budget=0.0))  # never affords
+    for p in prompts:
+        engine.add(p, max_tokens=12, ignore_eos=True)
+    assert engine._feed_steps() == 0.0  # nothing timed yet
+    for _ in range(6):
+        list(engine.step())
+    live = [engine.requests[o] for o in engine.owner if o is not None]
+    lacking = engine.drafter.lacking(engine)
+    assert lacking == sum(len(p) for p in prompts) + sum(len(r.row.text.tokens) for r in live) - len(live)
+    assert engine.stats.timed_prompt_tokens == sum(len(p) for p in prompts) and engine.policy.rate[False]
+    per_token = engine.stats.prompt_time / engine.stats.timed_prompt_tokens
+    assert engine._feed_steps() == pytest.approx(engine.drafter.cost * lacking * per_token * engine.policy.rate[False])
+    assert engine._feed_steps() > 0 and engine.stats.verify_rounds == 0
 
 
 def test_a_costly_drafters_tries_are_spread_by_their_expected_loss():
@@ -489,7 +510,10 @@ def test_a_draft_models_cost_on_a_gpu_counts_its_layers_launches_as_well_as_its_
     """On a GPU a draft step is priced as launches per layer as well as weight reads (LAUNCH_SHARE):
     the 1B shape drafting for the 8B is 0.33 of a step (about a third, measured on an H200), where
     its bytes alone say 0.155; and a round of k = 4 then costs at least 2.6 steps, so its first
-    measure (FIRST_ROUNDS rounds, a switch there and back) is over BUDGET of a 256-token run."""
+    measure (FIRST_ROUNDS rounds, a switch there and back) is over BUDGET of a 256-token run at one
+    row. At 32 rows the budget's share is 1 - 32 x 5 / 256 (`headroom`) and the prompts' catch-up
+    adds its steps: 512 and 1,024 tokens do not afford the measure (the H200 lost 2.6-3.5% at 512
+    when it ran). The measure waits for timed decode steps, which price it."""
     from mlxfun import bench
     from mlxfun.drafting import step_cost
 
@@ -508,8 +532,24 @@ def test_a_draft_models_cost_on_a_gpu_counts_its_layers_launches_as_well_as_its_
     assert cost == pytest.approx(0.5 * 16 / 32 + 0.5 * weights) and 0.3 < cost < 0.37
     assert step_cost(big, big, gpu=True) == pytest.approx(1.0)
     least = 1 + 5 * cost
-    policy = speculative.Policy()
-    assert not policy.choose(ahead=256, least=least) and policy.choose(ahead=512, least=least)
+
+    def timed(policy):
+        for _ in range(speculative.MIN_DECODES + 1):  # the first is a warm-up, untimed
+            policy.record(False, 1.0, 0.007)
+        return policy
+
+    untimed = speculative.Policy()
+    assert not untimed.choose(ahead=10_000, least=least) and not untimed.started
+    assert timed(untimed).choose(ahead=10_000, least=least) and untimed.started
+    one = speculative.headroom(1, 4)
+    assert one == pytest.approx(1 - 5 / 256)
+    assert not timed(speculative.Policy()).choose(ahead=256, least=least, share=one)
+    assert timed(speculative.Policy()).choose(ahead=512, least=least, share=one)
+    share = speculative.headroom(32, 4)
+    assert share == pytest.approx(1 - 160 / 256)
+    for ahead, affords in ((512, False), (1024, False), (2048, True)):
+        assert timed(speculative.Policy()).choose(ahead=ahead, least=least, feed=5.0, share=share) == affords
+    assert speculative.headroom(64, 4) == 0.0 and not speculative.may_pay(64, 4)
 
 
 def test_a_draft_model_that_keeps_nothing_stops_after_its_first_rounds(tiny):
