@@ -13,6 +13,9 @@ Variants:
   ops20      MLX_MAX_OPS_PER_BUFFER=20: smaller CUDA graphs, so fewer temporaries wait on each
   group4096  prefill.GROUP_TOKENS = 4096
   flat, handle, wide  the chunk write of benchmarks/chunk_write.py's variant of that name
+  nodepends  mx.depends made a no-op: a first chunk's writes no longer ordered before the next layer
+
+On the CPU, narrow the shape: --layers 16 --hidden 1024 --batch 16 (heads of the shape's size).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-VARIANTS = ["base", "forward", "nocompile", "evalpool", "nowrite", "ops20", "group4096", "flat", "handle", "wide"]
+VARIANTS = ["base", "forward", "nocompile", "evalpool", "nowrite", "ops20", "group4096", "flat", "handle", "wide",
+            "nodepends"]
 
 
 def run_variant(args) -> dict:
@@ -36,8 +40,13 @@ def run_variant(args) -> dict:
     from mlxfun import cache as kv
     from mlxfun.engine import Engine
 
-    layers = {"num_layers": args.layers} if args.layers else {}  # fewer: a short check on the CPU
-    config = dataclasses.replace(bench.SHAPES[args.shape], vocab_size=512, layer_windows=None, **layers)
+    narrow = {"num_layers": args.layers} if args.layers else {}  # fewer and narrower: a short check on the CPU
+    shape = bench.SHAPES[args.shape]
+    if args.hidden:
+        heads = args.hidden // shape.head_dim
+        narrow.update(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_heads=heads,
+                      num_kv_heads=min(shape.num_kv_heads, heads))
+    config = dataclasses.replace(shape, vocab_size=512, layer_windows=None, **narrow)
     model = bench.random_model(config)
     mx.eval(model.params)
     prompts = bench.random_prompts(config.vocab_size, args.batch, args.prompt_tokens)
@@ -48,6 +57,8 @@ def run_variant(args) -> dict:
         prefill.GROUP_TOKENS = 4096
     if v == "nowrite":
         kv.write = lambda buf, new, slots: buf
+    if v == "nodepends":
+        mx.depends = lambda inputs, dependencies: inputs
     if v in ("flat", "handle", "wide"):
         import chunk_write  # beside this script
 
@@ -66,8 +77,8 @@ def run_variant(args) -> dict:
 
     def reporting(self, params, h, records):
         mx.eval(h, self.state)
-        groups.append({"rows": len(records), "active_gb": round((mx.get_active_memory() - base) / 1e9, 2),
-                       "peak_gb": round((mx.get_peak_memory() - base) / 1e9, 2)})
+        groups.append({"rows": len(records), "active_gb": round((mx.get_active_memory() - base) / 1e9, 3),
+                       "peak_gb": round((mx.get_peak_memory() - base) / 1e9, 3)})
         mx.reset_peak_memory()
         return first(self, params, h, records)
     Engine._first_token = reporting
@@ -75,22 +86,22 @@ def run_variant(args) -> dict:
     mx.clear_cache()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    row = {"variant": v, "weights_gb": round(base / 1e9, 2)}
+    row = {"variant": v, "weights_gb": round(base / 1e9, 3)}
     if v == "forward":
         rows = max(1, min(len(prompts), prefill.GROUP_TOKENS // args.prompt_tokens))
         ids = mx.array(prompts[:rows])
         positions = mx.broadcast_to(mx.arange(args.prompt_tokens)[None], ids.shape)
         h, _ = llama.hidden(config, model.params, ids, positions)
         mx.eval(h[:, -1])
-        row.update(rows=rows, peak_gb=round((mx.get_peak_memory() - base) / 1e9, 2))
+        row.update(rows=rows, peak_gb=round((mx.get_peak_memory() - base) / 1e9, 3))
         return row
     engine = Engine(model, args.batch, shrink_rows=False)
     for prompt in prompts:
         engine.add(prompt, max_tokens=args.max_tokens, ignore_eos=True)
     engine.admit()
     mx.eval(engine.state)
-    row.update(pool_gb=round(engine.pool.size * engine.block_bytes / 1e9, 2), groups=groups,
-               peak_gb=round(max(g["peak_gb"] for g in groups), 2))
+    row.update(pool_gb=round(engine.pool.size * engine.block_bytes / 1e9, 3), groups=groups,
+               peak_gb=round(max(g["peak_gb"] for g in groups), 3))
     return row
 
 
@@ -101,6 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (twice it the MLP's)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # the child's one variant
     p.add_argument("--json", default=None)
@@ -113,7 +125,8 @@ def main(argv=None) -> int:
         env = {**os.environ, **({"MLX_MAX_OPS_PER_BUFFER": "20"} if v == "ops20" else {})}
         cmd = [sys.executable, __file__, "--shape", args.shape, "--batch", str(args.batch), "--prompt-tokens",
                str(args.prompt_tokens), "--max-tokens", str(args.max_tokens), "--variant", v,
-               *(["--layers", str(args.layers)] if args.layers else [])]
+               *(["--layers", str(args.layers)] if args.layers else []),
+               *(["--hidden", str(args.hidden)] if args.hidden else [])]
         run = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if run.returncode:
             print(f"{v}: failed\n{run.stderr[-1500:]}", flush=True)

@@ -67,6 +67,8 @@
 #   (m1-m3, twelfth session: intermediate versions of structured_ab.py, described in benchmarks/README.md)
 #   bash benchmarks/gpu_round2.sh m4  # (carries .whl, .tok) masks read in place (mapped.HostArray): the probe, then
 #                                     structured variants, 1B and 8B at batch 32
+#   bash benchmarks/gpu_round2.sh p11 # (carries .old) a first chunk's writes ordered layer by layer (mx.depends):
+#                                     the 8B admission's peak with and without; 8B at 32 and 128 against round 1
 #   bash benchmarks/gpu_round2.sh p10 # p9 over 1,536 tokens, where the rule measures at 32 rows (no rule-off runs)
 #   bash benchmarks/gpu_round2.sh p9  # what an idle draft model costs: no drafter / rule off / rule on (8B, 32 rows)
 #   bash benchmarks/gpu_round2.sh p8  # p4 after the catch-up priced and the budget's headroom: 8B batch 32, 512 tokens
@@ -464,6 +466,12 @@ case "${1:-a}" in
       --repeats 6 --json "$OUT/structured-1B-mapped.json" | grep -v repeat
     timeout 300 python3 benchmarks/structured_ab.py --shape 8B --tokenizer .tok --batch 32 --gen-tokens 128 \
       --repeats 6 --variants 0,3,4 --json "$OUT/structured-8B-mapped.json" | grep -v repeat
+    ;;
+  p11)
+    timeout 150 python3 benchmarks/admit_variants.py --shape 8B --batch 128 --variants base,nodepends,nowrite \
+      --json "$OUT/admit-variants-8B-depends.json"
+    timeout 250 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 32,128 --gen-tokens 64 \
+      --repeats 4 --json "$OUT/rounds-ab-8B-depends.json"
     ;;
   p10)
     timeout 250 python3 benchmarks/idle_drafter.py --shape 8B --draft-shape 1B --batch 32 --gen-tokens 1536 \

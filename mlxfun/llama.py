@@ -306,6 +306,11 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
         a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
                                offset, layer_mask[config.layer_windows[i]], layer_cache, fast)
         h = h + a
+        if written is not None and (fresh or (wraps and tokens.shape[1] > 1)):
+            # Nothing reads these writes in this pass, so MLX would run them after every layer,
+            # each layer's keys and values (and the projections they are views of) alive until
+            # then: 5 GB of an 8B admission of 8,192 tokens on an H200. The next layer waits for them.
+            h = mx.depends(h, list(written))
         h = h + mlp(config, layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps), fast)
         if written is not None:
             new_keys.append(written[0])

@@ -372,3 +372,24 @@ def test_an_admission_in_several_length_groups_writes_the_kv_pool_in_place():
     pool = sum(a.nbytes for a in engine.state.cache.keys + engine.state.cache.values)
     assert pool >= 8e6
     assert mx.get_peak_memory() - base < 1.25 * pool  # the pool once, and small activations
+
+
+
+def test_a_first_chunk_writes_each_layer_before_the_next_runs(tmp_path):
+    """A first chunk (`fresh`) attends over itself, so nothing in the pass reads its KV writes;
+    left alone, MLX ran them after the last layer, every layer's keys and values (and the
+    projections they are views of) alive until then: 5 GB of an 8B admission on an H200, and on
+    this CPU 962 against 616 MB above the weights for a 16-layer, 2,048-token admission. So each
+    layer's output depends on its writes: they are in the graph of the hidden states themselves."""
+    config = tiny_config(num_layers=3)
+    model = tiny_model(config)
+    tokens = mx.array([[3, 4, 5, 6], [7, 8, 9, 10]])
+    positions = mx.broadcast_to(mx.arange(4)[None], (2, 4))
+    for fresh, writes in ((True, 2 * 3), (False, 2 * 3)):  # not fresh: attention reads the written pool
+        h, _ = llama.hidden(config, model.params, tokens, positions, None, kv.empty(config, 2, 16, mx.float32),
+                            fresh=fresh)
+        mx.export_to_dot(str(tmp_path / "h.dot"), h)
+        assert (tmp_path / "h.dot").read_text().count("Scatter") == writes
+    h, _ = llama.hidden(config, model.params, tokens, positions)  # no cache: nothing written
+    mx.export_to_dot(str(tmp_path / "h.dot"), h)
+    assert "Scatter" not in (tmp_path / "h.dot").read_text()
