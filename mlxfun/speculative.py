@@ -299,7 +299,9 @@ class Policy:
     (small batches on a GPU), and about k + 1 where it is bound by compute (large batches; the CPU's
     reference BLAS at any batch). While off, a drafter that can replay its rounds on the plain
     tokens (prompt lookup: `shadow`) keeps the speculating estimate current between tries. A
-    costly drafter measures only where it can afford to (`budget`, see BUDGET; None: always)."""
+    costly drafter measures only where it can afford to (`budget`, see BUDGET; None: always): its
+    expected loss, with the catch-up its drafter needs first (`feed`), within the batch's share of
+    the budget (`headroom`) of the steps ahead."""
 
     def __init__(self, margin: float = 1.03, interval: int = 32, longest: int = 4096, enabled: bool = True,
                  budget: float | None = BUDGET):
