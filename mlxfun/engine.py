@@ -670,7 +670,7 @@ class Engine:
         if not self.policy.enabled or any(r.mode.penalties or r.mode.masked for r in live):
             return False
         k = self.num_draft_tokens
-        return self.policy.choose(self._ahead(), self.drafter.least(k), self._feed_steps(),
+        return self.policy.choose(self._ahead(), self.drafter.least(k), self._feed_steps,
                                   speculative.headroom(len(live), k))
 
     def _feed_steps(self) -> float:

@@ -191,7 +191,13 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
     elif out is None:
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask[:, None])
     out = out.reshape(B, H * D) if x.ndim == 2 else out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
-    return reduce(config, linear(layer.o, out, fast)), written
+    out = reduce(config, linear(layer.o, out, fast))
+    if cache is not None and (cache.fresh or (cache.wraps and T > 1)):
+        # Nothing above read the writes, so MLX would run them after the last layer, every
+        # layer's keys and values (and the projections they are views of) alive until then: 5 GB
+        # of an 8B admission of 8,192 tokens on an H200. The layer's output waits for them.
+        out = mx.depends(out, list(written))
+    return out, written
 
 
 # Off Metal, attention up to this many scores runs as `grouped_attention`: on CUDA a one-token step
@@ -306,11 +312,6 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
         a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
                                offset, layer_mask[config.layer_windows[i]], layer_cache, fast)
         h = h + a
-        if written is not None and (fresh or (wraps and tokens.shape[1] > 1)):
-            # Nothing reads these writes in this pass, so MLX would run them after every layer,
-            # each layer's keys and values (and the projections they are views of) alive until
-            # then: 5 GB of an 8B admission of 8,192 tokens on an H200. The next layer waits for them.
-            h = mx.depends(h, list(written))
         h = h + mlp(config, layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps), fast)
         if written is not None:
             new_keys.append(written[0])

@@ -37,7 +37,7 @@ def pad_multiple() -> int:
 # is more). An admission's peak memory follows its largest chunk: 128 prompts of 128 tokens as one
 # chunk of the 8B took 23.1 GB beside the weights on an H200 (the decoder's activations 11.8 GB,
 # the pool 4.3 GB, the keys and values its writes wait on 7.0 GB), where round 1 peaked 9.4 GB lower.
-# (The writes waited for the last layer; each layer now waits for its own: `llama.hidden`.)
+# (The writes waited for the last layer; each layer now waits for its own: `llama.attention`.)
 GROUP_TOKENS = 8192
 
 

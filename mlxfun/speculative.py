@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -386,12 +386,14 @@ class Policy:
         `share` of the budget (`headroom`)."""
         return least <= 1.0 or self.budget is None or span is None or loss <= share * self.budget * span
 
-    def choose(self, ahead: int | None = None, least: float = 1.0, feed: float = 0.0, share: float = 1.0) -> bool:
+    def choose(self, ahead: int | None = None, least: float = 1.0, feed: Callable[[], float] = lambda: 0.0,
+               share: float = 1.0) -> bool:
         """Whether the next round speculates. `ahead`: the decode steps the live and queued rows may
         still take (None: unknown); `least`: a verify round's least cost in decode steps
-        (`Drafter.least`); `feed`: the decode steps the drafter's catch-up before its next round
-        takes (`Drafter.lacking`, priced by the engine once decode steps are timed); `share`: the
-        part of the budget the batch may spend (`headroom`)."""
+        (`Drafter.least`); `feed`: -> the decode steps the drafter's catch-up before its next round
+        takes (`Drafter.lacking`, priced by the engine once decode steps are timed), called only
+        where a measure is priced, not every step; `share`: the part of the budget the batch may
+        spend (`headroom`)."""
         if not self.enabled:
             return False
         if self.rate[True] is None:  # measure speculation first, where it can afford to
@@ -399,7 +401,7 @@ class Policy:
                 if least > 1.0 and self.budget is not None and ahead is not None \
                         and len(self.seen[False]) < MIN_DECODES:
                     return False  # a costly drafter's measure is priced in decode steps' time: time some first
-                self.started = self.affords(self.expected_loss(least, FIRST_ROUNDS) + feed, ahead, least, share)
+                self.started = self.affords(self.expected_loss(least, FIRST_ROUNDS) + feed(), ahead, least, share)
             return self.started
         if len(self.seen[False]) < MIN_DECODES:
             return False
@@ -411,7 +413,7 @@ class Policy:
         if self.countdown <= 0:  # a try of the other mode, to keep its estimate fresh
             self.countdown = self.interval
             span = self.interval if ahead is None else min(ahead, self.interval)
-            if not best and not self.affords(self.expected_loss(least, TRY_ROUNDS) + feed, span, least, share):
+            if not best and not self.affords(self.expected_loss(least, TRY_ROUNDS) + feed(), span, least, share):
                 # Too dear for the steps around it: skipped, as if lost (tries grow apart).
                 self.interval = min(self.longest, 2 * self.interval)
                 return best
@@ -487,5 +489,6 @@ def may_pay(rows: int, k: int) -> bool:
 class Always(Policy):
     """Speculate every round (measurements, tests)."""
 
-    def choose(self, ahead: int | None = None, least: float = 1.0, feed: float = 0.0, share: float = 1.0) -> bool:
+    def choose(self, ahead: int | None = None, least: float = 1.0, feed: Callable[[], float] = lambda: 0.0,
+               share: float = 1.0) -> bool:
         return True

@@ -75,7 +75,7 @@ class Alternate(speculative.Policy):
         super().__init__()
         self.calls = 0
 
-    def choose(self, ahead=None, least=1.0, feed=0.0, share=1.0) -> bool:
+    def choose(self, ahead=None, least=1.0, feed=None, share=1.0) -> bool:
         self.calls += 1
         return self.calls % 5 < 2
 
@@ -548,7 +548,7 @@ def test_a_draft_models_cost_on_a_gpu_counts_its_layers_launches_as_well_as_its_
     share = speculative.headroom(32, 4)
     assert share == pytest.approx(1 - 160 / 256)
     for ahead, affords in ((512, False), (1024, False), (2048, True)):
-        assert timed(speculative.Policy()).choose(ahead=ahead, least=least, feed=5.0, share=share) == affords
+        assert timed(speculative.Policy()).choose(ahead=ahead, least=least, feed=lambda: 5.0, share=share) == affords
     assert speculative.headroom(64, 4) == 0.0 and not speculative.may_pay(64, 4)
 
 
