@@ -67,6 +67,19 @@
 #   (m1-m3, twelfth session: intermediate versions of structured_ab.py, described in benchmarks/README.md)
 #   bash benchmarks/gpu_round2.sh m4  # (carries .whl, .tok) masks read in place (mapped.HostArray): the probe, then
 #                                     structured variants, 1B and 8B at batch 32
+#   bash benchmarks/gpu_round2.sh p17 # continuous 1B (256 mixed prompts, 32 rows), the compiled prefill on and off
+#                                     (PREFILL_COMPILED_TOKENS 0), alternating in separate processes
+#   bash benchmarks/gpu_round2.sh p16 # (carries .old) the table after the ordered writes: 1B and 8B static
+#                                     1/8/32/128 against round 1 alternating (rounds_ab.py); continuous 32, both
+#   bash benchmarks/gpu_round2.sh p15 # (carries .whl, .tok) structured_ab with 4 llguidance threads (the default now)
+#                                     against 2, 8, 12; 1B then 8B
+#   bash benchmarks/gpu_round2.sh p14 # (carries .whl, .tok) structured_ab 8B and 1B: free / schema / a new pool per
+#                                     step / 4 threads, alternating
+#   bash benchmarks/gpu_round2.sh p13 # (carries .whl, .tok) p12 with one llguidance pool per process; structured_ab
+#                                     1B (free / schema / a new pool per step, as before) and 8B; chunk writes as
+#                                     complex64 words (chunk_write.py, 8B and 1B geometry)
+#   bash benchmarks/gpu_round2.sh p12 # (carries .whl, .tok) a constrained 1B step's host phases, per call
+#                                     (structured_costs.py: the engine's wait for the masks, the worker's fill)
 #   bash benchmarks/gpu_round2.sh p11 # (carries .old) a first chunk's writes ordered layer by layer (mx.depends):
 #                                     the 8B admission's peak with and without; 8B at 32 and 128 against round 1
 #   bash benchmarks/gpu_round2.sh p10 # p9 over 1,536 tokens, where the rule measures at 32 rows (no rule-off runs)
@@ -466,6 +479,55 @@ case "${1:-a}" in
       --repeats 6 --json "$OUT/structured-1B-mapped.json" | grep -v repeat
     timeout 300 python3 benchmarks/structured_ab.py --shape 8B --tokenizer .tok --batch 32 --gen-tokens 128 \
       --repeats 6 --variants 0,3,4 --json "$OUT/structured-8B-mapped.json" | grep -v repeat
+    ;;
+  p17)
+    nocompile="import sys, mlxfun.step as s; s.PREFILL_COMPILED_TOKENS = 0; from mlxfun import bench; sys.exit(bench.main(sys.argv[1:]))"
+    for run in 1 2 3; do  # the first pair also compiles the machine's CUDA kernels
+      timeout 95 python3 -c "$nocompile" --shape 1B --continuous 32 --prompts 256 --json "$OUT/cont-plain-$run.json" \
+        | grep -v '^{'
+      timeout 95 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/cont-compiled-$run.json" \
+        | grep -v '^{'
+    done
+    ;;
+  p16)
+    timeout 150 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
+      --repeats 4 --json "$OUT/rounds-ab-1B-final.json" | tail -13
+    timeout 260 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
+      --repeats 3 --json "$OUT/rounds-ab-8B-final.json" | tail -13
+    continuous_pair
+    ;;
+  p15)
+    wheels
+    cd benchmarks
+    timeout 200 python3 structured_ab.py --shape 1B --tokenizer ../.tok --batch 32 --repeats 8 --variants 0,3,6,7,8 \
+      --json "$OUT/structured-ab-1B-threads.json" | tail -7
+    timeout 200 python3 structured_ab.py --shape 8B --tokenizer ../.tok --batch 32 --repeats 5 --variants 0,3,8 \
+      --json "$OUT/structured-ab-8B-threads.json" | tail -5
+    ;;
+  p14)
+    wheels
+    cd benchmarks
+    timeout 260 python3 structured_ab.py --shape 8B --tokenizer ../.tok --batch 32 --repeats 5 --variants 0,3,5,6 \
+      --json "$OUT/structured-ab-8B-pools.json" | tail -6
+    timeout 200 python3 structured_ab.py --shape 1B --tokenizer ../.tok --batch 32 --repeats 8 --variants 0,3,5,6 \
+      --json "$OUT/structured-ab-1B-pools.json" | tail -6
+    ;;
+  p13)
+    wheels
+    timeout 60 python3 benchmarks/chunk_write.py --json "$OUT/chunk-write-8B-wider.json"
+    timeout 40 python3 benchmarks/chunk_write.py --layers 16 --head-dim 64 --json "$OUT/chunk-write-1B-wider.json"
+    cd benchmarks
+    timeout 150 python3 structured_costs.py --shape 1B --tokenizer ../.tok --batch 32 --gen-tokens 128 \
+      --json "$OUT/structured-costs-1B-pool.json"
+    timeout 200 python3 structured_ab.py --shape 1B --tokenizer ../.tok --batch 32 --repeats 6 --variants 0,3,5 \
+      --json "$OUT/structured-ab-1B-pool.json" | tail -5
+    timeout 150 python3 structured_ab.py --shape 8B --tokenizer ../.tok --batch 32 --repeats 4 --variants 0,3 \
+      --json "$OUT/structured-ab-8B-pool.json" | tail -4
+    ;;
+  p12)
+    wheels
+    (cd benchmarks && timeout 240 python3 structured_costs.py --shape 1B --tokenizer ../.tok --batch 32 \
+      --gen-tokens 128 --json "$OUT/structured-costs-1B.json")
     ;;
   p11)
     timeout 150 python3 benchmarks/admit_variants.py --shape 8B --batch 128 --variants base,nodepends,nowrite \

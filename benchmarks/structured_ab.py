@@ -6,7 +6,9 @@ B rows of a random-weight shape with a real tokenizer; a constrained run gives e
 constrained step's masks read in place as the engine does (`mapped.HostArray`) or copied to a
 fresh array each step. Split variants take the grammar away to tell the split step's own cost
 from the masks': every row goes through the constrained step with all-ones masks, mapped or
-copied each step. A mask's upload alone: benchmarks/mapped_masks.py.
+copied each step. A mask's upload alone: benchmarks/mapped_masks.py. Pool variants fill the masks
+through llguidance pools other than the engine's one (`structured._executor`): a new pool per step
+(what the engine did before 2026-12-04), or one of 2, 8 or 12 threads.
 Each variant runs once to warm up, then `--repeats` times in turn; reported: median ms per
 decode step (admission excluded) and its ratio to the first variant's median (free, by default).
 
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from structured_costs import add_rows, random_model  # benchmarks/ is on the path: these scripts run from there
 
-from mlxfun import bench
+from mlxfun import bench, structured
 from mlxfun import engine as engine_mod
 from mlxfun.engine import Engine
 from mlxfun.load import Model
@@ -38,6 +40,10 @@ VARIANTS = {
     "split step, masks copied": ("split", "copied"),
     "schema": ("schema", "engine"),
     "schema, masks copied": ("schema", "copied"),
+    "schema, a new llguidance pool per step": ("schema", "newpool"),  # as before 2026-12-04
+    "schema, 2 llguidance threads": ("schema", "pool2"),
+    "schema, 8 llguidance threads": ("schema", "pool8"),
+    "schema, 12 llguidance threads": ("schema", "pool12"),  # llguidance's default on a 16-core host
 }
 
 
@@ -94,10 +100,19 @@ def run(model: Model, batch: int, gen_tokens: int, rows: str, upload: str, promp
     engine = VariantEngine(model, batch, rows == "split", upload)
     add_rows(engine, batch, gen_tokens, rows == "schema", prompt)
     start, tokens = None, {}
-    for event in engine.events():
-        tokens.setdefault(event.index, []).append(event.token)
-        if start is None and engine.stats.steps >= 1:  # the admission and first step are behind
-            start = (time.perf_counter(), engine.stats.steps)
+    pool = structured._executor
+    if upload == "newpool":
+        structured._executor = lambda: structured._llguidance().LLExecutor()
+    elif upload.startswith("pool"):
+        threads = structured._llguidance().LLExecutor(int(upload[4:]))
+        structured._executor = lambda: threads
+    try:
+        for event in engine.events():
+            tokens.setdefault(event.index, []).append(event.token)
+            if start is None and engine.stats.steps >= 1:  # the admission and first step are behind
+                start = (time.perf_counter(), engine.stats.steps)
+    finally:
+        structured._executor = pool
     t, s = start
     steps = engine.stats.steps - s
     return {"step_ms": (time.perf_counter() - t) * 1e3 / max(1, steps), "steps": steps,

@@ -5,7 +5,10 @@ B rows of a random-weight shape with a real tokenizer (a Hugging Face folder), e
 - device parts, synchronous (evaluated per call, median): the fused decode step, the split step's
   forward half and sampling half, and each call's host launch alone (queued, not waited for);
 - the engine run whole, ms per step, and per step the host time spent in each engine phase
-  (wrapped methods; time in a phase includes its waits for the device).
+  (wrapped methods; time in a phase includes its waits for the device), with the engine thread's
+  wait for the masks (`wait`) and the worker's llguidance fill (`fill_masks`); for those and the
+  worker's whole turn, the median and 90th percentile of one call (`call_ms`), where a slow
+  grammar step shows.
 
 Run: python benchmarks/structured_costs.py --shape 1B --tokenizer .tok --batch 32 [--json PATH]
 """
@@ -60,10 +63,35 @@ def device_parts(engine: Engine) -> dict:
     return out
 
 
+class _TimedJob:
+    """A mask worker's future whose `result` (the engine thread's wait) is timed."""
+
+    def __init__(self, job, times, calls):
+        self._job, self._times, self._calls = job, times, calls
+
+    def result(self):
+        t = time.perf_counter()
+        try:
+            return self._job.result()
+        finally:
+            dt = time.perf_counter() - t
+            self._times["wait"] += dt
+            self._calls["wait"].append(dt)
+
+
+class _TimedPool:
+    def __init__(self, pool, times, calls):
+        self._pool, self._times, self._calls = pool, times, calls
+
+    def submit(self, *a):
+        return _TimedJob(self._pool.submit(*a), self._times, self._calls)
+
+
 def run(model: Model, batch: int, gen_tokens: int, constrained: bool, prompt: list[int]) -> dict:
     engine = Engine(model, batch)
     add_rows(engine, batch, gen_tokens, constrained, prompt)
     times: dict[str, float] = collections.defaultdict(float)
+    calls: dict[str, list[float]] = collections.defaultdict(list)
     saved = {}
     for name in PHASES:
         f = getattr(Engine, name)
@@ -74,8 +102,23 @@ def run(model: Model, batch: int, gen_tokens: int, constrained: bool, prompt: li
             try:
                 return _f(*a, **k)
             finally:
-                times[_n] += time.perf_counter() - t
+                dt = time.perf_counter() - t
+                times[_n] += dt
+                calls[_n].append(dt)
         setattr(Engine, name, timed)
+    pool = Engine._mask_pool
+    Engine._mask_pool = lambda self: _TimedPool(pool(self), times, calls)
+    fill = structured.fill_masks
+
+    def timed_fill(*a):
+        t = time.perf_counter()
+        try:
+            return fill(*a)
+        finally:
+            dt = time.perf_counter() - t
+            times["fill_masks"] += dt
+            calls["fill_masks"].append(dt)
+    structured.fill_masks = timed_fill
     values = engine_mod.host_values
 
     def read(out):
@@ -95,13 +138,17 @@ def run(model: Model, batch: int, gen_tokens: int, constrained: bool, prompt: li
     finally:
         for name, f in saved.items():
             setattr(Engine, name, f)
+        Engine._mask_pool = pool
+        structured.fill_masks = fill
         engine_mod.host_values = values
     t1, s1, before = first
     steps = engine.stats.steps - s1  # after admission: decoding steps only
     phases = {k: (v - before.get(k, 0.0)) * 1e3 / steps for k, v in times.items()}
+    spread = {f"{k}_p50_p90": [round(float(np.percentile(v, q)) * 1e3, 3) for q in (50, 90)]
+              for k, v in calls.items() if k in ("wait", "fill_masks", "_read_and_mask", "masked_decode", "decode")}
     return {"constrained": constrained, "total_s": total, "steps": engine.stats.steps,
             "tokens": engine.stats.generation_tokens, "step_ms": (time.perf_counter() - t1) * 1e3 / steps,
-            "phase_ms_per_step": phases}
+            "phase_ms_per_step": phases, "call_ms": spread}
 
 
 def random_model(shape: str, tokenizer: Path, layers: int | None = None) -> tuple[Model, list[int]]:
@@ -140,8 +187,8 @@ def main(argv=None) -> int:
         rows.append(run(model, args.batch, args.gen_tokens, constrained, prompt))
         r = rows[-1]
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else
-                              {a: round(b, 3) for a, b in v.items()} if isinstance(v, dict) else v)
-                          for k, v in r.items()}), flush=True)
+                              {a: round(b, 3) if isinstance(b, float) else b for a, b in v.items()}
+                              if isinstance(v, dict) else v) for k, v in r.items()}), flush=True)
     engine = Engine(model, args.batch)
     for _ in range(args.batch):
         engine.add(prompt, max_tokens=96, ignore_eos=True)  # a small pool: the held state's copy is small

@@ -350,6 +350,38 @@ def test_batched_masks_equal_each_row_alone(model_q4):
         assert np.array_equal(batch[i], alone)
 
 
+def test_batched_masks_reuse_one_small_thread_pool(model_q4, monkeypatch):
+    """Each step's masks go through one llguidance pool made once per process (a pool per step
+    spawned its threads every step: 1.23-1.33x a free step against 1.12-1.13x, 1B at batch 32 on
+    an H200), of at most MASK_THREADS threads."""
+    import llguidance
+
+    made = []
+    real = llguidance.LLExecutor
+
+    def counted(*args):
+        made.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(llguidance, "LLExecutor", counted)
+    structured._executor.cache_clear()
+    try:
+        tok, V = model_q4.tokenizer, model_q4.config.vocab_size
+        c = structured.constraint(tok, V, {"type": "regex", "regex": r"[a-z]{1,8}"})
+        matchers = [c.matcher(tok.eos_token_ids) for _ in range(3)]
+        out = np.zeros((3, structured.words(V)), np.uint32)
+        steps = tok.encode("abcdefgh", add_special_tokens=False)
+        assert len(steps) >= 3
+        for t in steps:  # a step of three rows per token
+            structured.fill_masks(matchers, out)
+            assert all(t in allowed_ids(row) for row in out)
+            for m in matchers:
+                m.advance(t)
+        assert len(made) == 1 and 1 <= made[0][0] <= structured.MASK_THREADS
+    finally:
+        structured._executor.cache_clear()  # later tests make the real pool again
+
+
 # ---- compiling: errors before any work, naming the schema path ----
 
 
