@@ -14,8 +14,10 @@ Variants:
   group4096  prefill.GROUP_TOKENS = 4096
   flat, handle, wide  the chunk write of benchmarks/chunk_write.py's variant of that name
   nodepends  mx.depends made a no-op: a first chunk's writes no longer ordered before the next layer
+  elements   a chunk's 16-bit keys and values written element by element, not as uint32 words
 
-On the CPU, narrow the shape: --layers 16 --hidden 1024 --batch 16 (heads of the shape's size).
+On the CPU, narrow the shape: --layers 16 --hidden 1024 --batch 16 (heads of the shape's size), and
+--bf16 for a GPU's dtype (the words write applies to 16-bit pools only).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import sys
 from pathlib import Path
 
 VARIANTS = ["base", "forward", "nocompile", "evalpool", "nowrite", "ops20", "group4096", "flat", "handle", "wide",
-            "nodepends"]
+            "nodepends", "elements"]
 
 
 def run_variant(args) -> dict:
@@ -47,7 +49,7 @@ def run_variant(args) -> dict:
         narrow.update(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_heads=heads,
                       num_kv_heads=min(shape.num_kv_heads, heads))
     config = dataclasses.replace(shape, vocab_size=512, layer_windows=None, **narrow)
-    model = bench.random_model(config)
+    model = bench.random_model(config, mx.bfloat16 if args.bf16 else None)
     mx.eval(model.params)
     prompts = bench.random_prompts(config.vocab_size, args.batch, args.prompt_tokens)
     v = args.variant
@@ -56,14 +58,17 @@ def run_variant(args) -> dict:
     if v == "group4096":
         prefill.GROUP_TOKENS = 4096
     if v == "nowrite":
-        kv.write = lambda buf, new, slots: buf
+        kv.write = lambda buf, new, slots, words=False: buf
+    if v == "elements":  # a chunk's 16-bit values written one by one (before 2026-12-04), not as words
+        write = kv.write
+        kv.write = lambda buf, new, slots, words=False: write(buf, new, slots)
     if v == "nodepends":
         mx.depends = lambda inputs, dependencies: inputs
     if v in ("flat", "handle", "wide"):
         import chunk_write  # beside this script
 
         one_token, chunk = kv.write, chunk_write.VARIANTS[v]
-        kv.write = lambda buf, new, slots: (one_token if new.shape[2] == 1 else chunk)(buf, new, slots)
+        kv.write = lambda buf, new, slots, words=False: (one_token if new.shape[2] == 1 else chunk)(buf, new, slots)
     groups: list[dict] = []
     if v == "evalpool":
         empty = Engine._empty_state
@@ -113,6 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None, help="hidden size (twice it the MLP's)")
+    p.add_argument("--bf16", action="store_true", help="bf16 weights on the CPU too (a GPU's default)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # the child's one variant
     p.add_argument("--json", default=None)
@@ -126,7 +132,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, __file__, "--shape", args.shape, "--batch", str(args.batch), "--prompt-tokens",
                str(args.prompt_tokens), "--max-tokens", str(args.max_tokens), "--variant", v,
                *(["--layers", str(args.layers)] if args.layers else []),
-               *(["--hidden", str(args.hidden)] if args.hidden else [])]
+               *(["--hidden", str(args.hidden)] if args.hidden else []), *(["--bf16"] if args.bf16 else [])]
         run = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if run.returncode:
             print(f"{v}: failed\n{run.stderr[-1500:]}", flush=True)

@@ -67,6 +67,9 @@
 #   (m1-m3, twelfth session: intermediate versions of structured_ab.py, described in benchmarks/README.md)
 #   bash benchmarks/gpu_round2.sh m4  # (carries .whl, .tok) masks read in place (mapped.HostArray): the probe, then
 #                                     structured variants, 1B and 8B at batch 32
+#   bash benchmarks/gpu_round2.sh p18 # (carries .old) a chunk's 16-bit KV written as uint32 words (not yet measured
+#                                     end to end): the 8B admission's peak, words / elements; 1B and 8B at 32 and
+#                                     128 against round 1
 #   bash benchmarks/gpu_round2.sh p17 # continuous 1B (256 mixed prompts, 32 rows), the compiled prefill on and off
 #                                     (PREFILL_COMPILED_TOKENS 0), alternating in separate processes
 #   bash benchmarks/gpu_round2.sh p16 # (carries .old) the table after the ordered writes: 1B and 8B static
@@ -479,6 +482,14 @@ case "${1:-a}" in
       --repeats 6 --json "$OUT/structured-1B-mapped.json" | grep -v repeat
     timeout 300 python3 benchmarks/structured_ab.py --shape 8B --tokenizer .tok --batch 32 --gen-tokens 128 \
       --repeats 6 --variants 0,3,4 --json "$OUT/structured-8B-mapped.json" | grep -v repeat
+    ;;
+  p18)
+    timeout 120 python3 benchmarks/admit_variants.py --shape 8B --batch 128 --variants base,elements \
+      --json "$OUT/admit-variants-8B-words.json"
+    timeout 150 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 32,128 --gen-tokens 16 \
+      --repeats 5 --elements --json "$OUT/rounds-ab-1B-words.json" | tail -9
+    timeout 250 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 32,128 --gen-tokens 16 \
+      --repeats 4 --elements --json "$OUT/rounds-ab-8B-words.json" | tail -9
     ;;
   p17)
     nocompile="import sys, mlxfun.step as s; s.PREFILL_COMPILED_TOKENS = 0; from mlxfun import bench; sys.exit(bench.main(sys.argv[1:]))"

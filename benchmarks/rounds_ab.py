@@ -69,6 +69,20 @@ def grouped(tokens: int):
     return run
 
 
+def elementwise(*a):
+    """This code's run_batch with a chunk's 16-bit keys and values written element by element (as
+    before 2026-12-04), not as uint32 words. Chunks over `step.PREFILL_COMPILED_TOKENS` only: a
+    compiled chunk keeps the write it was traced with."""
+    from mlxfun import cache as kv
+
+    shipped = kv.write
+    kv.write = lambda buf, new, slots, words=False: shipped(buf, new, slots)
+    try:
+        return bench.run_batch(*a)
+    finally:
+        kv.write = shipped
+
+
 def timed(run_batch, model, prompts, gen_tokens) -> dict:
     gc.collect()
     mx.clear_cache()
@@ -87,6 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--group-tokens", default="",
                    help="also this code with prefill.GROUP_TOKENS set to each of these (comma-separated)")
+    p.add_argument("--elements", action="store_true",
+                   help="also this code with a chunk's 16-bit KV written element by element, not as words")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -98,6 +114,8 @@ def main(argv=None) -> int:
     runs = {"round 1": (bench1.run_batch, old), "this code": (bench.run_batch, new)}
     for n in [int(n) for n in args.group_tokens.split(",") if n]:
         runs[f"group {n}"] = (grouped(n), new)
+    if args.elements:
+        runs["by elements"] = (elementwise, new)
     out = {"machine": bench.machine(), "args": vars(args) | {"old": str(args.old)}, "batches": []}
     print(f"{'batch':>5s} {'version':10s} {'prompt tok/s':>12s} {'gen tok/s':>10s} {'peak GB':>8s}  (medians)")
     for B in [int(b) for b in args.batch_sizes.split(",")]:
