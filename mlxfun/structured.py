@@ -267,10 +267,11 @@ MASK_THREADS = 4  # llguidance's threads for a batch's masks, at most
 
 @lru_cache(maxsize=1)
 def _executor():
-    """llguidance's thread pool, made once (a new one per step spawned its threads every step):
-    80% of the cores as llguidance chooses, at most MASK_THREADS. More threads only compete with the
-    engine thread and MLX's for the host: H200 host, 16 cores, batch 32 with a JSON schema on every
-    row, 1B shape: 1.10x a free step with 4 threads, 1.17x with 12, 1.23x with a pool per step."""
+    """llguidance's thread pool, made once: a new one per step spawned its threads every step (1B
+    shape, batch 32, a JSON schema on every row, H200 host of 16 cores: 1.23-1.33x a free step,
+    1.12-1.17x with one pool). 80% of the cores as llguidance chooses, at most MASK_THREADS: 2 to 12
+    threads measured within the runs' spread (1.11-1.14x), so the host's other cores are left to
+    the engine thread and MLX's."""
     return _llguidance().LLExecutor(max(1, min(MASK_THREADS, int(0.8 * (os.cpu_count() or 1)))))
 
 
