@@ -2,11 +2,13 @@
 peak memory of writing T tokens of B rows into each of 2 x `layers` pool buffers (N * bs, K, D),
 chained as an admission does (each buffer's old version dropped, so the write can be in place).
 
-  flat:  the update transposed to (B * T, K, D) (a copy), one index per token (`cache.write` before)
-  view:  the update as the strided view (B, T, K, D), indices (B, T): no copy of the update
+  flat:  the update transposed to (B * T, K, D) (a copy), one index per token (`cache.write` until 2026-12-04)
+  view:  the update as the strided view (B, T, K, D), indices (B, T): no copy of the update (`cache.write`)
   handle: view, written through a new handle on the pool (`astype` to its own dtype) rather than a copy node
-  wide:  handle, with the pool and the update seen as uint32 words (2 bf16 per thread of the scatter)
-  wider: the same as complex64 words (4 bf16 per thread; a bit copy, like any assignment)
+  wide:  handle, with the pool and the update seen as uint32 words (2 bf16 per thread of the scatter;
+         `cache.write` in the engine's `fast` passes)
+(complex64 words, 4 bf16 per thread, were 2.5x faster than bf16 on the CPU, but MLX's CUDA scatter
+takes no complex64.)
 
 Run: python benchmarks/chunk_write.py [--rows 64] [--tokens 128] [--layers 32] [--json PATH]
 """
@@ -49,14 +51,7 @@ def wide(buf, new, slots):
     return out.view(buf.dtype)
 
 
-def wider(buf, new, slots):
-    """The slots' bytes as complex64 words: 4 bf16 per thread of the scatter."""
-    out = buf.view(mx.complex64)
-    out[slots] = new.transpose(0, 2, 1, 3).view(mx.complex64)
-    return out.view(buf.dtype)
-
-
-VARIANTS = {"flat": flat, "view": view, "handle": handle, "wide": wide, "wider": wider}
+VARIANTS = {"flat": flat, "view": view, "handle": handle, "wide": wide}
 
 
 def run(fn, args, repeats: int) -> dict:

@@ -80,7 +80,7 @@
 #                                     step / 4 threads, alternating
 #   bash benchmarks/gpu_round2.sh p13 # (carries .whl, .tok) p12 with one llguidance pool per process; structured_ab
 #                                     1B (free / schema / a new pool per step, as before) and 8B; chunk writes as
-#                                     complex64 words (chunk_write.py, 8B and 1B geometry)
+#                                     complex64 words (a chunk_write.py variant since removed: the CUDA scatter takes no complex64)
 #   bash benchmarks/gpu_round2.sh p12 # (carries .whl, .tok) a constrained 1B step's host phases, per call
 #                                     (structured_costs.py: the engine's wait for the masks, the worker's fill)
 #   bash benchmarks/gpu_round2.sh p11 # (carries .old) a first chunk's writes ordered layer by layer (mx.depends):

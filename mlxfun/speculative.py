@@ -381,10 +381,15 @@ class Policy:
             per_round = least - 1.0
         return rounds * per_round + SWITCH_STEPS
 
+    def priced(self, least: float, span: int | None) -> bool:
+        """Whether measuring is held to the budget: a costly drafter (`least` over a decode step),
+        a budget, and a known span of steps to spread its loss over."""
+        return least > 1.0 and self.budget is not None and span is not None
+
     def affords(self, loss: float, span: int | None, least: float, share: float = 1.0) -> bool:
         """Whether measuring that loses `loss` decode steps may run, spread over `span` steps, with
         `share` of the budget (`headroom`)."""
-        return least <= 1.0 or self.budget is None or span is None or loss <= share * self.budget * span
+        return not self.priced(least, span) or loss <= share * self.budget * span
 
     def choose(self, ahead: int | None = None, least: float = 1.0, feed: Callable[[], float] = lambda: 0.0,
                share: float = 1.0) -> bool:
@@ -398,8 +403,7 @@ class Policy:
             return False
         if self.rate[True] is None:  # measure speculation first, where it can afford to
             if not self.started:
-                if least > 1.0 and self.budget is not None and ahead is not None \
-                        and len(self.seen[False]) < MIN_DECODES:
+                if self.priced(least, ahead) and len(self.seen[False]) < MIN_DECODES:
                     return False  # a costly drafter's measure is priced in decode steps' time: time some first
                 self.started = self.affords(self.expected_loss(least, FIRST_ROUNDS) + feed(), ahead, least, share)
             return self.started

@@ -426,9 +426,8 @@ def test_a_fast_chunk_writes_16_bit_values_as_words_in_place(dtype, tmp_path):
     params = weights.cast(config, model.params, dtype)
     tokens = mx.array([[3, 4, 5, 6, 7], [8, 9, 10, 0, 0]])
     positions = mx.array([[0, 1, 2, 3, 4], [0, 1, 2, -1, -1]])
-    runs = [llama.hidden(config, params, tokens, positions, None, kv.empty(config, 2, 16, dtype), fresh=True,
-                         fast=fast) for fast in (False, True)]
-    (h0, c0), (h1, c1) = runs
+    (h0, c0), (h1, c1) = [llama.hidden(config, params, tokens, positions, None, kv.empty(config, 2, 16, dtype),
+                                       fresh=True, fast=fast) for fast in (False, True)]
     assert np.array_equal(np.array(h0.view(mx.uint16)), np.array(h1.view(mx.uint16)))
     for a, b in zip(c0.keys + c0.values, c1.keys + c1.values):
         assert a.dtype == dtype and np.array_equal(np.array(a.view(mx.uint16)), np.array(b.view(mx.uint16)))
