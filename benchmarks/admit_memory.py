@@ -66,8 +66,8 @@ def main(argv=None) -> int:
         h, _ = llama.hidden(config, model.params, ids, positions)
         mx.eval(h[:, -1])
 
-    # An admission prefills groups of at most prefill.GROUP_TOKENS tokens, one after the other.
-    group = max(1, min(len(prompts), prefill.GROUP_TOKENS // args.prompt_tokens))
+    # An admission prefills groups of at most prefill.group_tokens tokens, one after the other.
+    group = max(1, min(len(prompts), prefill.group_tokens(config.hidden_size) // args.prompt_tokens))
     row = {"batch": args.batch, "tokens": args.prompt_tokens, "admit_peak_mb": peak_of(admit),
            "pool_mb": pool["mb"], "forward_peak_mb": peak_of(forward), "group_rows": group,
            "group_forward_peak_mb": peak_of(lambda: forward(group))}

@@ -11,13 +11,12 @@ Variants:
   evalpool   the empty pool evaluated before the first group (not a lazy zeros inside the first graph)
   nowrite    kv.write returns the pool unwritten (what the pool writes hold)
   ops20      MLX_MAX_OPS_PER_BUFFER=20: smaller CUDA graphs, so fewer temporaries wait on each
-  group4096  prefill.GROUP_TOKENS = 4096
+  group4096  prefill groups of 4,096 tokens (`prefill.group_tokens`)
   flat, handle, wide  the chunk write of benchmarks/chunk_write.py's variant of that name
   nodepends  mx.depends made a no-op: a first chunk's writes no longer ordered before the next layer
-  elements   a chunk's 16-bit keys and values written element by element, not as uint32 words
 
 On the CPU, narrow the shape: --layers 16 --hidden 1024 --batch 16 (heads of the shape's size), and
---bf16 for a GPU's dtype (the words write applies to 16-bit pools only).
+--bf16 for a GPU's dtype.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import sys
 from pathlib import Path
 
 VARIANTS = ["base", "forward", "nocompile", "evalpool", "nowrite", "ops20", "group4096", "flat", "handle", "wide",
-            "nodepends", "elements"]
+            "nodepends"]
 
 
 def run_variant(args) -> dict:
@@ -56,19 +55,16 @@ def run_variant(args) -> dict:
     if v == "nocompile":
         mx.disable_compile()
     if v == "group4096":
-        prefill.GROUP_TOKENS = 4096
+        prefill.group_tokens = lambda hidden_size: 4096
     if v == "nowrite":
-        kv.write = lambda buf, new, slots, words=False: buf
-    if v == "elements":  # a chunk's 16-bit values written one by one (before 2026-12-04), not as words
-        write = kv.write
-        kv.write = lambda buf, new, slots, words=False: write(buf, new, slots)
+        kv.write = lambda buf, new, slots: buf
     if v == "nodepends":
         mx.depends = lambda inputs, dependencies: inputs
     if v in ("flat", "handle", "wide"):
         import chunk_write  # beside this script
 
         one_token, chunk = kv.write, chunk_write.VARIANTS[v]
-        kv.write = lambda buf, new, slots, words=False: (one_token if new.shape[2] == 1 else chunk)(buf, new, slots)
+        kv.write = lambda buf, new, slots: (one_token if new.shape[2] == 1 else chunk)(buf, new, slots)
     groups: list[dict] = []
     if v == "evalpool":
         empty = Engine._empty_state
@@ -93,7 +89,7 @@ def run_variant(args) -> dict:
     base = mx.get_active_memory()
     row = {"variant": v, "weights_gb": round(base / 1e9, 3)}
     if v == "forward":
-        rows = max(1, min(len(prompts), prefill.GROUP_TOKENS // args.prompt_tokens))
+        rows = max(1, min(len(prompts), prefill.group_tokens(config.hidden_size) // args.prompt_tokens))
         ids = mx.array(prompts[:rows])
         positions = mx.broadcast_to(mx.arange(args.prompt_tokens)[None], ids.shape)
         h, _ = llama.hidden(config, model.params, ids, positions)

@@ -6,7 +6,7 @@ chained as an admission does (each buffer's old version dropped, so the write ca
   view:  the update as the strided view (B, T, K, D), indices (B, T): no copy of the update (`cache.write`)
   handle: view, written through a new handle on the pool (`astype` to its own dtype) rather than a copy node
   wide:  handle, with the pool and the update seen as uint32 words (2 bf16 per thread of the scatter;
-         `cache.write` in the engine's `fast` passes)
+         `cache.write` in the engine's passes from 2026-12-04 until whole admissions measured 3-10% slower)
 (complex64 words, 4 bf16 per thread, were 2.5x faster than bf16 on the CPU, but MLX's CUDA scatter
 takes no complex64.)
 

@@ -67,9 +67,21 @@
 #   (m1-m3, twelfth session: intermediate versions of structured_ab.py, described in benchmarks/README.md)
 #   bash benchmarks/gpu_round2.sh m4  # (carries .whl, .tok) masks read in place (mapped.HostArray): the probe, then
 #                                     structured variants, 1B and 8B at batch 32
-#   bash benchmarks/gpu_round2.sh p18 # (carries .old) a chunk's 16-bit KV written as uint32 words (not yet measured
-#                                     end to end): the 8B admission's peak, words / elements; 1B and 8B at 32 and
-#                                     128 against round 1
+#   bash benchmarks/gpu_round2.sh p23 # (carries .old, .whl, .tok) the session's final code: 1B static 1/8/32/128 against
+#                                     round 1; structured_ab 1B free / schema; 8B at 32 and 128 against round 1
+#   bash benchmarks/gpu_round2.sh p22 # (carries .old) the next group's host work before the wait: admission timelines
+#                                     (1B, 128), then 1B at 32 and 128 against round 1 (and groups of 16,384), 8B at 128
+#   bash benchmarks/gpu_round2.sh p21 # (carries .old, .whl, .tok) static admissions' host timelines, this code and round 1
+#                                     (admit_timeline.py, 1B at 32 and 128); structured_ab 8B free / 4 families / 1;
+#                                     mlxfun bench --structured (1B, 32 rows, 128 tokens)
+#   bash benchmarks/gpu_round2.sh p20 # (carries .whl, .tok) llguidance matcher families: structured_ab 1B free / 4
+#                                     families (shipped) / 1 family (before) / 8 and 12 families and threads; the
+#                                     timeline with 4 families
+#   bash benchmarks/gpu_round2.sh p19 # (carries .whl, .tok) a constrained 1B step's two threads on one timeline
+#                                     (structured_timeline.py): which one a slow step waits for
+#   bash benchmarks/gpu_round2.sh p18 # (carries .old) a chunk's 16-bit KV written as uint32 words, end to end: the 8B
+#                                     admission's peak, elements / words; 1B and 8B at 32 and 128 against round 1
+#                                     (run on the words code, its variant then elements; words 3-10% slower, dropped)
 #   bash benchmarks/gpu_round2.sh p17 # continuous 1B (256 mixed prompts, 32 rows), the compiled prefill on and off
 #                                     (PREFILL_COMPILED_TOKENS 0), alternating in separate processes
 #   bash benchmarks/gpu_round2.sh p16 # (carries .old) the issue's table after the ordered writes: 1B and 8B static
@@ -483,13 +495,54 @@ case "${1:-a}" in
     timeout 300 python3 benchmarks/structured_ab.py --shape 8B --tokenizer .tok --batch 32 --gen-tokens 128 \
       --repeats 6 --variants 0,3,4 --json "$OUT/structured-8B-mapped.json" | grep -v repeat
     ;;
+  p23)
+    wheels
+    timeout 200 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 32 \
+      --repeats 4 --json "$OUT/rounds-ab-1B-final.json" | tail -12
+    (cd benchmarks && timeout 120 python3 structured_ab.py --shape 1B --tokenizer ../.tok --batch 32 --repeats 5 \
+      --variants 0,3 --json "$OUT/structured-ab-1B-final.json" | tail -3)
+    timeout 230 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 32,128 --gen-tokens 32 \
+      --repeats 3 --json "$OUT/rounds-ab-8B-final.json" | tail -6
+    ;;
+  p22)
+    timeout 100 python3 benchmarks/admit_timeline.py --shape 1B --old .old --batch-sizes 128 --repeats 3 \
+      --json "$OUT/admit-timeline-1B-ahead.json" | head -3
+    timeout 170 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 32,128 --gen-tokens 16 \
+      --repeats 5 --group-tokens 16384 --json "$OUT/rounds-ab-1B-ahead.json" | tail -9
+    timeout 170 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 128 --gen-tokens 16 \
+      --repeats 3 --json "$OUT/rounds-ab-8B-ahead.json" | tail -3
+    ;;
+  p21)
+    wheels
+    timeout 150 python3 benchmarks/admit_timeline.py --shape 1B --old .old --batch-sizes 32,128 --repeats 3 \
+      --json "$OUT/admit-timeline-1B.json"
+    timeout 120 python3 -m mlxfun.bench --structured --shape 1B --tokenizer .tok --batch-sizes 32 --gen-tokens 128 \
+      --json "$OUT/bench-structured-1B.json" | tail -2
+    cd benchmarks
+    timeout 240 python3 structured_ab.py --shape 8B --tokenizer ../.tok --batch 32 --repeats 4 --variants 0,3,9 \
+      --json "$OUT/structured-ab-8B-families.json" | tail -5
+    ;;
+  p20)
+    wheels
+    cd benchmarks
+    timeout 240 python3 structured_ab.py --shape 1B --tokenizer ../.tok --batch 32 --repeats 6 --variants 0,3,9,10,11 \
+      --json "$OUT/structured-ab-1B-families.json" | tail -7
+    timeout 150 python3 structured_timeline.py --shape 1B --tokenizer ../.tok --batch 32 \
+      --json "$OUT/structured-timeline-1B-families.json" | tail -30
+    ;;
+  p19)
+    wheels
+    cd benchmarks
+    timeout 200 python3 structured_timeline.py --shape 1B --tokenizer ../.tok --batch 32 \
+      --json "$OUT/structured-timeline-1B.json" | tail -30
+    ;;
   p18)
-    timeout 120 python3 benchmarks/admit_variants.py --shape 8B --batch 128 --variants base,elements \
+    timeout 120 python3 benchmarks/admit_variants.py --shape 8B --batch 128 --variants base,wide \
       --json "$OUT/admit-variants-8B-words.json"
     timeout 150 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 32,128 --gen-tokens 16 \
-      --repeats 5 --elements --json "$OUT/rounds-ab-1B-words.json" | tail -9
+      --repeats 5 --words --json "$OUT/rounds-ab-1B-words.json" | tail -9
     timeout 250 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 32,128 --gen-tokens 16 \
-      --repeats 4 --elements --json "$OUT/rounds-ab-8B-words.json" | tail -9
+      --repeats 4 --words --json "$OUT/rounds-ab-8B-words.json" | tail -9
     ;;
   p17)
     nocompile="import sys, mlxfun.step as s; s.PREFILL_COMPILED_TOKENS = 0; from mlxfun import bench; sys.exit(bench.main(sys.argv[1:]))"

@@ -57,26 +57,28 @@ def as_round1(tree, llama1):
 
 
 def grouped(tokens: int):
-    """This code's run_batch with prefill.GROUP_TOKENS set to `tokens` while it runs."""
+    """This code's run_batch with groups of `tokens` (`prefill.group_tokens`) while it runs."""
     from mlxfun import prefill
 
     def run(*a):
-        shipped, prefill.GROUP_TOKENS = prefill.GROUP_TOKENS, tokens
+        shipped, prefill.group_tokens = prefill.group_tokens, lambda hidden_size: tokens
         try:
             return bench.run_batch(*a)
         finally:
-            prefill.GROUP_TOKENS = shipped
+            prefill.group_tokens = shipped
     return run
 
 
-def elementwise(*a):
-    """This code's run_batch with a chunk's 16-bit keys and values written element by element (as
-    before 2026-12-04), not as uint32 words. Chunks over `step.PREFILL_COMPILED_TOKENS` only: a
-    compiled chunk keeps the write it was traced with."""
+def words(*a):
+    """This code's run_batch with a chunk's 16-bit keys and values written as uint32 words
+    (`chunk_write.py`'s `wide`, what the engine's passes did on 2026-12-04). Chunks over
+    `step.PREFILL_COMPILED_TOKENS` only: a compiled chunk keeps the write it was traced with."""
+    import chunk_write  # beside this script
+
     from mlxfun import cache as kv
 
     shipped = kv.write
-    kv.write = lambda buf, new, slots, words=False: shipped(buf, new, slots)
+    kv.write = lambda buf, new, slots: (shipped if new.shape[2] == 1 else chunk_write.wide)(buf, new, slots)
     try:
         return bench.run_batch(*a)
     finally:
@@ -100,9 +102,9 @@ def main(argv=None) -> int:
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--group-tokens", default="",
-                   help="also this code with prefill.GROUP_TOKENS set to each of these (comma-separated)")
-    p.add_argument("--elements", action="store_true",
-                   help="also this code with a chunk's 16-bit KV written element by element, not as words")
+                   help="also this code with prefill groups of each of these many tokens (comma-separated)")
+    p.add_argument("--words", action="store_true",
+                   help="also this code with a chunk's 16-bit KV written as uint32 words")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -114,8 +116,8 @@ def main(argv=None) -> int:
     runs = {"round 1": (bench1.run_batch, old), "this code": (bench.run_batch, new)}
     for n in [int(n) for n in args.group_tokens.split(",") if n]:
         runs[f"group {n}"] = (grouped(n), new)
-    if args.elements:
-        runs["by elements"] = (elementwise, new)
+    if args.words:
+        runs["as words"] = (words, new)
     out = {"machine": bench.machine(), "args": vars(args) | {"old": str(args.old)}, "batches": []}
     print(f"{'batch':>5s} {'version':10s} {'prompt tok/s':>12s} {'gen tok/s':>10s} {'peak GB':>8s}  (medians)")
     for B in [int(b) for b in args.batch_sizes.split(",")]:

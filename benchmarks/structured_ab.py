@@ -8,7 +8,9 @@ fresh array each step. Split variants take the grammar away to tell the split st
 from the masks': every row goes through the constrained step with all-ones masks, mapped or
 copied each step. A mask's upload alone: benchmarks/mapped_masks.py. Pool variants fill the masks
 through llguidance pools other than the engine's one (`structured._executor`): a new pool per step
-(what the engine did before 2026-12-04), or one of 2, 8 or 12 threads.
+(what the engine did before 2026-12-04), or one of 2, 8 or 12 threads. Family variants compile
+the schema with another `structured.MATCHER_FAMILIES` (independent start matchers the rows are
+spread over; 1 as before 2026-12-04), with the pool's threads to match.
 Each variant runs once to warm up, then `--repeats` times in turn; reported: median ms per
 decode step (admission excluded) and its ratio to the first variant's median (free, by default).
 
@@ -44,6 +46,9 @@ VARIANTS = {
     "schema, 2 llguidance threads": ("schema", "pool2"),
     "schema, 8 llguidance threads": ("schema", "pool8"),
     "schema, 12 llguidance threads": ("schema", "pool12"),  # llguidance's default on a 16-core host
+    "schema, 1 matcher family": ("schema", "fam1"),  # as before 2026-12-04
+    "schema, 8 families, 8 threads": ("schema", "fam8"),
+    "schema, 12 families, 12 threads": ("schema", "fam12"),
 }
 
 
@@ -95,24 +100,46 @@ class VariantEngine(Engine):
         return super()._mask_buffer(mapped and self.upload != "copied")
 
 
+_compiled: dict[tuple, structured.Constraint] = {}  # (families, _compile's key) -> constraint, kept across runs
+
+
+def compile_into(families: int):
+    """`structured._compile` with the rows' start matchers compiled `families` times apart, each
+    schema once per process (as the engine's cache keeps it, so its lexers stay warm)."""
+    compile_ = structured._compile.__wrapped__
+
+    def compiled(*key):
+        if (families, key) not in _compiled:
+            shipped, structured.MATCHER_FAMILIES = structured.MATCHER_FAMILIES, families
+            try:
+                _compiled[(families, key)] = compile_(*key)
+            finally:
+                structured.MATCHER_FAMILIES = shipped
+        return _compiled[(families, key)]
+    return compiled
+
+
 def run(model: Model, batch: int, gen_tokens: int, rows: str, upload: str, prompt: list[int]) -> dict:
     """One engine run; -> ms per decode step after the admission, steps, tokens."""
-    engine = VariantEngine(model, batch, rows == "split", upload)
-    add_rows(engine, batch, gen_tokens, rows == "schema", prompt)
     start, tokens = None, {}
-    pool = structured._executor
+    pool, compile_ = structured._executor, structured._compile
     if upload == "newpool":
         structured._executor = lambda: structured._llguidance().LLExecutor()
-    elif upload.startswith("pool"):
-        threads = structured._llguidance().LLExecutor(int(upload[4:]))
+    elif upload.startswith(("pool", "fam")):
+        n = int(upload[4:] if upload.startswith("pool") else upload[3:])
+        threads = structured._llguidance().LLExecutor(max(n, structured.MASK_THREADS) if upload == "fam1" else n)
         structured._executor = lambda: threads
+        if upload.startswith("fam"):
+            structured._compile = compile_into(n)
     try:
+        engine = VariantEngine(model, batch, rows == "split", upload)
+        add_rows(engine, batch, gen_tokens, rows == "schema", prompt)
         for event in engine.events():
             tokens.setdefault(event.index, []).append(event.token)
             if start is None and engine.stats.steps >= 1:  # the admission and first step are behind
                 start = (time.perf_counter(), engine.stats.steps)
     finally:
-        structured._executor = pool
+        structured._executor, structured._compile = pool, compile_
     t, s = start
     steps = engine.stats.steps - s
     return {"step_ms": (time.perf_counter() - t) * 1e3 / max(1, steps), "steps": steps,

@@ -75,12 +75,11 @@ def slots(table: mx.array, positions: mx.array, block_size: int) -> mx.array:
     return mx.where(positions >= 0, block * block_size + p % block_size, 0)
 
 
-def write(buf: mx.array, new: mx.array, slots: mx.array, words: bool = False) -> mx.array:
-    """buf (N * bs, H, D) with new (B, H, T, D) written at flat slots (B, T). `words`: a chunk of
-    16-bit values moves as uint32 words, two values a word (a bit copy, so the same result). MLX's
-    CUDA scatter runs a thread per element: 64 writes of 8,192 tokens of the 8B shape took 6.6
-    against 9.9 ms on an H200. `View` has no gradient, so only for passes nothing differentiates
-    (`llama.hidden`'s `fast`)."""
+def write(buf: mx.array, new: mx.array, slots: mx.array) -> mx.array:
+    """buf (N * bs, H, D) with new (B, H, T, D) written at flat slots (B, T). (Written as uint32
+    words, two 16-bit values a word, the writes alone took 6.6 against 9.9 ms for the 8B's 8,192
+    tokens on an H200, but whole admissions ran 3-10% slower: benchmarks/README.md, seventeenth
+    session.)"""
     B, H, T, D = new.shape
     if T == 1:  # (B, H, 1, D) is already (B, H, D)
         index = mx.broadcast_to(slots.reshape(B, 1, 1), (B, H, D))  # the same for every layer: traced once
@@ -88,13 +87,8 @@ def write(buf: mx.array, new: mx.array, slots: mx.array, words: bool = False) ->
     # A chunk goes token-major, one index per token: on an H200 a third faster than one per
     # element (128 x 128 tokens of the 1B shape: 4.8 against 6.7 ms for the 32 writes). The update
     # is the (B, T, H, D) view of `new`, indexed (B, T): flattening it to (B * T, H, D) copied it.
-    update = new.transpose(0, 2, 1, 3)  # (B, T, H, D)
-    if words and buf.dtype.size == 2 and D % 2 == 0:
-        out = buf.view(mx.uint32)  # (N * bs, H, D / 2), the pool's own buffer
-        out[slots] = update.view(mx.uint32)
-        return out.view(buf.dtype)
     out = mx.array(buf)  # a new handle, so the assignment leaves the caller's pool as it was
-    out[slots] = update
+    out[slots] = new.transpose(0, 2, 1, 3)  # (B, T, H, D)
     return out
 
 

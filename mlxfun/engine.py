@@ -852,7 +852,9 @@ class Engine:
                  ) -> list[tuple[StepOut, list]]:
         """Prefill requests into free rows, each after the longest prefix the cache holds (at
         least its last prompt token is computed: its hidden state gives the first token).
-        `wait`: evaluate each length group before the next is queued (nothing decodes meanwhile)."""
+        `wait`: evaluate each length group before the next is launched (nothing decodes
+        meanwhile), so the peak holds one group's activations; the next group's host work (its
+        blocks, chunks and graph) is done while the device runs the one before."""
         starts = []
         for r in records:
             prompt = r.request.prompt
@@ -862,10 +864,12 @@ class Engine:
             self.stats.cached_tokens += r.cached_tokens
             starts.append((r, blocks))
         outs = []
-        for n, group in enumerate(prefill.plan_groups([len(r.request.prompt) - r.cached_tokens for r, _ in starts],
-                                                      self.prefill_step)):
-            if n and wait:  # the group before done first: the peak holds one group's activations
-                mx.eval(outs[-1][0], self.state)
+        lengths = [len(r.request.prompt) - r.cached_tokens for r, _ in starts]
+        for n, group in enumerate(prefill.plan_groups(lengths, self.prefill_step,
+                                                      prefill.group_tokens(self.config.hidden_size))):
+            # Waited for after this group's host work: on an H200 that work left the device idle
+            # 3.9 ms before the second group of 128 prompts of the 1B shape (of 96 ms in all).
+            previous = partial(mx.eval, outs[-1][0]) if n and wait else None
             rows = [free.pop(0) for _ in group]
             chosen = [starts[i] for i in group]
             for row, (r, blocks) in zip(rows, chosen):
@@ -881,7 +885,7 @@ class Engine:
             h, cache = prefill.prefill_rows(self.steps(self.config, Mode()), params, self._detach_cache(), self.pages,
                                             rows, [r.request.prompt for r, _ in chosen],
                                             [r.cached_tokens for r, _ in chosen], self.prefill_step,
-                                            self.pad_multiple, chains)
+                                            self.pad_multiple, chains, previous)
             self.state = self.state._replace(cache=cache)
             # No local reference to the pool may outlive this group: the next group's writes
             # would then copy the whole pool rather than write it in place.

@@ -173,8 +173,7 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
     if cache is None:
         keys, values = k, v
     else:
-        # (N * bs, K, D) each; `fast` passes differentiate nothing, so a chunk's 16-bit values move in pairs
-        written = (kv.write(cache.keys, k, cache.slots, fast), kv.write(cache.values, v, cache.slots, fast))
+        written = (kv.write(cache.keys, k, cache.slots), kv.write(cache.values, v, cache.slots))  # (N * bs, K, D) each
         if fast and x.ndim == 2 and layer.q_norm is None and kernels.serves_attention(D, H // K, x.dtype):
             out = kernels.decode_attention(qk, *written, cache.table, mask, H)  # (B, H * D)
             return reduce(config, linear(layer.o, out, fast)), written
@@ -281,8 +280,7 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     the rows hold no keys before this chunk (a prompt's first chunk): it attends over itself
     alone (S = T), reading nothing from the pool, and still writes it. `fast`: on CUDA, run
     mlxfun's kernels where they apply (`kernels`: one-token attention; `qmv`: few-row 4-bit
-    products), and write a chunk's 16-bit keys and values as uint32 words (`cache.write`). They
-    have no gradients: the decode and prefill steps of `mlxfun.step` set it, and
+    products). They have no gradients: the decode and prefill steps of `mlxfun.step` set it, and
     everything else (scoring, `mx.grad`) runs MLX ops, the same math. `check`: raise InputError,
     before any work, if the tokens do not fit the cache (`cache.check_write`; it reads the
     positions, so the scheduler, which knows them on the host, turns it off).

@@ -9,7 +9,8 @@ Schema), `{"type": "choice", "choice": [...]}` (one of these strings) or `{"type
 llguidance (the `structured` extra) compiles it for a tokenizer; its masks walk the tokenizer's
 token trie against an Earley parser, tens of microseconds per row and token on SmolLM2's 49152
 tokens (benchmarks/README.md). A `Constraint` is compiled once per (tokenizer, response_format)
-and shared; each request gets its own `Matcher`, which the engine advances by every token its row
+(MATCHER_FAMILIES times apart, so that parallel fills do not queue on one lexer) and shared;
+each request gets its own `Matcher`, which the engine advances by every token its row
 takes and asks for the next (W,) uint32 bitmask, W = ceil(V/32); the compiled sampler applies
 the masks to the logits (`sampling.apply_mask`).
 
@@ -21,11 +22,13 @@ the output EOS would give, one step sooner.
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -61,8 +64,11 @@ class Constraint:
     kind: str  # "json_schema" (json_object too), "regex", "choice" or "grammar"
     label: str  # for messages: "json_schema 'person'"
     vocab_size: int
-    start: Any  # an llguidance LLMatcher in the start state, never advanced: each row gets a copy
+    # llguidance LLMatchers in the start state, compiled apart and never advanced: each row gets a
+    # copy of one, in turn (copies of one share its lexer's state behind a lock: MATCHER_FAMILIES)
+    starts: tuple[Any, ...]
     grammar_eos: frozenset[int]  # the EOS ids llguidance allows where the grammar may end
+    turn: Iterator[int] = field(default_factory=itertools.count)  # whose copy the next row gets
 
     def matcher(self, eos: frozenset[int]) -> Matcher:
         """A fresh row state; `eos`: the row's EOS ids (empty with ignore_eos)."""
@@ -75,7 +81,7 @@ class Matcher:
     def __init__(self, constraint: Constraint, eos: frozenset[int]):
         self.constraint = constraint
         self.eos = frozenset(eos)
-        self._m = constraint.start.deep_copy()
+        self._m = constraint.starts[next(constraint.turn) % len(constraint.starts)].deep_copy()
         # Per mask word holding an EOS id: (word, every EOS bit there, the row's own EOS bits there).
         # llguidance sets its own EOS ids; a row allows its own, and only where the grammar may end.
         bits: dict[int, list[int]] = {}
@@ -244,10 +250,10 @@ def _compile(tokenizer: Tokenizer, vocab_size: int, kind: str, label: str, paylo
         raise InputError(f"{label} at {path}: {error}")
     if error is not None:
         raise InputError(f"{label}: {error}")
-    start = llg.LLMatcher(ll, grammar, log_level=0)
-    if start.is_error():
-        raise InputError(f"{label}: {start.get_error()}")
-    return Constraint(kind, label, vocab_size, start, frozenset(ll.eos_tokens))
+    starts = tuple(llg.LLMatcher(ll, grammar, log_level=0) for _ in range(MATCHER_FAMILIES))
+    if starts[0].is_error():
+        raise InputError(f"{label}: {starts[0].get_error()}")
+    return Constraint(kind, label, vocab_size, starts, frozenset(ll.eos_tokens))
 
 
 @lru_cache(maxsize=4)
@@ -264,13 +270,22 @@ def _ll_tokenizer(tokenizer: Tokenizer, vocab_size: int):
 
 MASK_THREADS = 4  # llguidance's threads for a batch's masks, at most
 
+# Copies of one llguidance matcher share its lexer's lazily built states behind one lock, so the
+# threads filling their masks in parallel queue on it, and more threads did not help (1B shape,
+# batch 32: 2 to 12 threads within the spread). Each constraint is compiled this many times apart
+# and its rows spread over them (each family builds its own lexer states, so more costs more work
+# in all). 1B shape, batch 32, a JSON schema on every row, H200 host, alternating in one process:
+# 1.106x a free step from one start, 1.055x from four (benchmarks/README.md, seventeenth session).
+MATCHER_FAMILIES = 4
+
 
 @lru_cache(maxsize=1)
 def _executor():
     """llguidance's thread pool, made once: a new one per step spawned its threads every step (1B
     shape, batch 32, a JSON schema on every row, H200 host of 16 cores: 1.23-1.33x a free step,
-    1.12-1.17x with one pool). 80% of the cores as llguidance chooses, at most MASK_THREADS: 2 to 12
-    threads measured within the runs' spread (1.11-1.14x), so the host's other cores are left to
+    1.12-1.17x with one pool). 80% of the cores as llguidance chooses, at most MASK_THREADS (with
+    one start matcher, 2 to 12 threads were within the runs' spread; with MATCHER_FAMILIES as
+    many, 4 families and threads 1.055x, 12 of each 1.041x), so the host's other cores are left to
     the engine thread and MLX's."""
     return _llguidance().LLExecutor(max(1, min(MASK_THREADS, int(0.8 * (os.cpu_count() or 1)))))
 

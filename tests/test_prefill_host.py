@@ -11,7 +11,7 @@ from helpers import tiny_model
 from mlxfun import blocks as blk
 from mlxfun.engine import Engine
 from mlxfun.paging import Pages
-from mlxfun.prefill import chunk_arrays, plan_groups
+from mlxfun.prefill import chunk_arrays, group_tokens, plan_groups
 
 
 def naive_chunk(tokens, starts, offset, size):
@@ -58,9 +58,10 @@ def test_plan_groups_equals_quadratic_rule():
 
 
 def test_groups_hold_a_bounded_chunk():
-    """A chunk holds at most GROUP_TOKENS tokens (an admission's peak memory follows it): 128
-    prompts of 128 tokens go in two groups of 64; rows of prompts longer than a chunk count a
-    chunk's tokens each; one row alone may hold more."""
+    """A chunk holds at most GROUP_TOKENS tokens at the 8B's width, in inverse proportion to the
+    width (an admission's peak memory follows it): 128 prompts of 128 tokens go in two groups of
+    64; rows of prompts longer than a chunk count a chunk's tokens each; one row alone may hold
+    more."""
     from mlxfun.prefill import GROUP_TOKENS
 
     assert GROUP_TOKENS == 8192
@@ -68,6 +69,9 @@ def test_groups_hold_a_bounded_chunk():
     assert [len(g) for g in plan_groups([128] * 100)] == [64, 36]
     assert [len(g) for g in plan_groups([2000] * 20, chunk=512)] == [16, 4]
     assert plan_groups([10_000, 9_999]) == [[0], [1]]
+    assert [len(g) for g in plan_groups([128] * 128, limit=16384)] == [128]
+    # In inverse proportion to the width: the 8B shape (4,096) as above, the 1B (2,048) twice that.
+    assert [group_tokens(w) for w in (4096, 2048, 8192)] == [8192, 16384, 4096]
 
 
 def test_slots_of_many_rows_equal_each_row_alone():
@@ -106,3 +110,45 @@ def test_waves_skip_digests_only_when_no_prefix_is_shared():
     distinct = records([[5] * 40, [6] * 40, [7] * 5])
     assert engine._waves(distinct) == [distinct]
     assert all(r.keys is None for r in distinct)  # nothing cached, first blocks distinct: no digests
+
+
+def test_a_static_admission_builds_the_next_group_before_waiting_for_the_last(monkeypatch):
+    """With nothing decoding, each length group is evaluated before the next launches (the peak
+    holds one group's activations), but the next group's host work and graph come first, while
+    the device runs the group before; the outputs are those of the admission unobserved."""
+    import mlx.core as mx
+
+    from mlxfun import prefill
+
+    model = tiny_model()
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(n)] for i, n in enumerate((12, 12, 5, 5))]
+
+    def run():
+        engine = Engine(model, 4, prefix_cache=False)
+        for p in prompts:
+            engine.add(p, max_tokens=3)
+        tokens = {}
+        for e in engine.events():
+            tokens.setdefault(e.index, []).append(e.token)
+        return tokens
+
+    plain = run()
+    log = []
+    for name in ("eval", "async_eval"):
+        real = getattr(mx, name)
+        monkeypatch.setattr(mx, name, lambda *a, _real=real, _name=name: (log.append(_name), _real(*a))[1])
+    real_rows = prefill.prefill_rows
+
+    def rows(steps, *a, **k):
+        built = steps._replace(prefill=lambda *b: (log.append("graph"), steps.prefill(*b))[1])
+        return real_rows(built, *a, **k)
+    monkeypatch.setattr(prefill, "prefill_rows", rows)
+    monkeypatch.setattr(prefill, "group_tokens", lambda hidden: 24)  # two groups: the 12-token prompts, then the 5s
+    grouped = run()
+    admission = log[:log.index("eval", log.index("graph", log.index("graph") + 1) + 1) + 1]
+    assert admission.count("graph") == 2
+    second = admission.index("graph", admission.index("graph") + 1)
+    assert "async_eval" in admission[:second]  # the first group launched before the second's graph
+    assert admission[second:] == ["graph", "eval"]  # built, then waited for the first, then launched
+    assert log[len(admission)] == "async_eval"
+    assert grouped == plain and all(len(t) == 3 for t in plain.values())

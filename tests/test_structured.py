@@ -4,6 +4,7 @@ allowed tokens), and the split decode step (forward, then masked sampling) equal
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -380,6 +381,35 @@ def test_batched_masks_reuse_one_small_thread_pool(model_q4, monkeypatch):
         assert len(made) == 1 and 1 <= made[0][0] <= structured.MASK_THREADS
     finally:
         structured._executor.cache_clear()  # later tests make the real pool again
+
+
+def test_rows_spread_over_start_matchers_compiled_apart(model_q4):
+    """Copies of one llguidance matcher share its lexer behind a lock, so parallel fills queued on
+    it: a constraint is compiled MATCHER_FAMILIES times apart and its rows take the copies in
+    turn. Each copy still masks exactly as its row alone would."""
+
+    class Counted:  # one start matcher, counting the rows copied from it
+        def __init__(self, start):
+            self.start, self.copies = start, 0
+
+        def deep_copy(self):
+            self.copies += 1
+            return self.start.deep_copy()
+
+    tok, V = model_q4.tokenizer, model_q4.config.vocab_size
+    c = structured.constraint(tok, V, {"type": "regex", "regex": r"[a-z]{1,8}"})
+    assert len(c.starts) == structured.MATCHER_FAMILIES > 1
+    assert len({id(s) for s in c.starts}) == len(c.starts)  # compiled apart, not copies of one
+    counted = dataclasses.replace(c, starts=tuple(Counted(s) for s in c.starts))
+    rows = 3 * structured.MATCHER_FAMILIES
+    matchers = [counted.matcher(tok.eos_token_ids) for _ in range(rows)]
+    assert [s.copies for s in counted.starts] == [3] * structured.MATCHER_FAMILIES
+    out = np.zeros((rows, structured.words(V)), np.uint32)
+    for t in tok.encode("abcd", add_special_tokens=False):
+        structured.fill_masks(matchers, out)
+        assert (out == out[0]).all() and t in allowed_ids(out[0])
+        for m in matchers:
+            m.advance(t)
 
 
 # ---- compiling: errors before any work, naming the schema path ----
