@@ -67,6 +67,10 @@
 #   (m1-m3, twelfth session: intermediate versions of structured_ab.py, described in benchmarks/README.md)
 #   bash benchmarks/gpu_round2.sh m4  # (carries .whl, .tok) masks read in place (mapped.HostArray): the probe, then
 #                                     structured variants, 1B and 8B at batch 32
+#   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
+#                                     (1B, 32 rows, 128 tokens): not yet run
+#   bash benchmarks/gpu_round2.sh p24 # (carries .whl, .tok) mlxfun bench --structured alone (1B, 32 rows, 64 tokens),
+#                                     with every thread's stack dumped if it runs past its time (p21's did)
 #   bash benchmarks/gpu_round2.sh p23 # (carries .old, .whl, .tok) the session's final code: 1B static 1/8/32/128 against
 #                                     round 1; structured_ab 1B free / schema; 8B at 32 and 128 against round 1
 #   bash benchmarks/gpu_round2.sh p22 # (carries .old) the next group's host work before the wait: admission timelines
@@ -494,6 +498,16 @@ case "${1:-a}" in
       --repeats 6 --json "$OUT/structured-1B-mapped.json" | grep -v repeat
     timeout 300 python3 benchmarks/structured_ab.py --shape 8B --tokenizer .tok --batch 32 --gen-tokens 128 \
       --repeats 6 --variants 0,3,4 --json "$OUT/structured-8B-mapped.json" | grep -v repeat
+    ;;
+  p25)
+    wheels
+    PYTHONFAULTHANDLER=1 timeout -s ABRT 400 python3 -m mlxfun.bench --structured --shape 1B --tokenizer .tok \
+      --batch-sizes 32 --gen-tokens 128 --repeats 5 --json "$OUT/bench-structured-1B-medians.json" 2>&1 | tail -40
+    ;;
+  p24)
+    wheels
+    PYTHONFAULTHANDLER=1 timeout -s ABRT 150 python3 -m mlxfun.bench --structured --shape 1B --tokenizer .tok \
+      --batch-sizes 32 --gen-tokens 64 --json "$OUT/bench-structured-1B.json" 2>&1 | tail -40
     ;;
   p23)
     wheels

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import re
+import statistics
 import sys
 from statistics import NormalDist
 
@@ -15,7 +16,7 @@ import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import byte_tokenizer, run_engine, tiny_model
+from helpers import byte_tokenizer, run_engine, tiny_config, tiny_model
 
 from mlxfun import sampling, structured
 from mlxfun.errors import InputError
@@ -471,3 +472,30 @@ def test_without_llguidance_a_response_format_says_which_extra_to_install(monkey
     with pytest.raises(InputError, match=re.escape("pip install 'mlxfun[structured]'")):
         structured.constraint(byte_tokenizer(), 97, {"type": "regex", "regex": "only-here-[0-9]"})
     assert structured.constraint(byte_tokenizer(), 97, None) is None  # free text needs nothing
+
+
+def test_the_structured_benchmark_alternates_runs_and_reports_medians(tmp_path, capsys, monkeypatch):
+    """`mlxfun bench --structured` (a random shape, a byte-level tokenizer written here): free and
+    constrained runs alternate after a warm-up pair, and the JSON holds every timed run, their
+    medians, and both ratios (tok/s with the admission, ms per decode step after it)."""
+    from mlxfun import bench
+    from mlxfun.tokenizer import save_folder
+
+    monkeypatch.setitem(bench.SHAPES, "135M", tiny_config(num_layers=2))  # the bench's logic at a test's size
+
+    (tmp_path / "tok").mkdir()
+    save_folder(byte_tokenizer(), tmp_path / "tok")
+    out = tmp_path / "s.json"
+    assert bench.main(["--structured", "--shape", "135M", "--tokenizer", str(tmp_path / "tok"), "--batch-sizes", "2",
+                       "--gen-tokens", "5", "--repeats", "2", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["batch"] == 2 and len(row["runs"]["false"]) == len(row["runs"]["true"]) == 2
+    for kind in ("free", "constrained"):
+        runs = row["runs"]["true" if kind == "constrained" else "false"]
+        assert row[kind]["tps"] == pytest.approx(statistics.median(r["tps"] for r in runs))
+        assert row[kind]["step_ms"] == pytest.approx(statistics.median(r["step_ms"] for r in runs))
+        assert all(r["steps"] >= 2 and math.isfinite(r["step_ms"]) and r["step_ms"] > 0 for r in runs)
+    assert row["free"]["tokens"] == 2 * 5  # EOS ignored: every free row runs to max_tokens
+    assert row["tps_ratio"] == pytest.approx(row["free"]["tps"] / row["constrained"]["tps"])
+    assert row["step_ratio"] == pytest.approx(row["constrained"]["step_ms"] / row["free"]["step_ms"])
+    assert "per step; host masks" in capsys.readouterr().out
