@@ -525,13 +525,12 @@ def main_structured(args) -> int:
                 for _ in engine.events():
                     if decoding is None and engine.stats.steps >= 1:  # the admission and first step are behind
                         decoding = (time.perf_counter(), engine.stats.steps)
-                seconds = time.perf_counter() - t0
-                s = engine.stats
+                end, s = time.perf_counter(), engine.stats
                 steps = s.steps - decoding[1] if decoding else 0
                 if repeat:
                     found[constrained].append(dict(
-                        tps=s.generation_tokens / seconds, tokens=s.generation_tokens, steps=s.steps,
-                        step_ms=1e3 * (time.perf_counter() - decoding[0]) / steps if steps else float("nan")))
+                        tps=s.generation_tokens / (end - t0), tokens=s.generation_tokens, steps=s.steps,
+                        step_ms=1e3 * (end - decoding[0]) / steps if steps else float("nan")))
         med = {c: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for c, runs in found.items()}
         mask = bst.mask_time(model.tokenizer, model.config.vocab_size, bst.FORMAT, bst.documents(32), B)
         rows.append(dict(batch=B, free=med[False], constrained=med[True], runs=found,

@@ -78,8 +78,8 @@ def slots(table: mx.array, positions: mx.array, block_size: int) -> mx.array:
 def write(buf: mx.array, new: mx.array, slots: mx.array) -> mx.array:
     """buf (N * bs, H, D) with new (B, H, T, D) written at flat slots (B, T). (Written as uint32
     words, two 16-bit values a word, the writes alone took 6.6 against 9.9 ms for the 8B's 8,192
-    tokens on an H200, but whole admissions ran 3-10% slower: benchmarks/README.md, seventeenth
-    session.)"""
+    tokens on an H200, but whole admissions read prompts up to 19% slower: benchmarks/README.md,
+    seventeenth session.)"""
     B, H, T, D = new.shape
     if T == 1:  # (B, H, 1, D) is already (B, H, D)
         index = mx.broadcast_to(slots.reshape(B, 1, 1), (B, H, D))  # the same for every layer: traced once

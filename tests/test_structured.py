@@ -8,9 +8,8 @@ import dataclasses
 import json
 import math
 import re
-import statistics
 import sys
-from statistics import NormalDist
+from statistics import NormalDist, median
 
 import jsonschema
 import mlx.core as mx
@@ -492,8 +491,8 @@ def test_the_structured_benchmark_alternates_runs_and_reports_medians(tmp_path, 
     assert row["batch"] == 2 and len(row["runs"]["false"]) == len(row["runs"]["true"]) == 2
     for kind in ("free", "constrained"):
         runs = row["runs"]["true" if kind == "constrained" else "false"]
-        assert row[kind]["tps"] == pytest.approx(statistics.median(r["tps"] for r in runs))
-        assert row[kind]["step_ms"] == pytest.approx(statistics.median(r["step_ms"] for r in runs))
+        assert row[kind]["tps"] == pytest.approx(median(r["tps"] for r in runs))
+        assert row[kind]["step_ms"] == pytest.approx(median(r["step_ms"] for r in runs))
         assert all(r["steps"] >= 2 and math.isfinite(r["step_ms"]) and r["step_ms"] > 0 for r in runs)
     assert row["free"]["tokens"] == 2 * 5  # EOS ignored: every free row runs to max_tokens
     assert row["tps_ratio"] == pytest.approx(row["free"]["tps"] / row["constrained"]["tps"])
