@@ -67,8 +67,22 @@
 #   (m1-m3, twelfth session: intermediate versions of structured_ab.py, described in benchmarks/README.md)
 #   bash benchmarks/gpu_round2.sh m4  # (carries .whl, .tok) masks read in place (mapped.HostArray): the probe, then
 #                                     structured variants, 1B and 8B at batch 32
+#   bash benchmarks/gpu_round2.sh p26 # (carries .old) a first chunk's first layers launched early: 1B static 32/128 against
+#                                     round 1 and this code without it; the admission's host timeline at 32 rows
+#   bash benchmarks/gpu_round2.sh p27 # (carries .old) the same for the 8B at 32/128
+#   bash benchmarks/gpu_round2.sh p28 # (carries .old) the early launch bounded to chunks of 4,096 tokens: p26's 1B
+#                                     run again, then the 8B at 32 rows
+#   bash benchmarks/gpu_round2.sh p29 # (carries .old) decoding against round 1 over longer runs: 1B 32/128 rows, 256
+#                                     generated; 8B 128 rows, 128 generated
+#   bash benchmarks/gpu_round2.sh p30 # (carries .old) does what a row reserves (max_tokens) move prefill against round 1?
+#                                     1B 32/128 rows, 32 then 256 generated, twice, on one machine
+#   bash benchmarks/gpu_round2.sh p31 # does a decode step copy the KV pool? 1B, 128 and 32 rows, the same steps with a
+#                                     small and a large reservation (decode_reserve.py)
+#   bash benchmarks/gpu_round2.sh p32 # (carries .old) a decode step's host and device time, 1B at 32 and 128 rows, this
+#                                     code and round 1 (mlxfun profile), twice alternating (run before and after the
+#                                     decode loop's trim, with a rounds_ab at 128 rows after the second)
 #   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
-#                                     (1B, 32 rows, 128 tokens): not yet run
+#                                     (1B, 32 rows, 128 tokens): 0.98x (eighteenth session)
 #   bash benchmarks/gpu_round2.sh p24 # (carries .whl, .tok) mlxfun bench --structured alone (1B, 32 rows, 64 tokens),
 #                                     with every thread's stack dumped if it runs past its time (p21's did)
 #   bash benchmarks/gpu_round2.sh p23 # (carries .old, .whl, .tok) the session's final code: 1B static 1/8/32/128 against
@@ -498,6 +512,48 @@ case "${1:-a}" in
       --repeats 6 --json "$OUT/structured-1B-mapped.json" | grep -v repeat
     timeout 300 python3 benchmarks/structured_ab.py --shape 8B --tokenizer .tok --batch 32 --gen-tokens 128 \
       --repeats 6 --variants 0,3,4 --json "$OUT/structured-8B-mapped.json" | grep -v repeat
+    ;;
+  p26)
+    timeout 300 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 32,128 --gen-tokens 32 \
+      --repeats 6 --late --json "$OUT/rounds-ab-1B-early.json" | tail -10
+    timeout 120 python3 benchmarks/admit_timeline.py --shape 1B --old .old --batch-sizes 32 --repeats 5 \
+      --json "$OUT/admit-timeline-1B-early.json" | tail -4
+    ;;
+  p27)
+    timeout 400 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 32,128 --gen-tokens 32 \
+      --repeats 3 --late --json "$OUT/rounds-ab-8B-early.json" | tail -10
+    ;;
+  p28)
+    timeout 200 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 32,128 --gen-tokens 32 \
+      --repeats 6 --late --json "$OUT/rounds-ab-1B-early-bounded.json" | tail -10
+    timeout 300 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 32 --gen-tokens 32 \
+      --repeats 4 --late --json "$OUT/rounds-ab-8B-early.json" | tail -5
+    ;;
+  p29)
+    timeout 150 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 32,128 --gen-tokens 256 \
+      --repeats 6 --json "$OUT/rounds-ab-1B-gen256.json" | tail -6
+    timeout 330 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 128 --gen-tokens 128 \
+      --repeats 3 --json "$OUT/rounds-ab-8B-128-gen128.json" | tail -3
+    ;;
+  p30)
+    for gen in 32 256 32 256; do
+      timeout 100 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 32,128 --gen-tokens $gen \
+        --repeats 4 --json "$OUT/rounds-ab-1B-gen$gen-$RANDOM.json" | grep ratio | sed "s/^/gen $gen /"
+    done
+    ;;
+  p31)
+    timeout 200 python3 benchmarks/decode_reserve.py --shape 1B --batch 128 --max-tokens 64,2048 --steps 32 \
+      --repeats 3 --json "$OUT/decode-reserve-1B-128.json"
+    timeout 150 python3 benchmarks/decode_reserve.py --shape 1B --batch 32 --max-tokens 64,2048 --steps 32 \
+      --repeats 3 --json "$OUT/decode-reserve-1B-32.json"
+    ;;
+  p32)
+    for i in 1 2; do
+      timeout 100 python3 -m mlxfun.profile --shape 1B --batch-sizes 32,128 --max-tokens 128 --no-matmuls \
+        --json "$OUT/profile-1B-$i.json" | tail -2
+      old timeout 100 python3 -m mlxfun.profile --shape 1B --batch-sizes 32,128 --max-tokens 128 --no-matmuls \
+        --json "$OUT/profile-1B-old-$i.json" | tail -2
+    done
     ;;
   p25)
     wheels

@@ -85,6 +85,18 @@ def words(*a):
         kv.write = shipped
 
 
+def late(*a):
+    """This code's run_batch with no early launch: a first chunk's whole graph is built before
+    the device starts (`llama.LAUNCH_LAYERS`, what the engine did before 2026-12-04's eighteenth session)."""
+    from mlxfun import llama
+
+    shipped, llama.LAUNCH_LAYERS = llama.LAUNCH_LAYERS, 1 << 30
+    try:
+        return bench.run_batch(*a)
+    finally:
+        llama.LAUNCH_LAYERS = shipped
+
+
 def timed(run_batch, model, prompts, gen_tokens) -> dict:
     gc.collect()
     mx.clear_cache()
@@ -105,6 +117,8 @@ def main(argv=None) -> int:
                    help="also this code with prefill groups of each of these many tokens (comma-separated)")
     p.add_argument("--words", action="store_true",
                    help="also this code with a chunk's 16-bit KV written as uint32 words")
+    p.add_argument("--late", action="store_true",
+                   help="also this code with no early launch of a first chunk's first layers")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -118,6 +132,8 @@ def main(argv=None) -> int:
         runs[f"group {n}"] = (grouped(n), new)
     if args.words:
         runs["as words"] = (words, new)
+    if args.late:
+        runs["late"] = (late, new)
     out = {"machine": bench.machine(), "args": vars(args) | {"old": str(args.old)}, "batches": []}
     print(f"{'batch':>5s} {'version':10s} {'prompt tok/s':>12s} {'gen tok/s':>10s} {'peak GB':>8s}  (medians)")
     for B in [int(b) for b in args.batch_sizes.split(",")]:

@@ -97,13 +97,13 @@ def decode_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeSt
 
 
 def prefill_chunk(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
-                  cache: KVCache, slots: mx.array, last: mx.array, wraps: bool = True, fresh: bool = False
-                  ) -> tuple[mx.array, KVCache]:
+                  cache: KVCache, slots: mx.array, last: mx.array, wraps: bool = True, fresh: bool = False,
+                  launch: Callable[[list[mx.array]], None] | None = None) -> tuple[mx.array, KVCache]:
     """tokens (B, T) into the cache at `slots` (B, T) -> (hidden state at index last[b] of each
     row (B, E), cache). `wraps`: whether the chunk may overwrite slots its queries see; `fresh`:
-    the rows hold nothing before it (see `llama.hidden`)."""
+    the rows hold nothing before it; `launch`: starts the first layers early (see `llama.hidden`)."""
     h, cache = llama.hidden(config, params, tokens, positions, None, cache, slots=slots, wraps=wraps, fresh=fresh,
-                            fast=True, check=False)  # (B, T, E)
+                            fast=True, check=False, launch=launch)  # (B, T, E)
     return mx.take_along_axis(h, last[:, None, None], axis=1)[:, 0], cache
 
 
@@ -158,7 +158,8 @@ class Steps(NamedTuple):
     """The functions a generation loop calls; `compiled_steps` caches them per config and mode."""
 
     decode: Callable  # compiled: (params, state, settings) -> (StepOut, state)
-    prefill: Callable  # (params, tokens, positions, cache, slots, last, wraps, fresh) -> (hidden states at last, cache)
+    # (params, tokens, positions, cache, slots, last, wraps, fresh, launch) -> (hidden states at last, cache)
+    prefill: Callable
     verify: Callable  # compiled: (params, state, drafts, valid, draft_probs, settings) -> (Verdict, state)
     forward: Callable  # compiled: (params, state) -> (logits, state), the split step's first half
     sample: Callable  # compiled: (logits, mask, state, settings) -> (StepOut, state)
@@ -179,14 +180,15 @@ def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | N
         traced()
         return decode_step(config, mode, params, state, settings)
 
-    def plain_prefill(params, tokens, positions, cache, slots, last, wraps=True, fresh=False):
+    @mx.compile
+    def compiled_prefill(params, tokens, positions, cache, slots, last, wraps=True, fresh=False):
         return prefill_chunk(config, params, tokens, positions, cache, slots, last, wraps, fresh)
 
-    compiled_prefill = mx.compile(plain_prefill)
-
-    def prefill(params, tokens, positions, cache, slots, last, wraps=True, fresh=False):
-        fn = compiled_prefill if tokens.size <= compile_prefill else plain_prefill
-        return fn(params, tokens, positions, cache, slots, last, wraps, fresh)
+    def prefill(params, tokens, positions, cache, slots, last, wraps=True, fresh=False, launch=None):
+        # A compiled chunk is one launch already (and a trace has nothing to launch early).
+        if tokens.size <= compile_prefill:
+            return compiled_prefill(params, tokens, positions, cache, slots, last, wraps, fresh)
+        return prefill_chunk(config, params, tokens, positions, cache, slots, last, wraps, fresh, launch)
 
     def verify(params, state, drafts, valid, draft_probs, settings):
         return verify_step(config, mode, params, state, drafts, valid, draft_probs, settings)

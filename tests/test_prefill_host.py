@@ -152,3 +152,115 @@ def test_a_static_admission_builds_the_next_group_before_waiting_for_the_last(mo
     assert admission[second:] == ["graph", "eval"]  # built, then waited for the first, then launched
     assert log[len(admission)] == "async_eval"
     assert grouped == plain and all(len(t) == 3 for t in plain.values())
+
+
+def test_a_first_chunk_starts_its_first_layers_while_the_host_builds_the_rest(tmp_path):
+    """`hidden(launch=...)` hands over the hidden state after LAUNCH_LAYERS layers, with none of the
+    pool writes in its graph (launched while the caller holds the pool, a write would copy it
+    whole); the hidden states and the cache are those of the pass built whole. A chunk whose
+    attention reads its writes launches nothing early."""
+    import mlx.core as mx
+    from helpers import tiny_config
+    from mlx.utils import tree_flatten
+
+    from mlxfun import cache as kv
+    from mlxfun import llama
+
+    config = tiny_config(num_layers=4)
+    model = tiny_model(config)
+    tokens = mx.array([[3, 4, 5, 6, 7], [8, 9, 10, 11, 0]])
+    positions = mx.array([[0, 1, 2, 3, 4], [0, 1, 2, 3, -1]])
+    for fresh, wraps, launches in ((True, False, 1), (False, True, 1), (False, False, 0)):
+        whole = llama.hidden(config, model.params, tokens, positions, None, kv.empty(config, 2, 16, mx.float32),
+                             wraps=wraps, fresh=fresh)
+        launched = []
+
+        def launch(arrays):
+            launched.append(arrays)
+            mx.export_to_dot(str(tmp_path / "early.dot"), *arrays)
+            mx.async_eval(arrays)
+        early = llama.hidden(config, model.params, tokens, positions, None, kv.empty(config, 2, 16, mx.float32),
+                             wraps=wraps, fresh=fresh, launch=launch)
+        assert len(launched) == launches
+        if launches:
+            graph = (tmp_path / "early.dot").read_text()
+            assert len(launched[0]) == 1 and "Scatter" not in graph
+            assert graph.count("Rsqrt") == 2 * llama.LAUNCH_LAYERS  # two RMS norms a layer: the first layers only
+        for a, b in zip(tree_flatten(whole), tree_flatten(early), strict=True):
+            assert mx.array_equal(a[1], b[1]).item()
+
+
+def test_an_admission_launched_early_writes_the_kv_pool_in_place():
+    """An admission whose first layers start early still writes the pool in place (its peak holds
+    the pool once), and gives the tokens it gives without the early launch."""
+    import mlx.core as mx
+    from helpers import tiny_config
+
+    from mlxfun import llama
+
+    model = tiny_model(tiny_config(num_layers=4, max_position_embeddings=8192))
+    prompts = [[(5 * i + j) % 90 + 3 for j in range(n)] for i, n in enumerate((60, 58, 57))]
+
+    def admit():
+        engine = Engine(model, len(prompts), shrink_rows=False)
+        for p in prompts:
+            engine.add(p, max_tokens=3000, ignore_eos=True)  # a large reservation: a large pool
+        mx.synchronize()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        engine.admit()  # evaluated: nothing else decodes
+        mx.synchronize()
+        pool = sum(a.nbytes for a in engine.state.cache.keys + engine.state.cache.values)
+        assert pool >= 8e6
+        return mx.get_peak_memory() - base, pool, engine.state.tokens.tolist()
+
+    launches = []
+    real = mx.async_eval
+    mx.async_eval = lambda *a: (launches.append(a), real(*a))[1]
+    try:
+        peak, pool, early = admit()
+    finally:
+        mx.async_eval = real
+    assert any(len(a) == 1 and len(a[0]) == 1 for a in launches)  # the early launch: [hidden state]
+    assert peak < 1.25 * pool
+    shipped, llama.LAUNCH_LAYERS = llama.LAUNCH_LAYERS, 99
+    try:
+        assert admit()[2] == early
+    finally:
+        llama.LAUNCH_LAYERS = shipped
+
+
+def test_a_decode_step_does_per_row_work_only_where_rows_change(monkeypatch):
+    """A decode step's host work is the loop's own (a 1B step at 128 rows is host-bound on an H200):
+    the live rows' mode is made again only when the rows' owners change, and blocks are ensured
+    only for rows entering a new block; the tokens are those of the loop doing it every step."""
+    from mlxfun import engine as eng
+    from mlxfun.paging import Pages
+
+    model = tiny_model()
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(n)] for i, n in enumerate((5, 9, 14, 20))]
+
+    def run():
+        engine = Engine(model, 4, prefix_cache=False)
+        for p in prompts:
+            engine.add(p, max_tokens=40, ignore_eos=True)
+        return [e.token for e in engine.events()], engine
+
+    plain, _ = run()
+    modes, ensured = [], []
+    real_mode, real_ensure = eng.mode_for, Pages.ensure
+    monkeypatch.setattr(eng, "mode_for", lambda records: (modes.append(len(records)), real_mode(records))[1])
+    monkeypatch.setattr(Pages, "ensure",
+                        lambda self, r, s, e: (ensured.append((r, s, e)), real_ensure(self, r, s, e))[1])
+    counted, engine = run()
+    assert counted == plain
+    steps = engine.stats.steps
+    assert steps >= 39
+    # Modes: the first tokens' (one per admitted group), then one per change of the rows' owners
+    # (4 rows finish at the same step: one decode mode for all of it).
+    assert len(modes) <= 3
+    decode_ensures = [(r, s) for r, s, e in ensured if e == s + 1]
+    bs = engine.pool.block_size
+    # Each row enters a new block at most every bs positions: 4 rows over 40 positions each.
+    assert 0 < len(decode_ensures) <= 4 * (-(-40 // bs) + 1)
+    assert all(s % bs == 0 for _, s in decode_ensures)
