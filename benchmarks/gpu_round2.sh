@@ -81,6 +81,8 @@
 #   bash benchmarks/gpu_round2.sh p32 # (carries .old) a decode step's host and device time, 1B at 32 and 128 rows, this
 #                                     code and round 1 (mlxfun profile), twice alternating (run before and after the
 #                                     decode loop's trim, with a rounds_ab at 128 rows after the second)
+#   bash benchmarks/gpu_round2.sh p33 # (carries .old) the session's final code: 1B static 1/8/32/128 against round 1,
+#                                     128 generated
 #   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
 #                                     (1B, 32 rows, 128 tokens): 0.98x (eighteenth session)
 #   bash benchmarks/gpu_round2.sh p24 # (carries .whl, .tok) mlxfun bench --structured alone (1B, 32 rows, 64 tokens),
@@ -554,6 +556,10 @@ case "${1:-a}" in
       old timeout 100 python3 -m mlxfun.profile --shape 1B --batch-sizes 32,128 --max-tokens 128 --no-matmuls \
         --json "$OUT/profile-1B-old-$i.json" | tail -2
     done
+    ;;
+  p33)
+    timeout 250 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
+      --repeats 4 --json "$OUT/rounds-ab-1B-final.json" | tail -12
     ;;
   p25)
     wheels

@@ -217,3 +217,20 @@ def full_byte_tokenizer(added: tuple[str, ...] = (), chat_template: str | None =
     backend.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     return Tokenizer(backend, eos_token_ids={0}, bos_token_id=None, add_bos=False, chat_template=chat_template)
+
+
+def admission_peak(model: Model, prompts: list[list[int]], max_tokens: int = 3000):
+    """A static admission of `prompts` (each reserving `max_tokens`: a large pool), evaluated ->
+    (peak bytes above the memory active before it, the pool's bytes, the engine)."""
+    from mlxfun.engine import Engine
+
+    engine = Engine(model, len(prompts), shrink_rows=False)
+    for p in prompts:
+        engine.add(p, max_tokens=max_tokens, ignore_eos=True)
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    engine.admit()  # evaluated: nothing else decodes
+    mx.synchronize()
+    pool = sum(a.nbytes for a in engine.state.cache.keys + engine.state.cache.values)
+    return mx.get_peak_memory() - base, pool, engine

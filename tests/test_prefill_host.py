@@ -194,7 +194,7 @@ def test_an_admission_launched_early_writes_the_kv_pool_in_place():
     """An admission whose first layers start early still writes the pool in place (its peak holds
     the pool once), and gives the tokens it gives without the early launch."""
     import mlx.core as mx
-    from helpers import tiny_config
+    from helpers import admission_peak, tiny_config
 
     from mlxfun import llama
 
@@ -202,17 +202,9 @@ def test_an_admission_launched_early_writes_the_kv_pool_in_place():
     prompts = [[(5 * i + j) % 90 + 3 for j in range(n)] for i, n in enumerate((60, 58, 57))]
 
     def admit():
-        engine = Engine(model, len(prompts), shrink_rows=False)
-        for p in prompts:
-            engine.add(p, max_tokens=3000, ignore_eos=True)  # a large reservation: a large pool
-        mx.synchronize()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        engine.admit()  # evaluated: nothing else decodes
-        mx.synchronize()
-        pool = sum(a.nbytes for a in engine.state.cache.keys + engine.state.cache.values)
+        peak, pool, engine = admission_peak(model, prompts)
         assert pool >= 8e6
-        return mx.get_peak_memory() - base, pool, engine.state.tokens.tolist()
+        return peak, pool, engine.state.tokens.tolist()
 
     launches = []
     real = mx.async_eval
