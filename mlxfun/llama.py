@@ -329,8 +329,9 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
             # keys and values (and the projections they are views of) alive until then: 5 GB of
             # an 8B admission of 8,192 tokens on an H200. The layer's output waits for them. (Not
             # the layers launched early: their writes wait for the final launch, as every write
-            # did before, once the caller has let go of the pool. Launched early with everything,
-            # two layers' writes copied the pool: 2.2 pools at the peak, against 1.2.)
+            # did before, once the caller has let go of the pool. A write launched while the
+            # caller holds it is not in place: a 2-layer model whose writes all went out that way
+            # peaked at 2.2 pools on this CPU, against 1.2.)
             a = mx.depends(a, list(written))
         h = h + a
         h = h + mlp(config, layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps), fast)
