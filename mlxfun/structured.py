@@ -9,7 +9,8 @@ Schema), `{"type": "choice", "choice": [...]}` (one of these strings) or `{"type
 llguidance (the `structured` extra) compiles it for a tokenizer; its masks walk the tokenizer's
 token trie against an Earley parser, tens of microseconds per row and token on SmolLM2's 49152
 tokens (benchmarks/README.md). A `Constraint` is compiled once per (tokenizer, response_format)
-(MATCHER_FAMILIES times apart, so that parallel fills do not queue on one lexer) and shared;
+(up to MATCHER_FAMILIES times apart, as its rows need them, so that parallel fills do not queue
+on one lexer) and shared;
 each request gets its own `Matcher`, which the engine advances by every token its row
 takes and asks for the next (W,) uint32 bitmask, W = ceil(V/32); the compiled sampler applies
 the masks to the logits (`sampling.apply_mask`).
@@ -25,9 +26,10 @@ import difflib
 import itertools
 import json
 import os
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
@@ -58,21 +60,33 @@ def words(vocab_size: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class Constraint:
-    """A response_format compiled for one tokenizer: immutable and shared by every request that
-    asks for it. `matcher(eos)` gives one row its own state."""
+    """A response_format compiled for one tokenizer, shared by every request that asks for it (only
+    its list of start matchers grows, as rows need them). `matcher(eos)` gives one row its own state."""
 
     kind: str  # "json_schema" (json_object too), "regex", "choice" or "grammar"
     label: str  # for messages: "json_schema 'person'"
     vocab_size: int
     # llguidance LLMatchers in the start state, compiled apart and never advanced: each row gets a
     # copy of one, in turn (copies of one share its lexer's state behind a lock: MATCHER_FAMILIES)
-    starts: tuple[Any, ...]
+    starts: list[Any]
     grammar_eos: frozenset[int]  # the EOS ids llguidance allows where the grammar may end
+    build: Callable[[], Any]  # compiles one more start matcher
     turn: Iterator[int] = field(default_factory=itertools.count)  # whose copy the next row gets
+    lock: threading.Lock = field(default_factory=threading.Lock)  # rows are added from any thread
 
     def matcher(self, eos: frozenset[int]) -> Matcher:
         """A fresh row state; `eos`: the row's EOS ids (empty with ignore_eos)."""
         return Matcher(self, eos)
+
+    def start(self) -> Any:
+        """The start matcher the next row copies: the families in turn, each compiled when a row
+        first needs it, so a constraint only one row asks for compiles once (a small JSON schema
+        for SmolLM2: 1.6 ms, against 5.0 ms for all four families at once)."""
+        k = next(self.turn) % MATCHER_FAMILIES
+        with self.lock:
+            while len(self.starts) <= k:
+                self.starts.append(self.build())
+            return self.starts[k]
 
 
 class Matcher:
@@ -81,7 +95,7 @@ class Matcher:
     def __init__(self, constraint: Constraint, eos: frozenset[int]):
         self.constraint = constraint
         self.eos = frozenset(eos)
-        self._m = constraint.starts[next(constraint.turn) % len(constraint.starts)].deep_copy()
+        self._m = constraint.start().deep_copy()
         # Per mask word holding an EOS id: (word, every EOS bit there, the row's own EOS bits there).
         # llguidance sets its own EOS ids; a row allows its own, and only where the grammar may end.
         bits: dict[int, list[int]] = {}
@@ -250,10 +264,11 @@ def _compile(tokenizer: Tokenizer, vocab_size: int, kind: str, label: str, paylo
         raise InputError(f"{label} at {path}: {error}")
     if error is not None:
         raise InputError(f"{label}: {error}")
-    starts = tuple(llg.LLMatcher(ll, grammar, log_level=0) for _ in range(MATCHER_FAMILIES))
-    if starts[0].is_error():
-        raise InputError(f"{label}: {starts[0].get_error()}")
-    return Constraint(kind, label, vocab_size, starts, frozenset(ll.eos_tokens))
+    build = partial(llg.LLMatcher, ll, grammar, log_level=0)
+    first = build()
+    if first.is_error():
+        raise InputError(f"{label}: {first.get_error()}")
+    return Constraint(kind, label, vocab_size, [first], frozenset(ll.eos_tokens), build)
 
 
 @lru_cache(maxsize=4)
@@ -272,7 +287,7 @@ MASK_THREADS = 4  # llguidance's threads for a batch's masks, at most
 
 # Copies of one llguidance matcher share its lexer's lazily built states behind one lock, so the
 # threads filling their masks in parallel queue on it, and more threads did not help (1B shape,
-# batch 32: 2 to 12 threads within the spread). Each constraint is compiled this many times apart
+# batch 32: 2 to 12 threads within the spread). Each constraint is compiled up to this many times apart
 # and its rows spread over them (each family builds its own lexer states, so more costs more work
 # in all). 1B shape, batch 32, a JSON schema on every row, H200 host, alternating in one process:
 # 1.106x a free step from one start, 1.055x from four (benchmarks/README.md, seventeenth session).
