@@ -7,6 +7,8 @@ chained as an admission does (each buffer's old version dropped, so the write ca
   handle: view, written through a new handle on the pool (`astype` to its own dtype) rather than a copy node
   wide:  handle, with the pool and the update seen as uint32 words (2 bf16 per thread of the scatter;
          `cache.write` in the engine's passes from 2026-12-04 until whole admissions measured 3-10% slower)
+  run:   the slots one run [s, s + B * T) in row-major order (`cache.write_run`): the update
+         transposed to (B * T, K, D) (a copy) and written by a slice update at an array-valued start
 (complex64 words, 4 bf16 per thread, were 2.5x faster than bf16 on the CPU, but MLX's CUDA scatter
 takes no complex64.)
 
@@ -51,13 +53,21 @@ def wide(buf, new, slots):
     return out.view(buf.dtype)
 
 
-VARIANTS = {"flat": flat, "view": view, "handle": handle, "wide": wide}
+def run_(buf, new, slots):
+    B, K, T, D = new.shape
+    start = slots.reshape(-1)[:1]  # (1,) the run's first slot, an array: no retrace per start
+    return mx.slice_update(buf, new.transpose(0, 2, 1, 3).reshape(B * T, K, D), start, axes=(0,))
+
+
+VARIANTS = {"flat": flat, "view": view, "handle": handle, "wide": wide, "run": run_}
 
 
 def run(fn, args, repeats: int) -> dict:
     pools = [mx.zeros((args.slots, args.kv_heads, args.head_dim), mx.bfloat16) for _ in range(2 * args.layers)]
     mx.eval(pools)
-    slots = mx.random.permutation(args.slots)[:args.rows * args.tokens].reshape(args.rows, args.tokens)
+    n = args.rows * args.tokens
+    slots = (args.slots // 3 + mx.arange(n) if args.contiguous or fn is run_ else mx.random.permutation(args.slots)[:n])
+    slots = slots.reshape(args.rows, args.tokens)
     slots = slots.astype(mx.int32)
     times, peaks = [], []
     for i in range(repeats + 1):
@@ -87,16 +97,22 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--slots", type=int, default=24576)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--contiguous", action="store_true", help="every variant writes one run of slots (as `run` must)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     a = mx.random.normal((9, 2, 3, 4)).astype(mx.bfloat16)
     s = mx.random.permutation(40)[:9 * 3].reshape(9, 3).astype(mx.int32)
     pool = mx.zeros((40, 2, 4), mx.bfloat16)
-    for fn in VARIANTS.values():
+    for name, fn in VARIANTS.items():
+        if fn is run_:
+            c = (5 + mx.arange(27)).reshape(9, 3).astype(mx.int32)
+            assert mx.array_equal(flat(pool, a, c), fn(pool, a, c)).item()
+            continue
         assert mx.array_equal(flat(pool, a, s), fn(pool, a, s)).item()
         assert not pool.any().item()  # the caller's pool left as it was
     rows = {}
-    for name in list(VARIANTS) * 2:  # each twice, alternating
+    for name in args.variants.split(",") * 2:  # each twice, alternating
         r = run(VARIANTS[name], args, args.repeats)
         rows.setdefault(name, []).append(r)
         print(f"{name:5s} {r['ms']:8.2f} ms  peak above the inputs {r['peak_above_mb']:8.1f} MB "

@@ -11,8 +11,11 @@ OUT=${OUT:-/tmp/mlxfun-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 N=${N:-2}
-launch=(mlx.launch -n "$N" --backend nccl --env NCCL_NVLS_ENABLE=0 --env PYTHONUNBUFFERED=1)
-bench=(--shape 8B --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16,q4)
+# A short lease can narrow the runs: DTYPES=bfloat16 BATCHES=1,8,32 GEN=64 SHAPE=1B.
+DTYPES=${DTYPES:-bfloat16,q4} BATCHES=${BATCHES:-1,8,32,128} GEN=${GEN:-128} SHAPE=${SHAPE:-8B}
+[ -d "$HOME/gpu-site/bin" ] && export PATH="$HOME/gpu-site/bin:$PATH"  # mlx.launch, from the carried install
+launch=(mlx.launch -n "$N" --backend nccl --env NCCL_NVLS_ENABLE=0 --env PYTHONUNBUFFERED=1 --env "PYTHONPATH=${PYTHONPATH:-}")
+bench=(--shape "$SHAPE" --prompt-tokens 128 --gen-tokens "$GEN" --dtypes "$DTYPES")
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 case "${1:-smoke}" in
   smoke)
@@ -20,16 +23,16 @@ case "${1:-smoke}" in
       python3 dist_smoke.py --json "$OUT/h200x2-dist-smoke.json")
     ;;
   tp)
-    timeout 500 python3 -m mlxfun.bench "${bench[@]}" --batch-sizes 1,8,32,128 --tensor-parallel \
-      --json "$OUT/h200x1-tp-8B.json"  # one GPU: the same command without mlx.launch
-    timeout 500 "${launch[@]}" -- python3 -m mlxfun.bench "${bench[@]}" --batch-sizes 1,8,32,128 \
-      --tensor-parallel --json "$OUT/h200x2-tp-8B.json"
+    timeout 500 python3 -m mlxfun.bench "${bench[@]}" --batch-sizes "$BATCHES" --tensor-parallel \
+      --json "$OUT/h200x1-tp-$SHAPE.json"  # one GPU: the same command without mlx.launch
+    timeout 500 "${launch[@]}" -- python3 -m mlxfun.bench "${bench[@]}" --batch-sizes "$BATCHES" \
+      --tensor-parallel --json "$OUT/h200x2-tp-$SHAPE.json"
     ;;
   dp)
     timeout 500 python3 -m mlxfun.bench "${bench[@]}" --batch-sizes 256 --data-parallel \
-      --json "$OUT/h200x1-dp-8B.json"
+      --json "$OUT/h200x1-dp-$SHAPE.json"
     timeout 500 "${launch[@]}" -- python3 -m mlxfun.bench "${bench[@]}" --batch-sizes 256 --data-parallel \
-      --json "$OUT/h200x2-dp-8B.json"
+      --json "$OUT/h200x2-dp-$SHAPE.json"
     ;;
   *) echo "usage: $0 smoke|tp|dp"; exit 2 ;;
 esac

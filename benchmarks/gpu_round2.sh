@@ -83,6 +83,20 @@
 #                                     decode loop's trim, with a rounds_ab at 128 rows after the second)
 #   bash benchmarks/gpu_round2.sh p33 # (carries .old) the session's final code: 1B static 1/8/32/128 against round 1,
 #                                     128 generated
+#   bash benchmarks/gpu_round2.sh p34 # (carries .old) a chunk's writes as one slice update where its slots are one run
+#                                     (chunk_write.py view against run; rounds_ab --scatter: 1B 32 and 128 rows)
+#   bash benchmarks/gpu_round2.sh p35 # (carries .old) p33 on the nineteenth session's code (chunks written as runs)
+#   bash benchmarks/gpu_round2.sh p36 # (carries .old) the 1B admission's timeline at 128 rows; 8B 32 and 128 rows against
+#                                     round 1, and with every write scattered
+#   bash benchmarks/gpu_round2.sh p37 # (carries .old) a chunk's attention, grouped against fused, by shape
+#                                     (attention_paths.py); 1B 32 and 128 rows with chunks over 2^25 scores fused
+#   bash benchmarks/gpu_round2.sh p38 # (carries .old) p37 with fused attention given an additive mask, first calls timed
+#                                     before any other; 1B 128 rows with chunks over 2^25 scores fused
+#   bash benchmarks/gpu_round2.sh p39 # (carries .old) the nineteenth session's code: 1B 1/8/32/128 and 8B 32/128 against
+#                                     round 1; attention paths at the 8B's head size
+#   bash benchmarks/gpu_round2.sh p40 # (carries .old) 1B 128 rows, fused against grouped attention (2^26 scores) in one run;
+#                                     1B 8 and 32 rows again, 6 repeats
+#   bash benchmarks/gpu_round2.sh p41 # (carries .old) p39's 1B table with 6 repeats (the session's final figures)
 #   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
 #                                     (1B, 32 rows, 128 tokens): 0.98x (eighteenth session)
 #   bash benchmarks/gpu_round2.sh p24 # (carries .whl, .tok) mlxfun bench --structured alone (1B, 32 rows, 64 tokens),
@@ -560,6 +574,54 @@ case "${1:-a}" in
   p33)
     timeout 250 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
       --repeats 4 --json "$OUT/rounds-ab-1B-final.json" | tail -12
+    ;;
+  p34)
+    timeout 60 python3 benchmarks/chunk_write.py --rows 128 --tokens 128 --layers 16 --head-dim 64 --slots 40000 \
+      --contiguous --variants view,run --json "$OUT/chunk-write-1B-run.json"
+    timeout 60 python3 benchmarks/chunk_write.py --rows 64 --tokens 128 --contiguous --variants view,run \
+      --json "$OUT/chunk-write-8B-run.json"
+    timeout 300 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 32,128 --gen-tokens 32 \
+      --repeats 6 --scatter --json "$OUT/rounds-ab-1B-run.json" | tail -10
+    ;;
+  p35)
+    timeout 260 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
+      --repeats 4 --json "$OUT/rounds-ab-1B-run-final.json" | tail -12
+    ;;
+  p36)
+    timeout 120 python3 benchmarks/admit_timeline.py --shape 1B --old .old --batch-sizes 128 --repeats 5 \
+      --json "$OUT/admit-timeline-1B-128-run.json" | tail -30
+    timeout 420 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 32,128 --gen-tokens 32 \
+      --repeats 3 --scatter --json "$OUT/rounds-ab-8B-run.json" | tail -10
+    ;;
+  p37)
+    timeout 120 python3 benchmarks/attention_paths.py --json "$OUT/attention-paths-1B.json"
+    timeout 120 python3 benchmarks/attention_paths.py --head-dim 128 --json "$OUT/attention-paths-8B.json"
+    timeout 300 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 32,128 --gen-tokens 32 \
+      --repeats 6 --max-scores 33554432 --json "$OUT/rounds-ab-1B-scores.json" | tail -10
+    ;;
+  p38)
+    timeout 150 python3 benchmarks/attention_paths.py --shapes 32x128,64x128,128x128,96x160,128x256,32x512,8x2048 \
+      --json "$OUT/attention-paths-1B-bias.json"
+    timeout 300 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 128 --gen-tokens 32 \
+      --repeats 6 --max-scores 33554432 --json "$OUT/rounds-ab-1B-128-bias.json" | tail -4
+    ;;
+  p39)
+    timeout 200 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
+      --repeats 4 --json "$OUT/rounds-ab-1B-fused-final.json" | tail -12
+    timeout 300 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 32,128 --gen-tokens 32 \
+      --repeats 3 --json "$OUT/rounds-ab-8B-fused.json" | tail -6
+    timeout 60 python3 benchmarks/attention_paths.py --head-dim 128 --shapes 32x128,64x128,8x1024 \
+      --json "$OUT/attention-paths-8B-bias.json"
+    ;;
+  p40)
+    timeout 150 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 128 --gen-tokens 32 \
+      --repeats 4 --max-scores 67108864 --json "$OUT/rounds-ab-1B-128-fused-vs-grouped.json" | tail -5
+    timeout 200 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 8,32 --gen-tokens 128 \
+      --repeats 6 --json "$OUT/rounds-ab-1B-8-32-again.json" | tail -6
+    ;;
+  p41)
+    timeout 400 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
+      --repeats 6 --json "$OUT/rounds-ab-1B-final-6.json" | tail -12
     ;;
   p25)
     wheels

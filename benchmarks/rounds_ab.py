@@ -97,6 +97,33 @@ def late(*a):
         llama.LAUNCH_LAYERS = shipped
 
 
+def scatter(*a):
+    """This code's run_batch with every chunk written by scatters, also where its slots are one
+    run (`cache.run_start`; what the engine did before 2026-12-04's nineteenth session)."""
+    from mlxfun import cache as kv
+
+    shipped, kv.run_start = kv.run_start, lambda slots: None
+    try:
+        return bench.run_batch(*a)
+    finally:
+        kv.run_start = shipped
+
+
+def scores(limit: int):
+    """This code's run_batch with attention over more than `limit` scores by MLX's fused kernel
+    (`llama.GROUPED_MAX_SCORES`). Chunks over `step.PREFILL_COMPILED_TOKENS` only: a compiled chunk
+    keeps the path it was traced with."""
+    from mlxfun import llama
+
+    def run(*a):
+        shipped, llama.GROUPED_MAX_SCORES = llama.GROUPED_MAX_SCORES, limit
+        try:
+            return bench.run_batch(*a)
+        finally:
+            llama.GROUPED_MAX_SCORES = shipped
+    return run
+
+
 def timed(run_batch, model, prompts, gen_tokens) -> dict:
     gc.collect()
     mx.clear_cache()
@@ -119,6 +146,10 @@ def main(argv=None) -> int:
                    help="also this code with a chunk's 16-bit KV written as uint32 words")
     p.add_argument("--late", action="store_true",
                    help="also this code with no early launch of a first chunk's first layers")
+    p.add_argument("--scatter", action="store_true",
+                   help="also this code with every chunk's writes scattered, none a slice update")
+    p.add_argument("--max-scores", default="",
+                   help="also this code with attention over more than each of these many scores fused")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -134,6 +165,10 @@ def main(argv=None) -> int:
         runs["as words"] = (words, new)
     if args.late:
         runs["late"] = (late, new)
+    if args.scatter:
+        runs["scatter"] = (scatter, new)
+    for n in [int(n) for n in args.max_scores.split(",") if n]:
+        runs[f"scores {n}"] = (scores(n), new)
     out = {"machine": bench.machine(), "args": vars(args) | {"old": str(args.old)}, "batches": []}
     print(f"{'batch':>5s} {'version':10s} {'prompt tok/s':>12s} {'gen tok/s':>10s} {'peak GB':>8s}  (medians)")
     for B in [int(b) for b in args.batch_sizes.split(",")]:

@@ -142,13 +142,15 @@ class LayerCache(NamedTuple):
     slots: mx.array  # (B, T) where this pass's tokens are written
     wraps: bool  # the write may overwrite slots the chunk's own queries see
     fresh: bool = False  # the rows hold nothing before this chunk: it attends over itself alone
+    run: mx.array | None = None  # (1,): `slots` are the run [run, run + B * T) (`kv.write_run`)
 
 
 def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, freqs: mx.array | None,
-              mask: mx.array, cache: LayerCache | None, fast: bool = False
+              mask: mx.array, cache: LayerCache | None, fast: bool = False, bias: mx.array | None = None
               ) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
     """x (B, T, E), or (B, E) for one token per row, offset (B,) and freqs (`rope`), mask (B, T, S)
-    -> (output shaped as x, this layer's pools after the write, or None without a cache).
+    -> (output shaped as x, this layer's pools after the write, or None without a cache). `bias`:
+    the mask as `additive_mask` makes it (made once per pass by `hidden`), for MLX's fused kernel.
 
     Keys are the T new tokens without a cache. With one, the new keys are written at their slots
     and a row's keys are read through its table: after the write (S = W * bs), unless the chunk
@@ -176,7 +178,10 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
     if cache is None:
         keys, values = k, v
     else:
-        written = (kv.write(cache.keys, k, cache.slots), kv.write(cache.values, v, cache.slots))  # (N * bs, K, D) each
+        if cache.run is not None:  # (N * bs, K, D) each
+            written = (kv.write_run(cache.keys, k, cache.run), kv.write_run(cache.values, v, cache.run))
+        else:
+            written = (kv.write(cache.keys, k, cache.slots), kv.write(cache.values, v, cache.slots))
         if fast and x.ndim == 2 and layer.q_norm is None and kernels.serves_attention(D, H // K, x.dtype):
             out = kernels.decode_attention(qk, *written, cache.table, mask, H)  # (B, H * D)
             return reduce(config, linear(layer.o, out, fast)), written
@@ -189,24 +194,45 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
         else:
             keys = mx.concatenate([kv.gather(cache.keys, cache.table, cache.block_size), k], axis=2)  # (B, K, S + T, D)
             values = mx.concatenate([kv.gather(cache.values, cache.table, cache.block_size), v], axis=2)
-    if out is None and not fused_masked_attention() and (T == 1 or B * H * T * keys.shape[2] <= GROUPED_MAX_SCORES):
+    if out is None and not fused_masked_attention() and (T == 1 or B * H * T * keys.shape[2] <= grouped_max_scores()):
         out = grouped_attention(q, keys, values, mask, D**-0.5)
     elif out is None:
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask[:, None])
+        if fused_masked_attention():
+            bias = mask[:, None]  # Metal's kernels take a bool mask as it is
+        elif bias is None:
+            bias = additive_mask(mask, q.dtype)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=bias)
     out = out.reshape(B, H * D) if x.ndim == 2 else out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
     return reduce(config, linear(layer.o, out, fast)), written
 
 
 # Off Metal, attention up to this many scores runs as `grouped_attention`: on CUDA a one-token step
 # has no fused masked kernel (MLX 0.32 falls back to matmuls that copy every key once per query
-# head), and cuDNN builds a graph per new prefill shape (~100 ms each on an H200), which small
-# prefills of varied sizes, as continuous batching admits them, would pay again and again.
-GROUPED_MAX_SCORES = 1 << 26
+# head), and cuDNN builds a graph per new prefill shape (45-65 ms each on an H200), which small
+# prefills of varied sizes, as continuous batching admits them (32 rows x 128 tokens: 2^24 scores),
+# would pay again and again. Above it the fused kernel, given an additive mask, is 2.2-5.5x faster
+# (1B's heads, 16 layers: 64 x 128 tokens 2.1 against 6.6 ms, 128 x 128 3.3 against 11.8, 8 x 2,048
+# 20 against 109; benchmarks/attention_paths.py), so a shape repeated a few times repays its build.
+# On the CPU both paths took the same time (1 x 1,536 tokens of SmolLM2's heads) and the fused one
+# peaked 10% higher: the CPU keeps the limit it had.
+GROUPED_MAX_SCORES = 1 << 24
+CPU_GROUPED_MAX_SCORES = 1 << 26
+
+
+def grouped_max_scores() -> int:
+    return CPU_GROUPED_MAX_SCORES if mx.default_device() == mx.cpu else GROUPED_MAX_SCORES
 
 
 def fused_masked_attention() -> bool:
     """Whether MLX has fused kernels for attention under a mask at every query length (Metal)."""
     return mx.default_device() == mx.gpu and mx.metal.is_available()
+
+
+def additive_mask(mask: mx.array, dtype: mx.Dtype) -> mx.array:
+    """mask (B, T, S) bool -> (B, 1, T, S) `dtype`: 0 where visible, -inf where not. MLX's CUDA
+    attention takes no bool mask: given one, it broadcasts it over the query heads and then makes
+    it additive, (B, H, T, S) per call (128 x 128 tokens of the 1B: 134 MB a layer)."""
+    return mx.where(mask[:, None], mx.array(0, dtype), mx.array(-mx.inf, dtype))
 
 
 def grouped_attention(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float) -> mx.array:
@@ -271,29 +297,31 @@ LAUNCH_LAYERS = 2
 
 def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
            mask: mx.array | None = None, cache: kv.KVCache | None = None, *, slots: mx.array | None = None,
-           wraps: bool = True, fresh: bool = False, fast: bool = False, check: bool = True,
+           run: mx.array | None = None, wraps: bool = True, fresh: bool = False, fast: bool = False, check: bool = True,
            launch: Callable[[list[mx.array]], None] | None = None):
     """tokens (B, T), positions (B, T) -> (final hidden states (B, T, E), new cache or None).
 
-    With a cache, each token's keys and values are written at the slot its position maps to
-    through the row's table (`cache.slots`; `slots` (B, T) overrides it), and the row reads its
-    keys through the table. `mask` (B, T, S) is the padding/causal visibility over those keys (see
-    `attention` for their order); None derives it from positions (`masks.causal`). Layer windows
-    are applied on top. `wraps=False` promises that the write overwrites no slot the chunk's own
-    queries see (no ring wraps within it), so it attends after writing (S = W * bs) instead of
-    over the slots before the write followed by the chunk (S = W * bs + T). `fresh` promises that
-    the rows hold no keys before this chunk (a prompt's first chunk): it attends over itself
-    alone (S = T), reading nothing from the pool, and still writes it. `fast`: on CUDA, run
-    mlxfun's kernels where they apply (`kernels`: one-token attention; `qmv`: few-row 4-bit
-    products). They have no gradients: the decode and prefill steps of `mlxfun.step` set it, and
-    everything else (scoring, `mx.grad`) runs MLX ops, the same math. `check`: raise InputError,
-    before any work, if the tokens do not fit the cache (`cache.check_write`; it reads the
-    positions, so the scheduler, which knows them on the host, turns it off). `launch` is called
-    once, after the first LAUNCH_LAYERS layers, with [their hidden state]: a caller whose device
-    is idle starts it (`mx.async_eval`) while the host builds the rest of the graph. Their writes
-    wait for the caller's launch of the whole (where nothing else holds the pool: written in
-    place). Only where attention reads no write (`fresh`, or a chunk that `wraps`), and not while
-    tracing (a compiled function has nothing to launch).
+    With a cache, each token's keys and values are written at the slot its position maps to through
+    the row's table (`cache.slots`; `slots` (B, T) overrides it), and the row reads its keys through
+    the table. `run` (1,) promises that those slots are the run [run, run + B * T) in row-major
+    order, every position real (`kv.run_start` checks it on the host): the writes are then slice
+    updates (`kv.write_run`), a copy rather than a scatter. `mask` (B, T, S) is the padding/causal
+    visibility over those keys (see `attention` for their order); None derives it from positions
+    (`masks.causal`). Layer windows are applied on top. `wraps=False` promises that the write
+    overwrites no slot the chunk's own queries see (no ring wraps within it), so it attends after
+    writing (S = W * bs) instead of over the slots before the write followed by the chunk (S = W *
+    bs + T). `fresh` promises that the rows hold no keys before this chunk (a prompt's first chunk):
+    it attends over itself alone (S = T), reading nothing from the pool, and still writes it.
+    `fast`: on CUDA, run mlxfun's kernels where they apply (`kernels`: one-token attention; `qmv`:
+    few-row 4-bit products). They have no gradients: the decode and prefill steps of `mlxfun.step`
+    set it, and everything else (scoring, `mx.grad`) runs MLX ops, the same math. `check`: raise
+    InputError, before any work, if the tokens do not fit the cache (`cache.check_write`; it reads
+    the positions, so the scheduler, which knows them on the host, turns it off). `launch` is called
+    once, after the first LAUNCH_LAYERS layers, with [their hidden state]: a caller whose device is
+    idle starts it (`mx.async_eval`) while the host builds the rest of the graph. Their writes wait
+    for the caller's launch of the whole (where nothing else holds the pool: written in place). Only
+    where attention reads no write (`fresh`, or a chunk that `wraps`), and not while tracing (a
+    compiled function has nothing to launch).
     """
     if tokens.ndim != 2 or positions.shape != tokens.shape:
         raise InputError(f"tokens and positions must both be (B, T), got {tokens.shape} and {positions.shape}")
@@ -306,7 +334,8 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     else:
         bs = kv.block_size(cache)
         slots = kv.slots(cache.table, positions, bs) if slots is None else slots  # (B, T)
-        held = kv.write_positions(cache.positions, slots, positions)  # (N, bs)
+        held = (kv.write_positions(cache.positions, slots, positions) if run is None
+                else kv.write_positions_run(cache.positions, run, positions))  # (N, bs)
         if fresh:
             key_pos = positions  # (B, T)
         elif tokens.shape[1] == 1 or not wraps:
@@ -314,6 +343,8 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
         else:
             key_pos = mx.concatenate([kv.gather_positions(cache.positions, cache.table), positions], axis=1)
     layer_mask = layer_masks(config, positions, key_pos, mask)
+    # Additive forms for MLX's fused attention, built once per pass (lazily: unused, never run).
+    layer_bias = {w: additive_mask(m, h.dtype) for w, m in layer_mask.items()}
     unread = cache is not None and (fresh or (wraps and tokens.shape[1] > 1))  # attention reads no write
     # Else the first layers' output needs their writes (or nothing is left to build after them).
     launch = launch if unread and len(params.layers) > LAUNCH_LAYERS else None
@@ -321,9 +352,10 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     new_keys, new_values = [], []
     for i, layer in enumerate(params.layers):
         layer_cache = None if cache is None else LayerCache(cache.keys[i], cache.values[i], cache.table, bs, slots,
-                                                            wraps, fresh)
+                                                            wraps, fresh, run)
         a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
-                               offset, freqs, layer_mask[config.layer_windows[i]], layer_cache, fast)
+                               offset, freqs, layer_mask[config.layer_windows[i]], layer_cache, fast,
+                               layer_bias[config.layer_windows[i]])
         if unread and (launch is None or i >= LAUNCH_LAYERS):
             # Nothing read the writes, so MLX would run them after the last layer, every layer's
             # keys and values (and the projections they are views of) alive until then: 5 GB of

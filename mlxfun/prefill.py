@@ -4,7 +4,9 @@ Each row continues from its own start position: 0, or the end of the cached pref
 Chunks are right-padded (padding has position -1: written to the scratch block, seen by no one),
 so a row's tokens sit at the same places as they would alone. A row's blocks are allocated just
 before the chunk that writes them; a ring row attends over its blocks before the chunk followed
-by the chunk itself (`wraps`), then drops the blocks no later query can see.
+by the chunk itself (`wraps`), then drops the blocks no later query can see. Blocks are handed
+out lowest first, so rows of equal length (a static batch's, or one long prompt's full chunks)
+usually fill one run of slots: their chunk is written by slice updates (`cache.write_run`).
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
             if n:
                 pages.ensure(r, s + offset, s + offset + n)
         slots = pages.slots(rows, positions)
+        start = kv.run_start(slots)  # one run of slots (equal rows, consecutive blocks): slice updates
         # A first chunk of rows without a cached prefix sees only itself: no keys are read from the pool.
         fresh = offset == 0 and not any(starts)
         cache = ensure_pool(cache, pages.pool.size)
@@ -131,7 +134,7 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
         launch = mx.async_eval if offset == 0 and before_launch is None and ids.size <= EARLY_LAUNCH_TOKENS else None
         out, cache = steps.prefill(params, mx.array(ids), mx.array(positions), cache._replace(
             table=mx.array(before if wraps else pages.table[rows])), mx.array(slots), mx.array(last), wraps, fresh,
-            launch)
+            None if start is None else mx.array([start], mx.int32), launch)
         h = out if h is None else mx.where(mx.array(ends)[:, None], out, h)
         if before_launch is not None:
             before_launch()

@@ -98,12 +98,14 @@ def decode_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeSt
 
 def prefill_chunk(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
                   cache: KVCache, slots: mx.array, last: mx.array, wraps: bool = True, fresh: bool = False,
-                  launch: Callable[[list[mx.array]], None] | None = None) -> tuple[mx.array, KVCache]:
+                  run: mx.array | None = None, launch: Callable[[list[mx.array]], None] | None = None
+                  ) -> tuple[mx.array, KVCache]:
     """tokens (B, T) into the cache at `slots` (B, T) -> (hidden state at index last[b] of each
     row (B, E), cache). `wraps`: whether the chunk may overwrite slots its queries see; `fresh`:
-    the rows hold nothing before it; `launch`: starts the first layers early (see `llama.hidden`)."""
-    h, cache = llama.hidden(config, params, tokens, positions, None, cache, slots=slots, wraps=wraps, fresh=fresh,
-                            fast=True, check=False, launch=launch)  # (B, T, E)
+    the rows hold nothing before it; `run`: the slots are one run from there (written by slice
+    updates); `launch`: starts the first layers early (see `llama.hidden`)."""
+    h, cache = llama.hidden(config, params, tokens, positions, None, cache, slots=slots, run=run, wraps=wraps,
+                            fresh=fresh, fast=True, check=False, launch=launch)  # (B, T, E)
     return mx.take_along_axis(h, last[:, None, None], axis=1)[:, 0], cache
 
 
@@ -158,7 +160,7 @@ class Steps(NamedTuple):
     """The functions a generation loop calls; `compiled_steps` caches them per config and mode."""
 
     decode: Callable  # compiled: (params, state, settings) -> (StepOut, state)
-    # (params, tokens, positions, cache, slots, last, wraps, fresh, launch) -> (hidden states at last, cache)
+    # (params, tokens, positions, cache, slots, last, wraps, fresh, run, launch) -> (hidden states at last, cache)
     prefill: Callable
     verify: Callable  # compiled: (params, state, drafts, valid, draft_probs, settings) -> (Verdict, state)
     forward: Callable  # compiled: (params, state) -> (logits, state), the split step's first half
@@ -181,14 +183,14 @@ def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | N
         return decode_step(config, mode, params, state, settings)
 
     @mx.compile
-    def compiled_prefill(params, tokens, positions, cache, slots, last, wraps=True, fresh=False):
-        return prefill_chunk(config, params, tokens, positions, cache, slots, last, wraps, fresh)
+    def compiled_prefill(params, tokens, positions, cache, slots, last, wraps=True, fresh=False, run=None):
+        return prefill_chunk(config, params, tokens, positions, cache, slots, last, wraps, fresh, run)
 
-    def prefill(params, tokens, positions, cache, slots, last, wraps=True, fresh=False, launch=None):
+    def prefill(params, tokens, positions, cache, slots, last, wraps=True, fresh=False, run=None, launch=None):
         # A compiled chunk is one launch already (and a trace has nothing to launch early).
         if tokens.size <= compile_prefill:
-            return compiled_prefill(params, tokens, positions, cache, slots, last, wraps, fresh)
-        return prefill_chunk(config, params, tokens, positions, cache, slots, last, wraps, fresh, launch)
+            return compiled_prefill(params, tokens, positions, cache, slots, last, wraps, fresh, run)
+        return prefill_chunk(config, params, tokens, positions, cache, slots, last, wraps, fresh, run, launch)
 
     def verify(params, state, drafts, valid, draft_probs, settings):
         return verify_step(config, mode, params, state, drafts, valid, draft_probs, settings)

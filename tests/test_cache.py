@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import VARIANTS, rel_error, tiny_config, tiny_params
+from mlx.utils import tree_flatten
 from test_reference import random_tokens, reference_forward
 
 from mlxfun import cache as kv
@@ -174,3 +177,76 @@ def test_paged_attention_equals_attention_over_gathered_rows(T):
             p = np.exp(s - s.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
             np.testing.assert_allclose(np.array(got[b, h]), p @ v[slots, h // (H // K)], rtol=1e-4, atol=1e-5)
+
+
+def test_run_start_names_only_one_row_major_run_of_real_slots():
+    """`kv.run_start`: the first slot where a chunk's slots are [s, s + B T) in row-major order;
+    None where a row has padding (slot 0), where rows leave a gap, overlap or come in another order."""
+    run = (40 + np.arange(12)).reshape(3, 4)
+    assert kv.run_start(run) == 40
+    assert kv.run_start(run[:1, :1]) == 40
+    gap = run.copy()
+    gap[1] += 1
+    padded = run.copy()
+    padded[2, 3] = 0
+    swapped = run[[1, 0, 2]]
+    for slots in (gap, padded, swapped, run.T, np.zeros((2, 3), np.int32), np.zeros((0, 4), np.int32)):
+        assert kv.run_start(slots) is None
+
+
+@pytest.mark.parametrize("table,start", [([[1, 4], [2, 5], [3, 6]], 0), ([[1, 2]], 5)])
+def test_a_run_of_slots_writes_what_the_scatter_writes(table, start):
+    """`llama.hidden(run=...)` (slice updates) gives the hidden states and the cache, keys, values
+    and positions, that the same chunk written slot by slot gives, in a pool holding another row:
+    3 rows of 4 tokens in consecutive blocks, and one token."""
+    config = tiny_config()
+    params, _ = tiny_params(config, seed=4)
+    bs = 4
+    cache = kv.empty(config, 4, 16, mx.float32, block_size=bs)  # blocks 1-16; the other row holds 13-16
+    _, cache = llama.forward(config, params, mx.array(random_tokens(config, (1, 6))),
+                             mx.array(np.arange(6)[None], mx.int32), cache=cache._replace(table=cache.table[3:]))
+    table = mx.array(table, mx.int32)
+    B, T = table.shape[0], 4 if start == 0 else 1
+    tokens = mx.array(np.random.default_rng(2).integers(0, config.vocab_size, size=(B, T)), mx.int32)
+    positions = mx.array(np.broadcast_to(start + np.arange(T), (B, T)), mx.int32)
+    cache = cache._replace(table=table)
+    slots = kv.slots(table, positions, bs)
+    first = kv.run_start(np.array(slots))
+    assert first == (4 if start == 0 else 9)
+    want = llama.hidden(config, params, tokens, positions, None, cache, slots=slots, wraps=False)
+    got = llama.hidden(config, params, tokens, positions, None, cache, slots=slots, wraps=False,
+                       run=mx.array([first], mx.int32))
+    for (_, a), (_, b) in zip(tree_flatten(got), tree_flatten(want)):
+        assert mx.array_equal(a, b).item()
+    assert not mx.array_equal(got[1].keys[0], cache.keys[0]).item()  # it did write
+    assert np.array(got[1].positions)[13:].max() == 5  # the other row's positions are kept
+
+
+@pytest.mark.parametrize("variant", ["tied", "gqa4"])
+def test_fused_attention_with_an_additive_mask_equals_grouped(monkeypatch, variant):
+    """Chunks over the score limit run MLX's fused attention, given the mask made additive once per
+    pass (`llama.additive_mask`); it gives the logits `grouped_attention` gives, padding, a cached
+    prefix and windows included."""
+    config = tiny_config(**VARIANTS[variant])
+    config = dataclasses.replace(config, layer_windows=(5,) + (None,) * (config.num_layers - 1))
+    params, _ = tiny_params(config, seed=8)
+    tokens = random_tokens(config, (2, 9))
+    start = np.array([-3, 0])  # row 0 left-padded
+
+    def run():
+        logits, _ = decode_in_chunks(config, params, tokens, [6, 3], capacity=16, start=start)
+        return logits
+
+    grouped = run()
+    monkeypatch.setattr(llama, "CPU_GROUPED_MAX_SCORES", 0)
+    monkeypatch.setattr(llama, "GROUPED_MAX_SCORES", 0)
+    calls = []
+    real = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        lambda *a, **k: (calls.append(k["mask"].dtype), real(*a, **k))[1])
+    fused = run()
+    assert calls and set(calls) == {mx.float32}  # every chunk fused, each given the additive mask
+    np.testing.assert_allclose(fused, grouped, rtol=1e-4, atol=1e-4)
+    assert rel_error(fused[1], grouped[1]) < 1e-5
+    m = llama.additive_mask(mx.array([[[True, False]]]), mx.float32)
+    assert m.shape == (1, 1, 1, 2) and m.tolist() == [[[[0.0, -np.inf]]]]

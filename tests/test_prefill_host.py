@@ -256,3 +256,35 @@ def test_a_decode_step_does_per_row_work_only_where_rows_change(monkeypatch):
     # Each row enters a new block at most every bs positions: 4 rows over 40 positions each.
     assert 0 < len(decode_ensures) <= 4 * (-(-40 // bs) + 1)
     assert all(s % bs == 0 for _, s in decode_ensures)
+
+
+def test_an_admission_of_equal_prompts_writes_its_chunk_as_one_run_in_place(monkeypatch):
+    """Prompts of equal length in consecutive blocks fill one run of slots: their chunk's writes
+    are slice updates (`cache.write_run`), in place (the peak holds the pool once), and give the
+    tokens that scattered writes give. Prompts of mixed lengths (padding) are scattered."""
+    from helpers import admission_peak, tiny_config
+
+    from mlxfun import cache as kv
+
+    model = tiny_model(tiny_config(num_layers=4, max_position_embeddings=8192))
+    runs = []
+    real = kv.write_run
+    monkeypatch.setattr(kv, "write_run", lambda *a: (runs.append(a[1].shape), real(*a))[1])
+
+    def admit(prompts):
+        runs.clear()
+        peak, pool, engine = admission_peak(model, prompts)
+        assert pool >= 8e6
+        return peak, pool, engine.state.tokens.tolist()
+
+    equal = [[(5 * i + j) % 90 + 3 for j in range(64)] for i in range(3)]
+    peak, pool, tokens = admit(equal)
+    assert runs and all(shape[0] == 3 and shape[2] == 64 for shape in runs)  # (B, K, T, D): the whole chunk
+    assert len(runs) == 2 * 4  # keys and values of each layer
+    assert peak < 1.25 * pool
+    monkeypatch.setattr(kv, "run_start", lambda slots: None)
+    assert admit(equal)[2] == tokens and not runs
+    monkeypatch.undo()
+    monkeypatch.setattr(kv, "write_run", lambda *a: (runs.append(a[1].shape), real(*a))[1])
+    admit([p[:n] for p, n in zip(equal, (64, 60, 57))])
+    assert not runs
