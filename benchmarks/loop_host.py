@@ -4,7 +4,7 @@ step that returns arrays already computed (the same tokens every step), so a ste
 loop's Python and MLX calls alone. On an H200 a 1B decode step at 128 rows is host-bound (`mlxfun
 profile`: about 4 ms to launch, 1 ms more on the device), so this time adds to every step.
 
-Run: python benchmarks/loop_host.py --batch 128 [--steps 200] [--repeats 5] [--json PATH]
+Run: python benchmarks/loop_host.py --batch 128 [--steps 200] [--repeats 5] [--real] [--json PATH]
 (--old: a folder holding round 1's mlxfun/, as rounds_ab.py)
 """
 
@@ -47,9 +47,9 @@ def frozen(steps_for):
     return make
 
 
-def ours(model, prompts, max_tokens: int) -> float:
+def ours(model, prompts, max_tokens: int, real: bool = False) -> float:
     from mlxfun.step import compiled_steps
-    engine = Engine(model, len(prompts), steps=frozen(compiled_steps))
+    engine = Engine(model, len(prompts), steps=compiled_steps if real else frozen(compiled_steps))
     for p in prompts:
         engine.add(p, max_tokens=max_tokens, ignore_eos=True)
     engine.admit()
@@ -60,9 +60,10 @@ def ours(model, prompts, max_tokens: int) -> float:
     return (time.perf_counter() - t) / max_tokens
 
 
-def round1(gen1, step1, model, prompts, max_tokens: int) -> float:
+def round1(gen1, step1, model, prompts, max_tokens: int, real: bool = False) -> float:
     config = gen1.make_config(len(prompts), max_tokens=max_tokens, ignore_eos=True)
-    batch = gen1.Batch(model, prompts, config, steps=frozen(step1.compiled_steps)(model.config, config.mode))
+    steps = step1.compiled_steps if real else frozen(step1.compiled_steps)
+    batch = gen1.Batch(model, prompts, config, steps=steps(model.config, config.mode))
     t = None
     for _ in batch.events():
         if t is None:
@@ -76,6 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--real", action="store_true",
+                   help="the tiny model's own compiled steps, not stand-ins: the step's call and its (tiny) work too")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import importlib
@@ -89,8 +92,8 @@ def main(argv=None) -> int:
                                                                  if hasattr(bench1.SHAPES["1B"], f.name)}),
                       as_round1(new.params, llama1), bench1.word_tokenizer(512), "random")
     prompts = bench.random_prompts(512, args.batch, 16)
-    runs = {"round 1": lambda: round1(gen1, step1, old, prompts, args.steps),
-            "this code": lambda: ours(new, prompts, args.steps)}
+    runs = {"round 1": lambda: round1(gen1, step1, old, prompts, args.steps, args.real),
+            "this code": lambda: ours(new, prompts, args.steps, args.real)}
     seen = {k: [] for k in runs}
     for fn in runs.values():
         fn()

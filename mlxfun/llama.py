@@ -208,13 +208,13 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
 
 # Off Metal, attention up to this many scores runs as `grouped_attention`: on CUDA a one-token step
 # has no fused masked kernel (MLX 0.32 falls back to matmuls that copy every key once per query
-# head), and cuDNN builds a graph per new prefill shape (45-65 ms each on an H200), which small
+# head), and cuDNN builds a graph per new prefill shape (42-63 ms each on an H200), which small
 # prefills of varied sizes, as continuous batching admits them (32 rows x 128 tokens: 2^24 scores),
 # would pay again and again. Above it the fused kernel, given an additive mask, is 2.2-5.5x faster
 # (1B's heads, 16 layers: 64 x 128 tokens 2.1 against 6.6 ms, 128 x 128 3.3 against 11.8, 8 x 2,048
 # 20 against 109; benchmarks/attention_paths.py), so a shape repeated a few times repays its build.
 # On the CPU both paths took the same time (1 x 1,536 tokens of SmolLM2's heads) and the fused one
-# peaked 10% higher: the CPU keeps the limit it had.
+# peaked 13% higher: the CPU keeps the limit it had.
 GROUPED_MAX_SCORES = 1 << 24
 CPU_GROUPED_MAX_SCORES = 1 << 26
 
