@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--layers", type=int, default=2, help="the tiny model's layers (the 1B has 16)")
     p.add_argument("--real", action="store_true",
                    help="the tiny model's own compiled steps, not stand-ins: the step's call and its (tiny) work too")
     p.add_argument("--json", default=None)
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
     bench1, llama1, load1 = import_round1(args.old, Path(tempfile.mkdtemp()))
     gen1, step1 = importlib.import_module("mlxfun_r1.generate"), importlib.import_module("mlxfun_r1.step")
     config = dataclasses.replace(bench.SHAPES["1B"], hidden_size=64, intermediate_size=128, num_heads=4,
-                                 num_kv_heads=2, vocab_size=512, num_layers=2, layer_windows=(None,) * 2)
+                                 num_kv_heads=2, vocab_size=512, num_layers=args.layers,
+                                 layer_windows=(None,) * args.layers)
     new = bench.random_model(config, mx.float32)
     old = load1.Model(dataclasses.replace(bench1.SHAPES["1B"], **{f.name: getattr(config, f.name)
                                                                  for f in dataclasses.fields(config)

@@ -80,7 +80,8 @@ def costs(model: Model, batch: int, tokens: int) -> dict:
     q = mx.random.normal((batch, H, tokens, D)).astype(engine.dtype)
     mask = mx.broadcast_to(mx.tril(mx.ones((tokens, tokens), mx.bool_))[None], (batch, tokens, tokens))
     mx.eval(q, mask)
-    grouped = not llama.fused_masked_attention() and batch * H * tokens * tokens <= llama.grouped_max_scores()
+    limit = llama.grouped_max_scores(engine.dtype)
+    grouped = not llama.fused_masked_attention() and batch * H * tokens * tokens <= limit
 
     def attention():
         outs = []

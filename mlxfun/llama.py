@@ -194,7 +194,8 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
         else:
             keys = mx.concatenate([kv.gather(cache.keys, cache.table, cache.block_size), k], axis=2)  # (B, K, S + T, D)
             values = mx.concatenate([kv.gather(cache.values, cache.table, cache.block_size), v], axis=2)
-    if out is None and not fused_masked_attention() and (T == 1 or B * H * T * keys.shape[2] <= grouped_max_scores()):
+    if out is None and not fused_masked_attention() and (
+            T == 1 or B * H * T * keys.shape[2] <= grouped_max_scores(q.dtype)):
         out = grouped_attention(q, keys, values, mask, D**-0.5)
     elif out is None:
         if fused_masked_attention():
@@ -213,14 +214,18 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
 # would pay again and again. Above it the fused kernel, given an additive mask, is 2.2-5.5x faster
 # (1B's heads, 16 layers: 64 x 128 tokens 2.1 against 6.6 ms, 128 x 128 3.3 against 11.8, 8 x 2,048
 # 20 against 109; benchmarks/attention_paths.py), so a shape repeated a few times repays its build.
-# On the CPU both paths took the same time (1 x 1,536 tokens of SmolLM2's heads) and the fused one
-# peaked 13% higher: the CPU keeps the limit it had.
+# cuDNN serves 16-bit types only: float32 would run MLX's unfused fallback, no faster, and a batch
+# whose chunk crossed the limit would attend by other arithmetic than its rows alone (greedy
+# batched == alone is checked in float32). So float32, and the CPU, where both paths took the same
+# time (1 x 1,536 tokens of SmolLM2's heads) and the fused one peaked 13% higher, keep 2^26.
 GROUPED_MAX_SCORES = 1 << 24
-CPU_GROUPED_MAX_SCORES = 1 << 26
+WIDE_GROUPED_MAX_SCORES = 1 << 26
 
 
-def grouped_max_scores() -> int:
-    return CPU_GROUPED_MAX_SCORES if mx.default_device() == mx.cpu else GROUPED_MAX_SCORES
+def grouped_max_scores(dtype: mx.Dtype) -> int:
+    """Scores up to which attention over `dtype` runs as `grouped_attention` here (off Metal)."""
+    fused = mx.default_device() != mx.cpu and dtype in (mx.float16, mx.bfloat16)
+    return GROUPED_MAX_SCORES if fused else WIDE_GROUPED_MAX_SCORES
 
 
 def fused_masked_attention() -> bool:

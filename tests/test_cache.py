@@ -238,7 +238,7 @@ def test_fused_attention_with_an_additive_mask_equals_grouped(monkeypatch, varia
         return logits
 
     grouped = run()
-    monkeypatch.setattr(llama, "CPU_GROUPED_MAX_SCORES", 0)
+    monkeypatch.setattr(llama, "WIDE_GROUPED_MAX_SCORES", 0)
     monkeypatch.setattr(llama, "GROUPED_MAX_SCORES", 0)
     calls = []
     real = mx.fast.scaled_dot_product_attention
@@ -248,5 +248,10 @@ def test_fused_attention_with_an_additive_mask_equals_grouped(monkeypatch, varia
     assert calls and set(calls) == {mx.float32}  # every chunk fused, each given the additive mask
     np.testing.assert_allclose(fused, grouped, rtol=1e-4, atol=1e-4)
     assert rel_error(fused[1], grouped[1]) < 1e-5
+    # float32 keeps the wide limit everywhere (batched == alone is checked in float32), as does the CPU.
+    assert llama.grouped_max_scores(mx.float32) == 0 and llama.WIDE_GROUPED_MAX_SCORES == 0
+    monkeypatch.undo()
+    assert llama.grouped_max_scores(mx.float32) == llama.WIDE_GROUPED_MAX_SCORES == 1 << 26
+    assert llama.grouped_max_scores(mx.bfloat16) == (1 << 26 if mx.default_device() == mx.cpu else 1 << 24)
     m = llama.additive_mask(mx.array([[[True, False]]]), mx.float32)
     assert m.shape == (1, 1, 1, 2) and m.tolist() == [[[[0.0, -np.inf]]]]
