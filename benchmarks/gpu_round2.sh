@@ -97,6 +97,8 @@
 #   bash benchmarks/gpu_round2.sh p40 # (carries .old) 1B 128 rows, fused against grouped attention (2^26 scores) in one run;
 #                                     1B 8 and 32 rows again, 6 repeats
 #   bash benchmarks/gpu_round2.sh p41 # (carries .old) p39's 1B table with 6 repeats (the session's final figures)
+#   bash benchmarks/gpu_round2.sh p42 # (carries .old) one decode step's nodes and host time, this code and round 1
+#                                     (step_nodes.py; 1B, batch 1 and 32)
 #   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
 #                                     (1B, 32 rows, 128 tokens): 0.98x (eighteenth session)
 #   bash benchmarks/gpu_round2.sh p24 # (carries .whl, .tok) mlxfun bench --structured alone (1B, 32 rows, 64 tokens),
@@ -622,6 +624,12 @@ case "${1:-a}" in
   p41)
     timeout 400 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
       --repeats 6 --json "$OUT/rounds-ab-1B-final-6.json" | tail -12
+    ;;
+  p42)
+    for b in 1 32; do
+      timeout 150 python3 benchmarks/step_nodes.py --shape 1B --old .old --batch $b --repeats 50 \
+        --json "$OUT/step-nodes-1B-$b.json"
+    done
     ;;
   p25)
     wheels
