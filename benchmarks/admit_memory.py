@@ -38,8 +38,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--grouped-max-scores", type=int, default=None,
+                   help="llama.GROUPED_MAX_SCORES while it runs (chunks over it: MLX's fused attention on a GPU)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.grouped_max_scores is not None:
+        llama.GROUPED_MAX_SCORES = args.grouped_max_scores
     config = bench.SHAPES[args.shape]
     changes = {"vocab_size": 512, "layer_windows": None}
     if args.layers:

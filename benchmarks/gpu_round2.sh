@@ -99,6 +99,8 @@
 #   bash benchmarks/gpu_round2.sh p41 # (carries .old) p39's 1B table with 6 repeats (the session's final figures)
 #   bash benchmarks/gpu_round2.sh p42 # (carries .old) one decode step's nodes and host time, this code and round 1
 #                                     (step_nodes.py; 1B, batch 1 and 32)
+#   bash benchmarks/gpu_round2.sh p43 # the 1B admission's peak at 128 rows, fused against grouped attention, with MLX's
+#                                     default and 20 ops per CUDA graph (admit_memory.py)
 #   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
 #                                     (1B, 32 rows, 128 tokens): 0.98x (eighteenth session)
 #   bash benchmarks/gpu_round2.sh p24 # (carries .whl, .tok) mlxfun bench --structured alone (1B, 32 rows, 64 tokens),
@@ -629,6 +631,16 @@ case "${1:-a}" in
     for b in 1 32; do
       timeout 150 python3 benchmarks/step_nodes.py --shape 1B --old .old --batch $b --repeats 50 \
         --json "$OUT/step-nodes-1B-$b.json"
+    done
+    ;;
+  p43)
+    for ops in default 20; do
+      for limit in 16777216 67108864; do
+        echo "ops per graph $ops, grouped up to $limit scores:"
+        ( [ $ops = default ] || export MLX_MAX_OPS_PER_BUFFER=$ops
+          timeout 90 python3 benchmarks/admit_memory.py --shape 1B --batch 128 --max-tokens 128 \
+            --grouped-max-scores $limit --json "$OUT/admit-memory-1B-128-ops$ops-limit$limit.json" )
+      done
     done
     ;;
   p25)
