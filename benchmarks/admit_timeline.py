@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from rounds_ab import as_round1, import_round1  # benchmarks/ is on the path: these scripts run from there
+from rounds_ab import import_round1, round1_model  # benchmarks/ is on the path: these scripts run from there
 
 from mlxfun import bench, prefill
 from mlxfun.engine import Engine
@@ -97,19 +97,18 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    bench1, llama1, load1 = import_round1(args.old, Path(tempfile.mkdtemp()))
+    old_code = import_round1(args.old, Path(tempfile.mkdtemp()))
     import importlib
     generate1 = importlib.import_module("mlxfun_r1.generate")
     new = bench.random_model(bench.SHAPES[args.shape])
-    old = load1.Model(bench1.SHAPES[args.shape], as_round1(new.params, llama1),
-                      bench1.word_tokenizer(new.config.vocab_size), "random")
+    old = round1_model(old_code, new)
     out = {"machine": bench.machine(), "args": vars(args) | {"old": str(args.old)}, "batches": []}
     for B in [int(b) for b in args.batch_sizes.split(",")]:
         prompts = bench.random_prompts(new.config.vocab_size, B, args.prompt_tokens)
         runs = {"round 1": [], "this code": []}
         for rep in range(args.repeats + 1):
             for name in (["round 1", "this code"] if rep % 2 else ["this code", "round 1"]):
-                r = run_old(bench1, generate1, old, prompts) if name == "round 1" else run_new(new, prompts)
+                r = run_old(old_code[0], generate1, old, prompts) if name == "round 1" else run_new(new, prompts)
                 if rep:
                     runs[name].append(r)
         print(f"batch {B}: {'code':10s} {'wall ms':>8s} {'host before launch':>19s} {'launches':>9s} "

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from rounds_ab import as_round1, import_round1  # benchmarks/ is on the path: these scripts run from there
+from rounds_ab import import_round1, round1_model  # benchmarks/ is on the path: these scripts run from there
 
 from mlxfun import bench
 from mlxfun.engine import Engine
@@ -83,16 +83,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import importlib
-    bench1, llama1, load1 = import_round1(args.old, Path(tempfile.mkdtemp()))
+    old_code = import_round1(args.old, Path(tempfile.mkdtemp()))
     gen1, step1 = importlib.import_module("mlxfun_r1.generate"), importlib.import_module("mlxfun_r1.step")
     config = dataclasses.replace(bench.SHAPES["1B"], hidden_size=64, intermediate_size=128, num_heads=4,
                                  num_kv_heads=2, vocab_size=512, num_layers=args.layers,
                                  layer_windows=(None,) * args.layers)
     new = bench.random_model(config, mx.float32)
-    old = load1.Model(dataclasses.replace(bench1.SHAPES["1B"], **{f.name: getattr(config, f.name)
-                                                                 for f in dataclasses.fields(config)
-                                                                 if hasattr(bench1.SHAPES["1B"], f.name)}),
-                      as_round1(new.params, llama1), bench1.word_tokenizer(512), "random")
+    old = round1_model(old_code, new)
     prompts = bench.random_prompts(512, args.batch, 16)
     runs = {"round 1": lambda: round1(gen1, step1, old, prompts, args.steps, args.real),
             "this code": lambda: ours(new, prompts, args.steps, args.real)}

@@ -14,6 +14,7 @@ Run: python benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 1,8,32,1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib
 import json
@@ -56,72 +57,58 @@ def as_round1(tree, llama1):
     return tree
 
 
-def grouped(tokens: int):
-    """This code's run_batch with groups of `tokens` (`prefill.group_tokens`) while it runs."""
-    from mlxfun import prefill
+def round1_model(round1, new):
+    """`new` (a random-weight Model of this code) as round 1's Model: the same arrays, round 1's
+    classes. `round1`: what `import_round1` returns."""
+    bench1, llama1, load1 = round1
+    base = bench1.SHAPES["1B"]
+    fields = {f.name: getattr(new.config, f.name) for f in dataclasses.fields(new.config) if hasattr(base, f.name)}
+    if fields["rope_scaling"] is not None:  # round 1's own class
+        fields["rope_scaling"] = type(base.rope_scaling)(**dataclasses.asdict(fields["rope_scaling"]))
+    return load1.Model(dataclasses.replace(base, **fields), as_round1(new.params, llama1),
+                       bench1.word_tokenizer(new.config.vocab_size), "random")
+
+
+def patched(module: str, name: str, value):
+    """This code's run_batch with `mlxfun.<module>.<name>` set to `value` while it runs (built from
+    the shipped one when `value` is callable with it: `value(shipped)`)."""
 
     def run(*a):
-        shipped, prefill.group_tokens = prefill.group_tokens, lambda hidden_size: tokens
+        owner = importlib.import_module(f"mlxfun.{module}")
+        shipped = getattr(owner, name)
+        setattr(owner, name, value(shipped) if callable(value) else value)
         try:
             return bench.run_batch(*a)
         finally:
-            prefill.group_tokens = shipped
+            setattr(owner, name, shipped)
     return run
 
 
-def words(*a):
-    """This code's run_batch with a chunk's 16-bit keys and values written as uint32 words
-    (`chunk_write.py`'s `wide`, what the engine's passes did on 2026-12-04). Chunks over
-    `step.PREFILL_COMPILED_TOKENS` only: a compiled chunk keeps the write it was traced with."""
+def words(shipped):
+    """`cache.write` with a chunk's 16-bit keys and values written as uint32 words (`chunk_write.py`'s
+    `wide`, what the engine's passes did on 2026-12-04). Chunks over `step.PREFILL_COMPILED_TOKENS`
+    only: a compiled chunk keeps the write it was traced with."""
     import chunk_write  # beside this script
 
-    from mlxfun import cache as kv
-
-    shipped = kv.write
-    kv.write = lambda buf, new, slots: (shipped if new.shape[2] == 1 else chunk_write.wide)(buf, new, slots)
-    try:
-        return bench.run_batch(*a)
-    finally:
-        kv.write = shipped
+    return lambda buf, new, slots: (shipped if new.shape[2] == 1 else chunk_write.wide)(buf, new, slots)
 
 
-def late(*a):
-    """This code's run_batch with no early launch: a first chunk's whole graph is built before
-    the device starts (`llama.LAUNCH_LAYERS`, what the engine did before 2026-12-04's eighteenth session)."""
-    from mlxfun import llama
-
-    shipped, llama.LAUNCH_LAYERS = llama.LAUNCH_LAYERS, 1 << 30
-    try:
-        return bench.run_batch(*a)
-    finally:
-        llama.LAUNCH_LAYERS = shipped
-
-
-def scatter(*a):
-    """This code's run_batch with every chunk written by scatters, also where its slots are one
-    run (`cache.run_start`; what the engine did before 2026-12-04's nineteenth session)."""
-    from mlxfun import cache as kv
-
-    shipped, kv.run_start = kv.run_start, lambda slots: None
-    try:
-        return bench.run_batch(*a)
-    finally:
-        kv.run_start = shipped
+# Variants of this code, each one setting of the shipped code changed while it runs:
+# groups of n tokens (`prefill.group_tokens`); no early launch of a first chunk's first layers
+# (`llama.LAUNCH_LAYERS`, before 2026-12-04's eighteenth session); every chunk scattered, none
+# written as one run (`cache.run_start`, before the nineteenth); attention over more than n scores
+# fused (`llama.GROUPED_MAX_SCORES`; chunks over `step.PREFILL_COMPILED_TOKENS` only, as for words).
+def grouped(tokens: int):
+    return patched("prefill", "group_tokens", lambda shipped: lambda hidden_size: tokens)
 
 
 def scores(limit: int):
-    """This code's run_batch with attention over more than `limit` scores by MLX's fused kernel
-    (`llama.GROUPED_MAX_SCORES`). Chunks over `step.PREFILL_COMPILED_TOKENS` only: a compiled chunk
-    keeps the path it was traced with."""
-    from mlxfun import llama
+    return patched("llama", "GROUPED_MAX_SCORES", limit)
 
-    def run(*a):
-        shipped, llama.GROUPED_MAX_SCORES = llama.GROUPED_MAX_SCORES, limit
-        try:
-            return bench.run_batch(*a)
-        finally:
-            llama.GROUPED_MAX_SCORES = shipped
-    return run
+
+late = patched("llama", "LAUNCH_LAYERS", 1 << 30)
+scatter = patched("cache", "run_start", lambda shipped: lambda slots: None)
+as_words = patched("cache", "write", words)
 
 
 def timed(run_batch, model, prompts, gen_tokens) -> dict:
@@ -154,15 +141,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp())
-    bench1, llama1, load1 = import_round1(args.old, tmp)
+    old_code = import_round1(args.old, tmp)
     new = bench.random_model(bench.SHAPES[args.shape])
-    old = load1.Model(bench1.SHAPES[args.shape], as_round1(new.params, llama1),
-                      bench1.word_tokenizer(new.config.vocab_size), "random")
-    runs = {"round 1": (bench1.run_batch, old), "this code": (bench.run_batch, new)}
+    runs = {"round 1": (old_code[0].run_batch, round1_model(old_code, new)), "this code": (bench.run_batch, new)}
     for n in [int(n) for n in args.group_tokens.split(",") if n]:
         runs[f"group {n}"] = (grouped(n), new)
     if args.words:
-        runs["as words"] = (words, new)
+        runs["as words"] = (as_words, new)
     if args.late:
         runs["late"] = (late, new)
     if args.scatter:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from rounds_ab import as_round1, import_round1  # benchmarks/ is on the path: these scripts run from there
+from rounds_ab import import_round1, round1_model  # benchmarks/ is on the path: these scripts run from there
 
 from mlxfun import bench
 from mlxfun.engine import Engine
@@ -55,11 +55,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    bench1, llama1, load1 = import_round1(args.old, Path(tempfile.mkdtemp()))
+    old_code = import_round1(args.old, Path(tempfile.mkdtemp()))
     gen1 = importlib.import_module("mlxfun_r1.generate")
     new = bench.random_model(bench.SHAPES[args.shape])
-    old = load1.Model(bench1.SHAPES[args.shape], as_round1(new.params, llama1),
-                      bench1.word_tokenizer(new.config.vocab_size), "random")
+    old = round1_model(old_code, new)
     prompts = bench.random_prompts(new.config.vocab_size, args.batch, 128)
 
     engine = Engine(new, args.batch)

@@ -146,11 +146,12 @@ class LayerCache(NamedTuple):
 
 
 def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, freqs: mx.array | None,
-              mask: mx.array, cache: LayerCache | None, fast: bool = False, bias: mx.array | None = None
+              mask: mx.array, bias: mx.array, cache: LayerCache | None, fast: bool = False
               ) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
     """x (B, T, E), or (B, E) for one token per row, offset (B,) and freqs (`rope`), mask (B, T, S)
-    -> (output shaped as x, this layer's pools after the write, or None without a cache). `bias`:
-    the mask as `additive_mask` makes it (made once per pass by `hidden`), for MLX's fused kernel.
+    and bias, the same mask as `additive_mask` makes it (for MLX's fused kernel off Metal; `hidden`
+    makes both once per pass) -> (output shaped as x, this layer's pools after the write, or None
+    without a cache).
 
     Keys are the T new tokens without a cache. With one, the new keys are written at their slots
     and a row's keys are read through its table: after the write (S = W * bs), unless the chunk
@@ -198,11 +199,9 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
             T == 1 or B * H * T * keys.shape[2] <= grouped_max_scores(q.dtype)):
         out = grouped_attention(q, keys, values, mask, D**-0.5)
     elif out is None:
-        if fused_masked_attention():
-            bias = mask[:, None]  # Metal's kernels take a bool mask as it is
-        elif bias is None:
-            bias = additive_mask(mask, q.dtype)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=bias)
+        # Metal's kernels take a bool mask as it is.
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5,
+                                                   mask=mask[:, None] if fused_masked_attention() else bias)
     out = out.reshape(B, H * D) if x.ndim == 2 else out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
     return reduce(config, linear(layer.o, out, fast)), written
 
@@ -358,9 +357,9 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     for i, layer in enumerate(params.layers):
         layer_cache = None if cache is None else LayerCache(cache.keys[i], cache.values[i], cache.table, bs, slots,
                                                             wraps, fresh, run)
+        w = config.layer_windows[i]
         a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
-                               offset, freqs, layer_mask[config.layer_windows[i]], layer_cache, fast,
-                               layer_bias[config.layer_windows[i]])
+                               offset, freqs, layer_mask[w], layer_bias[w], layer_cache, fast)
         if unread and (launch is None or i >= LAUNCH_LAYERS):
             # Nothing read the writes, so MLX would run them after the last layer, every layer's
             # keys and values (and the projections they are views of) alive until then: 5 GB of

@@ -190,36 +190,34 @@ def test_a_first_chunk_starts_its_first_layers_while_the_host_builds_the_rest(tm
             assert mx.array_equal(a[1], b[1]).item()
 
 
-def test_an_admission_launched_early_writes_the_kv_pool_in_place():
+def admitted(model, prompts):
+    """`helpers.admission_peak` with a large pool -> (peak bytes, pool bytes, the first tokens)."""
+    from helpers import admission_peak
+
+    peak, pool, engine = admission_peak(model, prompts)
+    assert pool >= 8e6
+    return peak, pool, engine.state.tokens.tolist()
+
+
+def test_an_admission_launched_early_writes_the_kv_pool_in_place(monkeypatch):
     """An admission whose first layers start early still writes the pool in place (its peak holds
     the pool once), and gives the tokens it gives without the early launch."""
     import mlx.core as mx
-    from helpers import admission_peak, tiny_config
+    from helpers import tiny_config
 
     from mlxfun import llama
 
     model = tiny_model(tiny_config(num_layers=4, max_position_embeddings=8192))
     prompts = [[(5 * i + j) % 90 + 3 for j in range(n)] for i, n in enumerate((60, 58, 57))]
-
-    def admit():
-        peak, pool, engine = admission_peak(model, prompts)
-        assert pool >= 8e6
-        return peak, pool, engine.state.tokens.tolist()
-
     launches = []
     real = mx.async_eval
-    mx.async_eval = lambda *a: (launches.append(a), real(*a))[1]
-    try:
-        peak, pool, early = admit()
-    finally:
-        mx.async_eval = real
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (launches.append(a), real(*a))[1])
+    peak, pool, early = admitted(model, prompts)
+    monkeypatch.undo()
     assert any(len(a) == 1 and len(a[0]) == 1 for a in launches)  # the early launch: [hidden state]
     assert peak < 1.25 * pool
-    shipped, llama.LAUNCH_LAYERS = llama.LAUNCH_LAYERS, 99
-    try:
-        assert admit()[2] == early
-    finally:
-        llama.LAUNCH_LAYERS = shipped
+    monkeypatch.setattr(llama, "LAUNCH_LAYERS", 99)
+    assert admitted(model, prompts)[2] == early
 
 
 def test_a_decode_step_does_per_row_work_only_where_rows_change(monkeypatch):
@@ -262,20 +260,18 @@ def test_an_admission_of_equal_prompts_writes_its_chunk_as_one_run_in_place(monk
     """Prompts of equal length in consecutive blocks fill one run of slots: their chunk's writes
     are slice updates (`cache.write_run`), in place (the peak holds the pool once), and give the
     tokens that scattered writes give. Prompts of mixed lengths (padding) are scattered."""
-    from helpers import admission_peak, tiny_config
+    from helpers import tiny_config
 
     from mlxfun import cache as kv
 
     model = tiny_model(tiny_config(num_layers=4, max_position_embeddings=8192))
     runs = []
-    real = kv.write_run
-    monkeypatch.setattr(kv, "write_run", lambda *a: (runs.append(a[1].shape), real(*a))[1])
+    real_write, real_start = kv.write_run, kv.run_start
+    monkeypatch.setattr(kv, "write_run", lambda *a: (runs.append(a[1].shape), real_write(*a))[1])
 
     def admit(prompts):
         runs.clear()
-        peak, pool, engine = admission_peak(model, prompts)
-        assert pool >= 8e6
-        return peak, pool, engine.state.tokens.tolist()
+        return admitted(model, prompts)
 
     equal = [[(5 * i + j) % 90 + 3 for j in range(64)] for i in range(3)]
     peak, pool, tokens = admit(equal)
@@ -284,7 +280,6 @@ def test_an_admission_of_equal_prompts_writes_its_chunk_as_one_run_in_place(monk
     assert peak < 1.25 * pool
     monkeypatch.setattr(kv, "run_start", lambda slots: None)
     assert admit(equal)[2] == tokens and not runs
-    monkeypatch.undo()
-    monkeypatch.setattr(kv, "write_run", lambda *a: (runs.append(a[1].shape), real(*a))[1])
+    monkeypatch.setattr(kv, "run_start", real_start)
     admit([p[:n] for p, n in zip(equal, (64, 60, 57))])
     assert not runs
