@@ -101,6 +101,13 @@
 #                                     (step_nodes.py; 1B, batch 1 and 32)
 #   bash benchmarks/gpu_round2.sh p43 # the 1B admission's peak at 128 rows, fused against grouped attention, with MLX's
 #                                     default and 20 ops per CUDA graph (admit_memory.py)
+#   bash benchmarks/gpu_round2.sh p44 # (carries .old) the decode loop's host time at 1B batch 1 and 32, real steps, by
+#                                     phase; then 1B static at 1 and 32 against round 1
+#   bash benchmarks/gpu_round2.sh p45 # the host's cost of a graph node by kind (node_costs.py)
+#   bash benchmarks/gpu_round2.sh p46 # (carries .old) after the least pool's compaction fix and the leaner loop: the
+#                                     loop's host time at batch 1 by phase (it ran past a 100 s limit: 200 now),
+#                                     then 1B static at 1-128 against round 1
+#   bash benchmarks/gpu_round2.sh p47 # (carries .old) p46's loop at batch 1; 8B static at 1-128 against round 1
 #   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
 #                                     (1B, 32 rows, 128 tokens): 0.98x (eighteenth session)
 #   bash benchmarks/gpu_round2.sh p24 # (carries .whl, .tok) mlxfun bench --structured alone (1B, 32 rows, 64 tokens),
@@ -642,6 +649,29 @@ case "${1:-a}" in
             --grouped-max-scores $limit --json "$OUT/admit-memory-1B-128-ops$ops-limit$limit.json" )
       done
     done
+    ;;
+  p44)
+    for b in 1 32; do
+      timeout 120 python3 benchmarks/loop_host.py --shape 1B --real --phases --batch $b --steps 128 --repeats 5 \
+        --json "$OUT/loop-host-1B-$b.json"
+    done
+    timeout 240 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,32 --gen-tokens 128 \
+      --repeats 4 --json "$OUT/rounds-ab-1B-1-32.json" | tail -6
+    ;;
+  p45)
+    timeout 120 python3 benchmarks/node_costs.py --nodes 200 --repeats 30 --json "$OUT/node-costs.json"
+    ;;
+  p46)
+    timeout 200 python3 benchmarks/loop_host.py --shape 1B --real --phases --batch 1 --steps 128 --repeats 5 \
+      --json "$OUT/loop-host-1B-1.json"
+    timeout 440 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
+      --repeats 5 --json "$OUT/rounds-ab-1B-final-5.json" | tail -12
+    ;;
+  p47)
+    timeout 200 python3 benchmarks/loop_host.py --shape 1B --real --phases --batch 1 --steps 128 --repeats 5 \
+      --json "$OUT/loop-host-1B-1.json"
+    timeout 380 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 1,8,32,128 --gen-tokens 32 \
+      --repeats 3 --json "$OUT/rounds-ab-8B-final-3.json" | tail -12
     ;;
   p25)
     wheels

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -137,6 +137,16 @@ class EngineStats(Stats):
                 f"Peak memory: {self.peak_memory_gb:.3f} GB")
 
 
+class Roster(NamedTuple):
+    """The rows' owners and what follows from them, made again only when the owners change (a 1B
+    decode step is host-bound on an H200: the loop's own Python adds to every step)."""
+
+    owners: tuple  # request id per row, None for an empty row
+    live: list[int]  # rows holding a request
+    mode: Mode  # `mode_for` their requests
+    steps: Steps  # the compiled steps for that mode
+
+
 def mode_for(requests: Sequence[Record]) -> Mode:
     """The least a step must compute for these requests (each Mode compiles once)."""
     return Mode(sample=any(r.mode.sample for r in requests), penalties=any(r.mode.penalties for r in requests),
@@ -216,7 +226,7 @@ class Engine:
         self._settings: sampling.Settings | None = None  # per-row settings of the live rows
         self._inflight: list[tuple[StepOut, list]] = []  # outputs queued, not yet handed out
         self._vacated: list[int] = []  # rows released since the last step: their positions go to -1
-        self._mode_of: tuple[tuple, Mode] | None = None  # (owners, mode_for their requests), `_live_mode`
+        self._roster_of: Roster | None = None  # `_roster`
         self._masks: HostArray | None = None  # (rows, V/32) uint32: the constrained rows' allowed tokens
         self._masker: ThreadPoolExecutor | None = None  # computes them while the engine thread queues the forward pass
         # Speculative decoding: a drafter (`speculative.PromptLookup`, `drafting.DraftModel`) and
@@ -327,10 +337,11 @@ class Engine:
             events = self.collect() if self._pipelined else []  # `pos` exact again before decoding
             self._pipelined = False
             events += self.admit()
-            if self._needs_decode() and self._live_mode().masked:
+            needs = self._needs_decode()
+            if needs and self._roster().mode.masked:
                 events += self.masked_decode()
             else:
-                queued = self.decode() if self._needs_decode() else None
+                queued = self.decode() if needs else None
                 events += self.collect(keep=queued)
             if self.drafter is not None and self.policy.enabled:
                 self.policy.shadow(self.drafter.shadow(self, self.num_draft_tokens))
@@ -384,9 +395,11 @@ class Engine:
         """Drain the inbox (closing events for cancellations), then prefill queued requests into
         free rows, queued on the device (evaluated at once when no row is decoding: nothing to
         overlap). Their first tokens are handed out by the next `collect`."""
-        events = self._drain()
+        events = self._drain() if not self._inbox.empty() else []  # (a message put after this waits a step)
+        if not self.pending:
+            return events
         room = self.rows - self._live()
-        if not room or not self.pending:
+        if not room:
             return events
         # With requests still decoding, wait until admit_min rows are free (or the queue fits),
         # so that one prefill serves several requests.
@@ -426,51 +439,54 @@ class Engine:
             self.stats.timed_prompt_tokens += sum(len(r.request.prompt) - r.cached_tokens for r in records)
         return events
 
-    def _prepare_step(self) -> tuple[Mode, DecodeState]:
+    def _prepare_step(self) -> tuple[Roster, DecodeState]:
         """Blocks for each live row's next position (a ring drops the one it displaces), the
-        device state caught up; -> the step's mode and its input state (no counts without penalties)."""
-        live = [r for r, o in enumerate(self.owner) if o is not None]
+        device state caught up; -> the rows' roster and the step's input state (no counts
+        without penalties)."""
+        roster = self._roster()
+        live = roster.live
         # One growth for every row entering a new block (if the pool must grow at all: admission
         # reserved the blocks), rather than a growth per row. Not one per live row: a pool that
         # its rows fill exactly (2^k + 1 blocks) grew by half for the last steps of every row.
         bs, pos, held = self.pool.block_size, self.pos, self.pages.held
         entering = [r for r in live if pos[r] // bs not in held[r]]  # the others hold their next slot
-        self.pages.prepare(len(entering))
-        for r in entering:
-            self.pages.ensure(r, pos[r], pos[r] + 1)
+        if entering:
+            self.pages.prepare(len(entering))
+            for r in entering:
+                self.pages.ensure(r, pos[r], pos[r] + 1)
         if self.pages.ring is not None:
             for r in live:
                 self.pages.drop_behind(r, pos[r])
         self._sync()
-        mode = self._live_mode()
-        return mode, self.state if mode.penalties else self.state._replace(counts=None)
+        return roster, self.state if roster.mode.penalties else self.state._replace(counts=None)
 
-    def _live_mode(self) -> Mode:
-        """`mode_for` the live requests, made again only when the rows' owners change (a 1B decode
-        step at 128 rows is host-bound on an H200: the loop's own time adds to every step)."""
+    def _roster(self) -> Roster:
         owners = tuple(self.owner)
-        if self._mode_of is None or self._mode_of[0] != owners:
-            self._mode_of = owners, mode_for([self.requests[o] for o in owners if o is not None])
-        return self._mode_of[1]
+        if self._roster_of is None or self._roster_of.owners != owners:
+            live = [r for r, o in enumerate(owners) if o is not None]
+            mode = mode_for([self.requests[owners[r]] for r in live])
+            self._roster_of = Roster(owners, live, mode, self.steps(self.config, mode))
+        return self._roster_of
 
-    def _advanced(self, state: DecodeState) -> None:
-        """The state after a step queued for the live rows (counts kept where the step had none)."""
+    def _advanced(self, state: DecodeState, live: list[int]) -> None:
+        """The state after a step queued for the `live` rows (counts kept where the step had none)."""
         self.state = state if state.counts is not None else state._replace(counts=self.state.counts)
-        for r, o in enumerate(self.owner):
-            if o is not None:
-                self.pos[r] += 1
+        pos = self.pos
+        for r in live:
+            pos[r] += 1
 
     def next_decode(self) -> tuple[Callable, tuple]:
         """The compiled decode step for the live rows and its arguments, not run (profiling)."""
-        mode, state = self._prepare_step()
-        return self.steps(self.config, mode).decode, (self.params, state, self._settings)
+        roster, state = self._prepare_step()
+        return roster.steps.decode, (self.params, state, self._settings)
 
     def decode(self) -> StepOut:
         """Queue one decode step for every row (rows without a live request decode idly)."""
         fn, args = self.next_decode()
         out, state = fn(*args)
         del args  # with no reference left to the old state, the step writes the KV pool in place
-        self._advanced(state)
+        live = self._roster_of.live  # as `next_decode` left it
+        self._advanced(state, live)
         mx.async_eval(out, self.state)
         now = time.perf_counter()
         if self.drafter is not None and self._last_decode is not None:
@@ -479,7 +495,7 @@ class Engine:
                 self.policy.record(False, 1.0, now - self._last_decode)
         self._last_decode = now
         self.stats.steps += 1
-        self.stats.busy_row_steps += self._live()
+        self.stats.busy_row_steps += len(live)
         self._inflight.append((out, list(self.owner)))
         return out
 
@@ -490,8 +506,8 @@ class Engine:
         (it needs only the tokens already on the device): the host's two longest parts overlap.
         Then the sampling half is queued with the masks, and the tokens read are handed out while
         the device runs it."""
-        mode, state = self._prepare_step()
-        steps = self.steps(self.config, mode)
+        roster, state = self._prepare_step()
+        mode, steps = roster.mode, roster.steps
         ready, self._inflight = self._inflight, []
         mx.async_eval([step_out for step_out, _ in ready])  # scheduled here: the worker thread has no stream
         owners = list(self.owner)
@@ -501,7 +517,7 @@ class Engine:
         # the device idle meanwhile: 1.16-1.22x a free step against 1.07-1.12x (1B and 8B, batch 32,
         # H200; benchmarks/README.md, twelfth session).
         logits, state = steps.forward(self.params, state)
-        self._advanced(state)  # the old state unreferenced: the pool is written in place
+        self._advanced(state, roster.live)  # the old state unreferenced: the pool is written in place
         mx.async_eval(logits, self.state)
         values = job.result()  # the masks are in `_masks`
         out, state = steps.sample(logits, self._masks.device(), self.state if mode.penalties else
@@ -945,16 +961,17 @@ class Engine:
 
     def _sync(self) -> None:
         """The device state caught up with the host: pool size, table, vacated rows."""
-        cache = prefill.ensure_pool(self.state.cache, self.pool.size)
+        s = self.state
+        cache, positions = prefill.ensure_pool(s.cache, self.pool.size), s.positions
         if self.pages.dirty:
             cache = cache._replace(table=mx.array(self.pages.table[:len(self.owner)]))
             self.pages.dirty = False
-        positions = self.state.positions
         if self._vacated:
             positions = kv.updated(positions, mx.array(self._vacated, mx.int32), mx.full((len(self._vacated),), -1,
                                                                                         mx.int32))
             self._vacated = []
-        self.state = self.state._replace(cache=cache, positions=positions)
+        if cache is not s.cache or positions is not s.positions:  # most steps: nothing to do
+            self.state = s._replace(cache=cache, positions=positions)
 
     def _release(self, row: int, record: Record) -> None:
         """Free a row: the blocks of every position whose KV it computed go to the prefix cache
@@ -972,21 +989,23 @@ class Engine:
 
     def _fit_cache(self) -> None:
         """Drop the pool when idle and nothing is cached; compact it once long requests have left."""
-        if self.state is not None and self.idle and self.pool.cached == 0:
+        live = self._live()
+        if self.state is not None and not live and self.pool.cached == 0 and self.idle:
             self.state, self._settings = None, None
             self.pages.remap(self.pool.renumber(self.pool.compaction(), 1))  # only the scratch block is left
             self._resize_rows(self._width(0))
         elif self.state is not None:
-            if self._width(self._live()) < len(self.owner):
-                self._set_width(self._width(self._live()))
+            if self.shrink_rows and self._width(live) < len(self.owner):
+                self._set_width(self._width(live))
             self.pages.shrink()
             # Blocks held or cached, and reserved (upper bounds first: this runs every step, and
             # compaction() walks the pool).
             held = 1 + self.pool.used + self.pool.cached
-            reserved = self._outstanding() if self.pool.size > MIN_BLOCKS and 4 * held <= self.pool.size else None
+            reserved = self._outstanding() if self.pool.size > 1 + MIN_BLOCKS and 4 * held <= self.pool.size else None
             keep = self.pool.compaction() if reserved is not None and 4 * (held + reserved) <= self.pool.size else None
-            if keep is not None and 4 * (len(keep) + reserved) <= self.pool.size:
-                size = pool_size(2 * (len(keep) + reserved), self.max_blocks)
+            size = None if keep is None else pool_size(2 * (len(keep) + reserved), self.max_blocks)
+            # (A pool at its least size stays: compacting it to that size again copied the KV every step.)
+            if keep is not None and 4 * (len(keep) + reserved) <= self.pool.size and size < self.pool.size:
                 cache = kv.take_blocks(self.state.cache, mx.array(keep))
                 self.pages.remap(self.pool.renumber(keep, size))
                 self.state = self.state._replace(cache=prefill.ensure_pool(cache, size))

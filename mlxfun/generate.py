@@ -44,6 +44,9 @@ class Job:
 
     def events(self) -> Iterator[Event]:
         index = {rid: self.indices[i] for i, rid in enumerate(self.ids)}
+        if all(rid == i for rid, i in index.items()):  # a fresh engine numbers them as the prompts
+            yield from self.engine.events()
+            return
         for e in self.engine.events():
             yield e._replace(index=index[e.index])
 

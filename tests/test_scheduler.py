@@ -23,6 +23,7 @@ from mlxfun import cache as kv
 from mlxfun import llama, prefill, sampling, weights
 from mlxfun.engine import WINDOW, Engine
 from mlxfun.generate import generate
+from mlxfun.paging import MIN_BLOCKS
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +131,30 @@ def test_two_thousand_requests_keep_memory_and_records_flat(tiny):
     assert max(records) <= 1.1 * min(records)
     assert len(engine.stats.ttft) == min(WINDOW, 2000) and len(engine.stats.itl) == WINDOW
     assert engine.stats.requests == 2000
+
+
+def test_a_pool_compacts_only_to_a_smaller_size(tiny, monkeypatch):
+    """Compaction copies every layer's KV, so it runs only when the pool gets smaller: a pool at
+    its least size, its rows holding a few blocks, is never compacted (it was, to the same size,
+    at every step), while one grown for a long request shrinks once that request has left."""
+    copies = []
+    take_blocks = kv.take_blocks
+    monkeypatch.setattr(kv, "take_blocks", lambda cache, keep: copies.append(keep.size) or take_blocks(cache, keep))
+    engine = Engine(tiny, rows=1)
+    engine.add([3] * 5, max_tokens=40, ignore_eos=True)  # 3 blocks of the least pool (65)
+    for _ in engine.events():
+        assert engine.pool.size == 1 + MIN_BLOCKS
+    assert engine.stats.generation_tokens == 40 and copies == []
+    engine = Engine(tiny, rows=2, prefix_cache=False)  # (cached prompt blocks would keep the pool's size)
+    long = engine.add([4] * 900, max_tokens=4, ignore_eos=True)  # 57 blocks: the pool grows past 65
+    short = engine.add([5] * 5, max_tokens=200, ignore_eos=True)
+    sizes = []
+    for e in engine.events():
+        sizes.append(engine.pool.size)
+    grown = sizes.index(max(sizes))
+    assert max(sizes) > 1 + MIN_BLOCKS and 1 + MIN_BLOCKS in sizes[grown:] and len(copies) == 1
+    assert engine.take(short).row.token_ids == generate(tiny, [[5] * 5], max_tokens=200, ignore_eos=True).token_ids[0]
+    assert engine.take(long).row.finish_reason == "length"
 
 
 def test_memory_budget_refuses_what_never_fits_and_delays_what_fits_alone(tiny):
