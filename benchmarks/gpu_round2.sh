@@ -108,6 +108,11 @@
 #                                     loop's host time at batch 1 by phase (it ran past a 100 s limit: 200 now),
 #                                     then 1B static at 1-128 against round 1
 #   bash benchmarks/gpu_round2.sh p47 # (carries .old) p46's loop at batch 1; 8B static at 1-128 against round 1
+#   bash benchmarks/gpu_round2.sh p48 # (carries .old) is each step's KV write in place while the step before runs?
+#                                     (pool_copies.py, 1B, batch 1 and 32, both codes)
+#   bash benchmarks/gpu_round2.sh p49 # (carries .old) the loop's phases at 1B batch 1 and 32, with a step in flight
+#                                     and with the device idle before each launch (loop_host.py --idle)
+#   bash benchmarks/gpu_round2.sh p50 # (carries .old) p42 again, round 1's cache growth evaluated before its nodes are counted
 #   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
 #                                     (1B, 32 rows, 128 tokens): 0.98x (eighteenth session)
 #   bash benchmarks/gpu_round2.sh p24 # (carries .whl, .tok) mlxfun bench --structured alone (1B, 32 rows, 64 tokens),
@@ -672,6 +677,24 @@ case "${1:-a}" in
       --json "$OUT/loop-host-1B-1.json"
     timeout 380 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 1,8,32,128 --gen-tokens 32 \
       --repeats 3 --json "$OUT/rounds-ab-8B-final-3.json" | tail -12
+    ;;
+  p48)
+    timeout 200 python3 benchmarks/pool_copies.py --shape 1B --batch 1,32 --steps 64 --json "$OUT/pool-copies-1B.json"
+    ;;
+  p49)
+    for b in 1 32; do
+      for idle in "" --idle; do
+        echo "batch $b ${idle:-pipelined}:"
+        timeout 120 python3 benchmarks/loop_host.py --shape 1B --real --phases $idle --batch $b --steps 128 --repeats 5 \
+          --json "$OUT/loop-host-1B-$b${idle:+-idle}.json"
+      done
+    done
+    ;;
+  p50)
+    for b in 1 32; do
+      timeout 150 python3 benchmarks/step_nodes.py --shape 1B --old .old --batch $b --repeats 50 \
+        --json "$OUT/step-nodes-1B-$b.json"
+    done
     ;;
   p25)
     wheels

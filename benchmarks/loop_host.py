@@ -6,7 +6,8 @@ profile`: about 4 ms to launch, 1 ms more on the device), so this time adds to e
 
 Run: python benchmarks/loop_host.py --batch 128 [--steps 200] [--repeats 5] [--real] [--json PATH]
 (--old: a folder holding round 1's mlxfun/, as rounds_ab.py; --shape 1B: that shape's full model,
-random weights, in place of the tiny one; --phases: this code's time per engine method too)
+random weights, in place of the tiny one; --phases: this code's time per engine method too, and
+both codes' step calls and async_eval; --idle: with the device idle before each async_eval)
 """
 
 from __future__ import annotations
@@ -68,12 +69,18 @@ def spread(calls: list[int]) -> str:
             + ", ".join(f"#{i} {calls[i] / 1e6:.2f}" for i in top))
 
 
-def timing_phases(spent: collections.Counter) -> None:
-    """Wrap the engine's methods in `PHASES`, and mx.async_eval (both codes call it through mx)."""
+def timing_phases(spent: collections.Counter, idle: bool = False) -> None:
+    """Wrap the engine's methods in `PHASES`, and mx.async_eval (both codes call it through mx).
+    `idle`: each async_eval waits for the device to finish first, untimed (no step in flight)."""
     for name in PHASES:
         if hasattr(scheduler.Engine, name):
             setattr(scheduler.Engine, name, timed(name, getattr(scheduler.Engine, name), spent))
-    mx.async_eval = timed("async_eval", mx.async_eval, spent)
+    launch = timed("async_eval", mx.async_eval, spent)
+
+    def waited(*arrays):
+        mx.synchronize()
+        return launch(*arrays)
+    mx.async_eval = waited if idle else launch
 
 
 def timed_steps(steps_for, spent: collections.Counter | None):
@@ -146,6 +153,8 @@ def main(argv=None) -> int:
                    help="the tiny model's own compiled steps, not stand-ins: the step's call and its (tiny) work too")
     p.add_argument("--shape", default="tiny", choices=["tiny", *sorted(bench.SHAPES)],
                    help="tiny: the 1B's layout at a toy width (--layers); else that shape in full (a GPU)")
+    p.add_argument("--idle", action="store_true",
+                   help="with --phases: the device idle before each async_eval (as step_nodes.py times it)")
     p.add_argument("--phases", action="store_true",
                    help="also time this code's engine by method, and both codes' step calls and async_eval")
     p.add_argument("--json", default=None)
@@ -175,7 +184,7 @@ def main(argv=None) -> int:
     phases = {}
     if args.phases:  # once more, phases timed (the wrappers cost a little each)
         spent, runs, calls = Spent(), {"round 1": [], "this code": []}, {}
-        timing_phases(spent)
+        timing_phases(spent, args.idle)
         for _ in range(args.repeats):
             round1(gen1, step1, old, prompts, args.steps, args.real, spent)
             runs["round 1"].append({name: spent[name] / 1e6 / args.steps for name in SHARED})

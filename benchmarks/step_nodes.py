@@ -71,7 +71,10 @@ def main(argv=None) -> int:
     batch = gen1.Batch(old, prompts, gen1.make_config(args.batch, max_tokens=128, ignore_eos=True))
     _, state = batch.prefill()
     mx.eval(state)
+    # The prompts fill round 1's cache exactly, so its first step grows it: evaluated here, or its
+    # pads and rolls would count as the step's nodes (its loop grows the cache once per 256 slots).
     state = batch._grow(state, batch.end)
+    mx.eval(state)
     theirs = (batch.model.params, state, batch.gen.settings)
 
     found = {}
