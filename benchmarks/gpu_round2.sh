@@ -113,6 +113,8 @@
 #   bash benchmarks/gpu_round2.sh p49 # (carries .old) the loop's phases at 1B batch 1 and 32, with a step in flight
 #                                     and with the device idle before each launch (loop_host.py --idle)
 #   bash benchmarks/gpu_round2.sh p50 # (carries .old) p42 again, round 1's cache growth evaluated before its nodes are counted
+#   bash benchmarks/gpu_round2.sh p51 # (carries .old) products through transposed views: the loop's phases at 1B batch 1,
+#                                     then 1B static at 1 and 32 against round 1
 #   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
 #                                     (1B, 32 rows, 128 tokens): 0.98x (eighteenth session)
 #   bash benchmarks/gpu_round2.sh p24 # (carries .whl, .tok) mlxfun bench --structured alone (1B, 32 rows, 64 tokens),
@@ -695,6 +697,12 @@ case "${1:-a}" in
       timeout 150 python3 benchmarks/step_nodes.py --shape 1B --old .old --batch $b --repeats 50 \
         --json "$OUT/step-nodes-1B-$b.json"
     done
+    ;;
+  p51)
+    timeout 100 python3 -u benchmarks/loop_host.py --shape 1B --real --phases --batch 1 --steps 128 --repeats 4 \
+      --json "$OUT/loop-host-1B-1.json"
+    timeout 150 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,32 --gen-tokens 128 \
+      --repeats 4 --json "$OUT/rounds-ab-1B-1-32.json" | tail -6
     ;;
   p25)
     wheels

@@ -48,10 +48,11 @@ def import_round1(folder: Path, into: Path):
 
 
 def as_round1(tree, llama1):
-    """This code's params tree rebuilt with round 1's NamedTuple classes (same fields), same arrays."""
+    """This code's params tree rebuilt with round 1's NamedTuple classes, same arrays (fields round 1
+    lacks, such as `Dense.weight_t`, left out)."""
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         cls = getattr(llama1, type(tree).__name__)
-        return cls(*(as_round1(x, llama1) for x in tree))
+        return cls(**{f: as_round1(getattr(tree, f), llama1) for f in cls._fields if f in tree._fields})
     if isinstance(tree, tuple):
         return tuple(as_round1(x, llama1) for x in tree)
     return tree

@@ -42,7 +42,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxfun import cache as kv
-from mlxfun import prefill, sampling, speculative, structured
+from mlxfun import prefill, sampling, speculative, structured, weights
 from mlxfun.blocks import Pool, chain
 from mlxfun.config import ModelConfig
 from mlxfun.detok import RowText
@@ -192,6 +192,9 @@ class Engine:
         self.params = params_for_batch(model.config, model.params, rows, self.strategy)
         mx.eval(self.params)  # here, on the constructing thread: the engine thread may be another
         self.dtype = self.params.norm.dtype
+        # What the steps read: the same weights, dense ones also as transposed views (no copy), so a
+        # product is one graph node (a 1B decode step is host-bound on an H200: 65 nodes fewer).
+        self.step_params = weights.with_transposed(self.config, self.params)
         self.steps = steps
         on_gpu = mx.default_device() == mx.gpu
         # On a GPU a prefill of a few prompts costs about what one of many does (kernel launches),
@@ -224,7 +227,7 @@ class Engine:
         self.need = [0] * len(self.owner)  # blocks reserved for its request
         self.state: DecodeState | None = None
         self._settings: sampling.Settings | None = None  # per-row settings of the live rows
-        self._inflight: list[tuple[StepOut, list]] = []  # outputs queued, not yet handed out
+        self._inflight: list[tuple[StepOut, Sequence]] = []  # outputs queued, not yet handed out
         self._vacated: list[int] = []  # rows released since the last step: their positions go to -1
         self._roster_of: Roster | None = None  # `_roster`
         self._masks: HostArray | None = None  # (rows, V/32) uint32: the constrained rows' allowed tokens
@@ -423,7 +426,7 @@ class Engine:
         if self.state is None:
             self.state = self._empty_state()
         # Long prompts may run a dense copy of quantized weights, dropped after admission (mlxfun.strategy).
-        params = params_for_prompts(self.config, self.params, [len(r.request.prompt) for r in records],
+        params = params_for_prompts(self.config, self.step_params, [len(r.request.prompt) for r in records],
                                     self.prefill_step, self.strategy)
         outs = []
         for wave in self._waves(records):
@@ -478,14 +481,15 @@ class Engine:
     def next_decode(self) -> tuple[Callable, tuple]:
         """The compiled decode step for the live rows and its arguments, not run (profiling)."""
         roster, state = self._prepare_step()
-        return roster.steps.decode, (self.params, state, self._settings)
+        return roster.steps.decode, (self.step_params, state, self._settings)
 
     def decode(self) -> StepOut:
         """Queue one decode step for every row (rows without a live request decode idly)."""
         fn, args = self.next_decode()
         out, state = fn(*args)
         del args  # with no reference left to the old state, the step writes the KV pool in place
-        live = self._roster_of.live  # as `next_decode` left it
+        roster = self._roster_of  # as `next_decode` left it
+        live = roster.live
         self._advanced(state, live)
         mx.async_eval(out, self.state)
         now = time.perf_counter()
@@ -496,7 +500,7 @@ class Engine:
         self._last_decode = now
         self.stats.steps += 1
         self.stats.busy_row_steps += len(live)
-        self._inflight.append((out, list(self.owner)))
+        self._inflight.append((out, roster.owners))
         return out
 
     def masked_decode(self) -> list[Event]:
@@ -516,7 +520,7 @@ class Engine:
         # worker reads and matches the tokens after that; letting it go first (up to 1 ms) left
         # the device idle meanwhile: 1.16-1.22x a free step against 1.07-1.12x (1B and 8B, batch 32,
         # H200; benchmarks/README.md, twelfth session).
-        logits, state = steps.forward(self.params, state)
+        logits, state = steps.forward(self.step_params, state)
         self._advanced(state, roster.live)  # the old state unreferenced: the pool is written in place
         mx.async_eval(logits, self.state)
         values = job.result()  # the masks are in `_masks`
@@ -628,7 +632,7 @@ class Engine:
     def _queue_verify(self, live: list[int], drafts: mx.array, valid: mx.array, q: mx.array | None) -> Verdict:
         """Queue the verify step for the live rows (the device state caught up: `_sync`)."""
         mode = mode_for([self.requests[self.owner[r]] for r in live])
-        out, state = self.steps(self.config, mode).verify(self.params, self.state._replace(counts=None), drafts,
+        out, state = self.steps(self.config, mode).verify(self.step_params, self.state._replace(counts=None), drafts,
                                                           valid, q, self._settings)
         self.state = state._replace(counts=self.state.counts)
         mx.async_eval(out, self.state)

@@ -3,6 +3,7 @@ compiling it changes nothing in its output."""
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import mlx.core as mx
@@ -10,6 +11,7 @@ from helpers import run_engine, tiny_config, tiny_model
 
 from mlxfun import cache as kv
 from mlxfun.step import Steps, decode_step, forward_step, make_steps, prefill_chunk, sample_step, verify_step
+from mlxfun.strategy import QUANTIZED
 
 
 def counting_steps():
@@ -130,3 +132,45 @@ def test_a_compiled_prefill_equals_the_plain_one():
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs):
             assert mx.allclose(mx.array(x), mx.array(y), atol=1e-4).item()
+
+
+def graph_nodes(outputs, tmp_path) -> list[str]:
+    """The primitive of every node of the graph behind `outputs` (lazy arrays, a tree)."""
+    from mlx.utils import tree_flatten
+    arrays = [a for _, a in tree_flatten(outputs, is_leaf=lambda x: x is None) if isinstance(a, mx.array)]
+    path = tmp_path / "graph.dot"
+    mx.export_to_dot(str(path), *arrays)
+    return re.findall(r'label ="?([A-Za-z_]+)', path.read_text())
+
+
+def test_decode_products_read_transposed_views_without_a_node_each(tmp_path):
+    """The engine's steps read dense weights through `weight_t`, a transposed view sharing their
+    memory: a decode step's graph has one transpose node fewer per product (4 per layer and the
+    tied output head), the same tokens, and no weight is copied."""
+    from mlxfun import weights
+    from mlxfun.engine import Engine
+    model = tiny_model()
+    engine = Engine(model, rows=2)
+    assert engine.params is model.params  # the engine's weights are the model's
+    views = engine.step_params
+    for plain, view in zip(weights._linears(engine.params), weights._linears(views)):
+        assert plain.weight_t is None and view.weight is plain.weight
+        assert view.weight_t.shape == plain.weight.shape[::-1] and mx.array_equal(view.weight_t, plain.weight.T).item()
+    before = mx.get_active_memory()
+    assert weights.with_transposed(model.config, model.params) is not model.params
+    assert mx.get_active_memory() - before < 1024  # views: no copy of the 4-layer model's weights
+    for p in prompts_of([5, 9], model.config.vocab_size):
+        engine.add(p, max_tokens=6, ignore_eos=True)
+    engine.admit()
+    mx.eval(engine.state)
+    fn, args = engine.next_decode()
+    with_views = graph_nodes(fn(*args), tmp_path)
+    without = graph_nodes(fn(engine.params, *args[1:]), tmp_path)
+    products = 4 * model.config.num_layers + 1  # the output head is the tied embedding
+    assert without.count("Transpose") - with_views.count("Transpose") == products
+    assert len(without) - len(with_views) == products
+    a, _ = fn(*args)
+    b, _ = fn(engine.params, *args[1:])
+    assert a.tokens.tolist() == b.tokens.tolist()
+    quantized = tiny_model(quant=(4, 32))  # every map quantized: nothing to view
+    assert Engine(quantized, rows=2, strategy=QUANTIZED).step_params is quantized.params
