@@ -86,9 +86,10 @@ class Pages:
         missing = [j for j in range(start // self.bs, -(-end // self.bs)) if j not in held]
         if missing:  # else the table row is as it was: no per-step rewrite, no upload
             self.prepare(len(missing))
+            after = not held or missing[0] > max(held)  # past every block the row holds: a decode step's
             for j in missing:
                 held[j] = self.pool.allocate()
-            self._settle(row)
+            self._settle(row, missing if after else None)
 
     def drop_behind(self, row: int, position: int) -> None:
         """A ring row releases the blocks a query at `position` can no longer see."""
@@ -151,11 +152,21 @@ class Pages:
 
     # ---- internals ----
 
-    def _settle(self, row: int) -> None:
-        """The row's table columns from what it holds (a linear table widens when it must)."""
-        if self.ring is None and self.held[row] and max(self.held[row]) >= self.width:
+    def _settle(self, row: int, new: list[int] | None = None) -> None:
+        """The row's table columns from what it holds (a linear table widens when it must). `new`:
+        blocks just added past every other block of the row, ascending: only their columns change
+        (at 128 rows each step has about 8 rows entering a block; refilling a row is a loop over
+        all it holds)."""
+        held = self.held[row]
+        if self.ring is None and held and (new[-1] if new else max(held)) >= self.width:
             self.fit_width()
-        self._fill(row)
+            self._fill(row)
+        elif new is None:
+            self._fill(row)
+        else:
+            columns, width = self.table[row], self.width  # a view of the row
+            for j in new:
+                columns[j % width] = held[j]
         self.dirty = True
 
     def _fill(self, row: int) -> None:

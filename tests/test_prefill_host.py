@@ -220,6 +220,39 @@ def test_an_admission_launched_early_writes_the_kv_pool_in_place(monkeypatch):
     assert admitted(model, prompts)[2] == early
 
 
+def test_a_table_kept_column_by_column_equals_one_filled_from_scratch():
+    """Rows entering new blocks write only those blocks' columns (`Pages._settle(row, new)`); after
+    any mix of prompts, decode steps, ring drops, releases, cached prefixes and widenings, the table
+    equals one filled from each row's held blocks."""
+    rng = random.Random(3)
+    for window in (None, 40):
+        pool = blk.Pool(8, 4)
+        pages = Pages(4, pool, window, max_blocks=4096)
+        pos = [0] * 4
+        for step in range(600):
+            r = rng.randrange(4)
+            kind = rng.random()
+            if kind < 0.05:
+                pages.release(r)
+                pos[r] = 0
+                if rng.random() < 0.5:  # the next request starts after a cached prefix
+                    pages.ensure(r, 0, 8)
+                    pos[r] = 8
+            elif kind < 0.15:  # a prefill chunk
+                n = rng.randrange(1, 30)
+                pages.ensure(r, pos[r], pos[r] + n)
+                pos[r] += n
+            else:  # a decode step
+                pages.ensure(r, pos[r], pos[r] + 1)
+                pos[r] += 1
+            pages.drop_behind(r, pos[r] - 1)
+            kept = pages.table.copy()
+            for row in range(4):
+                pages._fill(row)
+            assert (pages.table == kept).all(), (window, step)
+        assert max(pos) > 100 and (window is not None or pages.width > 8)  # rows grew; a linear table widened
+
+
 def test_a_decode_step_does_per_row_work_only_where_rows_change(monkeypatch):
     """A decode step's host work is the loop's own (a 1B step at 128 rows is host-bound on an H200):
     the live rows' mode is made again only when the rows' owners change, and blocks are ensured
