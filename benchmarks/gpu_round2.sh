@@ -641,7 +641,7 @@ case "${1:-a}" in
     timeout 400 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
       --repeats 6 --json "$OUT/rounds-ab-1B-final-6.json" | tail -12
     ;;
-  p42)
+  p42|p50)  # (the same commands; p50 ran step_nodes.py after its fix)
     for b in 1 32; do
       timeout 150 python3 benchmarks/step_nodes.py --shape 1B --old .old --batch $b --repeats 50 \
         --json "$OUT/step-nodes-1B-$b.json"
@@ -690,12 +690,6 @@ case "${1:-a}" in
         timeout 120 python3 benchmarks/loop_host.py --shape 1B --real --phases $idle --batch $b --steps 128 --repeats 5 \
           --json "$OUT/loop-host-1B-$b${idle:+-idle}.json"
       done
-    done
-    ;;
-  p50)
-    for b in 1 32; do
-      timeout 150 python3 benchmarks/step_nodes.py --shape 1B --old .old --batch $b --repeats 50 \
-        --json "$OUT/step-nodes-1B-$b.json"
     done
     ;;
   p51)
