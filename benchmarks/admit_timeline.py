@@ -18,12 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import mlx.core as mx
-from rounds_ab import import_round1, round1_model  # benchmarks/ is on the path: these scripts run from there
+from rounds_ab import (  # benchmarks/ is on the path: these scripts run from there
+    import_round1,
+    round1_model,
+    round1_module,
+)
 
 from mlxfun import bench, prefill
 from mlxfun.engine import Engine
@@ -97,9 +100,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    old_code = import_round1(args.old, Path(tempfile.mkdtemp()))
-    import importlib
-    generate1 = importlib.import_module("mlxfun_r1.generate")
+    old_code = import_round1(args.old)
+    generate1 = round1_module("generate")
     new = bench.random_model(bench.SHAPES[args.shape])
     old = round1_model(old_code, new)
     out = {"machine": bench.machine(), "args": vars(args) | {"old": str(args.old)}, "batches": []}

@@ -17,12 +17,15 @@ import collections
 import dataclasses
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import mlx.core as mx
-from rounds_ab import import_round1, round1_model  # benchmarks/ is on the path: these scripts run from there
+from rounds_ab import (  # benchmarks/ is on the path: these scripts run from there
+    import_round1,
+    round1_model,
+    round1_module,
+)
 
 from mlxfun import bench
 from mlxfun import engine as scheduler
@@ -160,9 +163,8 @@ def main(argv=None) -> int:
                    help="also time this code's engine by method, and both codes' step calls and async_eval")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    import importlib
-    old_code = import_round1(args.old, Path(tempfile.mkdtemp()))
-    gen1, step1 = importlib.import_module("mlxfun_r1.generate"), importlib.import_module("mlxfun_r1.step")
+    old_code = import_round1(args.old)
+    gen1, step1 = round1_module("generate"), round1_module("step")
     if args.shape == "tiny":
         config = dataclasses.replace(bench.SHAPES["1B"], hidden_size=64, intermediate_size=128, num_heads=4,
                                      num_kv_heads=2, vocab_size=512, num_layers=args.layers,

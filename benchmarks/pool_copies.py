@@ -11,13 +11,15 @@ Run: python benchmarks/pool_copies.py --shape 1B --batch 1,32 [--steps 64] [--js
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
-from rounds_ab import import_round1, round1_model  # benchmarks/ is on the path: these scripts run from there
+from rounds_ab import (  # benchmarks/ is on the path: these scripts run from there
+    import_round1,
+    round1_model,
+    round1_module,
+)
 
 from mlxfun import bench
 from mlxfun.engine import Engine
@@ -59,8 +61,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    old_code = import_round1(args.old, Path(tempfile.mkdtemp()))
-    gen1 = importlib.import_module("mlxfun_r1.generate")
+    old_code = import_round1(args.old)
+    gen1 = round1_module("generate")
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     new = bench.random_model(bench.SHAPES[args.shape], dtype)
     old = round1_model(old_code, new)

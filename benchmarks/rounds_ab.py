@@ -32,8 +32,10 @@ from mlxfun import bench
 R1 = "mlxfun_r1"
 
 
-def import_round1(folder: Path, into: Path):
-    """Round 1's package from `folder`/mlxfun, importable beside this one as `mlxfun_r1`."""
+def import_round1(folder: Path, into: Path | None = None):
+    """Round 1's package from `folder`/mlxfun, importable beside this one as `mlxfun_r1` (copied into
+    `into`, a new temporary folder by default) -> its (bench, llama, load) modules."""
+    into = into or Path(tempfile.mkdtemp())
     target = into / R1
     shutil.copytree(folder / "mlxfun", target)
     for path in target.glob("*.py"):
@@ -43,8 +45,12 @@ def import_round1(folder: Path, into: Path):
         text = text.replace('name="mlxfun_', f'name="{R1}_')  # MLX keys compiled CUDA kernels by name
         path.write_text(text)
     sys.path.insert(0, str(into))
-    return importlib.import_module(f"{R1}.bench"), importlib.import_module(f"{R1}.llama"), \
-        importlib.import_module(f"{R1}.load")
+    return round1_module("bench"), round1_module("llama"), round1_module("load")
+
+
+def round1_module(name: str):
+    """One of round 1's modules (after `import_round1`), e.g. "generate"."""
+    return importlib.import_module(f"{R1}.{name}")
 
 
 def as_round1(tree, llama1):

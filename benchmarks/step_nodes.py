@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib
 import json
 import re
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from rounds_ab import import_round1, round1_model  # benchmarks/ is on the path: these scripts run from there
+from rounds_ab import (  # benchmarks/ is on the path: these scripts run from there
+    import_round1,
+    round1_model,
+    round1_module,
+)
 
 from mlxfun import bench
 from mlxfun.engine import Engine
@@ -55,8 +57,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    old_code = import_round1(args.old, Path(tempfile.mkdtemp()))
-    gen1 = importlib.import_module("mlxfun_r1.generate")
+    old_code = import_round1(args.old)
+    gen1 = round1_module("generate")
     new = bench.random_model(bench.SHAPES[args.shape])
     old = round1_model(old_code, new)
     prompts = bench.random_prompts(new.config.vocab_size, args.batch, 128)

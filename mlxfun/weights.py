@@ -189,19 +189,19 @@ def with_transposed(config: ModelConfig, params: Params) -> Params:
     """Params whose dense maps carry `weight_t`, their weight transposed: a view evaluated here,
     sharing the weight's memory, so that products read it without a transpose node in the graph
     (`llama.linear`). Params without dense maps come back as they are."""
-    def view(p: Linear, in_features: int) -> Linear:
-        return p._replace(weight_t=p.weight.T) if isinstance(p, Dense) and p.weight_t is None else p
+    viewed = []
 
-    if not any(isinstance(p, Dense) and p.weight_t is None for p in _linears(params)):
-        return params
+    def view(p: Linear, in_features: int) -> Linear:
+        if not isinstance(p, Dense) or p.weight_t is not None:
+            return p
+        viewed.append(p)
+        return p._replace(weight_t=p.weight.T)
+
     out = map_linears(config, params, view)
+    if not viewed:
+        return params
     mx.eval(out)
     return out
-
-
-def _linears(params: Params) -> list[Linear]:
-    maps = [params.embed] + ([] if params.lm_head is None else [params.lm_head])
-    return maps + [p for layer in params.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
 
 def compute_dtype(params: Params) -> mx.Dtype:

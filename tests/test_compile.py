@@ -153,7 +153,13 @@ def test_decode_products_read_transposed_views_without_a_node_each(tmp_path):
     engine = Engine(model, rows=2)
     assert engine.params is model.params  # the engine's weights are the model's
     views = engine.step_params
-    for plain, view in zip(weights._linears(engine.params), weights._linears(views)):
+    def maps(params) -> list:  # every linear map, the embedding first
+        found = []
+        weights.map_linears(model.config, params, lambda p, n: found.append(p) or p)
+        return found
+
+    assert len(maps(views)) == 4 * model.config.num_layers + 1
+    for plain, view in zip(maps(engine.params), maps(views)):
         assert plain.weight_t is None and view.weight is plain.weight
         assert view.weight_t.shape == plain.weight.shape[::-1] and mx.array_equal(view.weight_t, plain.weight.T).item()
     before = mx.get_active_memory()
