@@ -115,6 +115,11 @@
 #   bash benchmarks/gpu_round2.sh p50 # (carries .old) p42 again, round 1's cache growth evaluated before its nodes are counted
 #   bash benchmarks/gpu_round2.sh p51 # (carries .old) products through transposed views: the loop's phases at 1B batch 1,
 #                                     then 1B static at 1 and 32 against round 1
+#   bash benchmarks/gpu_round2.sh p52 # (carries .old) a decode step's bookkeeping fused and its KV writes without
+#                                     reshapes: kernels checked, smoke, step nodes at batch 1, the loop's phases at
+#                                     batch 1, then 1B static at 1-128 against round 1
+#   bash benchmarks/gpu_round2.sh p53 # (carries .old) 1B batch 1 against round 1, 12 repeats of 256 tokens; 8B static
+#                                     at 1-128 against round 1
 #   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
 #                                     (1B, 32 rows, 128 tokens): 0.98x (eighteenth session)
 #   bash benchmarks/gpu_round2.sh p24 # (carries .whl, .tok) mlxfun bench --structured alone (1B, 32 rows, 64 tokens),
@@ -697,6 +702,22 @@ case "${1:-a}" in
       --json "$OUT/loop-host-1B-1.json"
     timeout 150 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,32 --gen-tokens 128 \
       --repeats 4 --json "$OUT/rounds-ab-1B-1-32.json" | tail -6
+    ;;
+  p52)
+    timeout 100 python3 benchmarks/kernels_check.py --json "$OUT/kernels.json" | grep -c '"ok": true'
+    MLX_ENABLE_TF32=0 timeout 100 python3 benchmarks/smoke.py --json "$OUT/smoke.json" | tail -2
+    timeout 60 python3 benchmarks/step_nodes.py --shape 1B --old .old --batch 1 --repeats 50 \
+      --json "$OUT/step-nodes-1B-1.json" | tail -3
+    timeout 100 python3 -u benchmarks/loop_host.py --shape 1B --real --phases --batch 1 --steps 128 --repeats 4 \
+      --json "$OUT/loop-host-1B-1.json"
+    timeout 330 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
+      --repeats 4 --json "$OUT/rounds-ab-1B-final-4.json" | tail -12
+    ;;
+  p53)
+    timeout 100 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1 --gen-tokens 256 --repeats 12 \
+      --json "$OUT/rounds-ab-1B-1-12.json" | tail -3
+    timeout 380 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 1,8,32,128 --gen-tokens 32 \
+      --repeats 3 --json "$OUT/rounds-ab-8B-final-3.json" | tail -12
     ;;
   p25)
     wheels

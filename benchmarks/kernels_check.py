@@ -28,8 +28,8 @@ def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed
     W = -(-S // bs)
     S = W * bs
     qk = mx.random.normal((B, H + K, 1, D)).astype(dtype)
-    keys = mx.random.normal(((1 + B * W) * bs, K, D)).astype(dtype)  # block 0: scratch, never in a table
-    values = mx.random.normal(((1 + B * W) * bs, K, D)).astype(dtype)
+    keys = mx.random.normal(((1 + B * W) * bs, K, 1, D)).astype(dtype)  # block 0: scratch, never in a table
+    values = mx.random.normal(((1 + B * W) * bs, K, 1, D)).astype(dtype)
     table = (1 + mx.random.permutation(B * W)).astype(mx.int32).reshape(B, W)
     visible = mx.random.uniform(shape=(B, 1, S)) < 0.7
     visible = visible & (mx.arange(S) >= mx.arange(B)[:, None, None] * 7)  # left padding, per row

@@ -55,7 +55,7 @@ def costs(model: Model, batch: int, tokens: int) -> dict:
     out["forward_ms"] = median_ms(forward)
     K, D, H = config.num_kv_heads, config.head_dim, config.num_heads
     blocks = batch * -(-tokens // kv.BLOCK) + 1
-    pool = mx.zeros((blocks * kv.BLOCK, K, D), engine.dtype)
+    pool = mx.zeros((blocks * kv.BLOCK, K, 1, D), engine.dtype)
     new = mx.random.normal((batch, K, tokens, D)).astype(engine.dtype)
     slots = (mx.arange(batch * tokens, dtype=mx.int32) + kv.BLOCK).reshape(batch, tokens)
     mx.eval(pool, new, slots)

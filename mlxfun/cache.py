@@ -1,9 +1,10 @@
 """The KV cache as an immutable value: a pool of fixed-size blocks and a block table per row.
 
-`keys[i]` / `values[i]` (N * bs, Hkv, D) hold N blocks of bs slots for layer i, slot by slot
-(block n is rows n * bs ... n * bs + bs - 1, so a write is one scatter along the first axis,
-with no reshape around it: a decode step is host-bound on a GPU, each graph node costs; a chunk
-whose slots are one run, equal rows in consecutive blocks, is one slice update instead), and
+`keys[i]` / `values[i]` (N * bs, Hkv, 1, D) hold N blocks of bs slots for layer i, slot by slot
+(block n is rows n * bs ... n * bs + bs - 1, so a write is one scatter along the first axis; a
+slot is shaped (Hkv, 1, D) as a one-token step computes its keys, so that write has no reshape
+around it: a decode step is host-bound on a GPU, and each graph node costs; a chunk whose slots
+are one run, equal rows in consecutive blocks, is one slice update instead), and
 `positions` (N, bs) the position each slot holds (< 0: empty). `table` (B, W) lists each row's
 blocks: the positions [j * bs, (j + 1) * bs) of row b live in block `table[b, j % W]`, so where a
 row is meant to outrun W * bs slots (windowed layers, `max_kv_size`) its columns are reused as a ring.
@@ -11,7 +12,7 @@ row is meant to outrun W * bs slots (windowed layers, `max_kv_size`) its columns
 A token's slot follows from its position (`slots`), so there is no cursor, and rows advance at
 their own pace. Block 0 is scratch: padding tokens (negative positions) are written there with
 position -1, and columns without a block of their own point to it, so it is never visible. Masks
-come from the positions of the slots a row reads (`gather_positions`), so padding, causality,
+come from the positions of the slots a row reads (`held_positions`), so padding, causality,
 windows and blocks shared between rows (a common prefix) are one formula. A freshly allocated
 block is not cleared: a slot counts only if the position it holds maps to that slot, so what a
 previous owner left is never seen. A row reads its keys through its table: gathered here, or by
@@ -30,13 +31,14 @@ import numpy as np
 
 from mlxfun.config import ModelConfig
 from mlxfun.errors import InputError
+from mlxfun.scalars import dynamic
 
 BLOCK = 16  # slots per block in the scheduler's pool
 
 
 class KVCache(NamedTuple):
-    keys: tuple[mx.array, ...]  # per layer (N * bs, Hkv, D): a pool of N blocks of bs slots
-    values: tuple[mx.array, ...]  # per layer (N * bs, Hkv, D)
+    keys: tuple[mx.array, ...]  # per layer (N * bs, Hkv, 1, D): a pool of N blocks of bs slots
+    values: tuple[mx.array, ...]  # per layer (N * bs, Hkv, 1, D)
     positions: mx.array  # (N, bs) int32: position held by each slot, < 0 for empty or scratch
     table: mx.array  # (B, W) int32: row b's j-th block of positions is table[b, j % W]
 
@@ -44,7 +46,7 @@ class KVCache(NamedTuple):
 def pool(config: ModelConfig, blocks: int, block_size: int, dtype: mx.Dtype
          ) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...], mx.array]:
     """Empty pool arrays: (keys, values, positions) of `blocks` blocks (block 0: scratch)."""
-    shape = (blocks * block_size, config.num_kv_heads, config.head_dim)
+    shape = (blocks * block_size, config.num_kv_heads, 1, config.head_dim)
     return (tuple(mx.zeros(shape, dtype) for _ in range(config.num_layers)),
             tuple(mx.zeros(shape, dtype) for _ in range(config.num_layers)),
             mx.full((blocks, block_size), -1, mx.int32))
@@ -71,36 +73,38 @@ def capacity(cache: KVCache) -> int:
 def slots(table: mx.array, positions: mx.array, block_size: int) -> mx.array:
     """table (B, W), positions (B, T) -> (B, T) int32 flat slot of each token in the pool
     (block * bs + offset); 0, in the scratch block, for padding (negative positions)."""
-    p = mx.maximum(positions, 0)
-    column = (p // block_size) % table.shape[1]  # (B, T)
+    # Written so that compilation fuses each side of the gather into one kernel (a decode step is
+    # host-bound on a GPU: each kernel costs its launch): `positions` itself, not its clamp, past it.
+    # The width is read at run time: a new width must not make new kernels (`scalars`).
+    column = (mx.maximum(positions, 0) // block_size) % dynamic(table.shape[1])  # (B, T)
     block = mx.take_along_axis(table, column, axis=1)  # (B, T)
-    return mx.where(positions >= 0, block * block_size + p % block_size, 0)
+    return mx.where(positions >= 0, block * block_size + positions % block_size, 0)
 
 
 def write(buf: mx.array, new: mx.array, slots: mx.array) -> mx.array:
-    """buf (N * bs, H, D) with new (B, H, T, D) written at flat slots (B, T). (Written as uint32
+    """buf (N * bs, H, 1, D) with new (B, H, T, D) written at flat slots (B, T). (Written as uint32
     words, two 16-bit values a word, the writes alone took 6.6 against 9.9 ms for the 8B's 8,192
     tokens on an H200, but whole admissions read prompts up to 19% slower: benchmarks/README.md,
     seventeenth session.)"""
     B, H, T, D = new.shape
-    if T == 1:  # (B, H, 1, D) is already (B, H, D)
-        index = mx.broadcast_to(slots.reshape(B, 1, 1), (B, H, D))  # the same for every layer: traced once
-        return mx.put_along_axis(buf, index, new.reshape(B, H, D), axis=0)
+    if T == 1:  # (B, H, 1, D): B slots' worth as it is
+        index = mx.broadcast_to(slots.reshape(B, 1, 1, 1), new.shape)  # the same for every layer: traced once
+        return mx.put_along_axis(buf, index, new, axis=0)
     # A chunk goes token-major, one index per token: on an H200 a third faster than one per
     # element (128 x 128 tokens of the 1B shape: 4.8 against 6.7 ms for the 32 writes). The update
-    # is the (B, T, H, D) view of `new`, indexed (B, T): flattening it to (B * T, H, D) copied it.
+    # is the (B, T, H, 1, D) view of `new`, indexed (B, T): flattening it to (B * T, H, D) copied it.
     out = mx.array(buf)  # a new handle, so the assignment leaves the caller's pool as it was
-    out[slots] = new.transpose(0, 2, 1, 3)  # (B, T, H, D)
+    out[slots] = mx.expand_dims(new.transpose(0, 2, 1, 3), 3)  # (B, T, H, 1, D)
     return out
 
 
 def write_run(buf: mx.array, new: mx.array, start: mx.array) -> mx.array:
-    """buf (N * bs, H, D) with new (B, H, T, D) written at the run of slots [start, start + B * T)
+    """buf (N * bs, H, 1, D) with new (B, H, T, D) written at the run of slots [start, start + B * T)
     in row-major order (start (1,) int32, an array: no retrace per start). A slice update: a copy
     kernel, where a scatter's kernel computes an index per element (on this CPU 3.5x faster than
     `write`; benchmarks/chunk_write.py)."""
     B, H, T, D = new.shape
-    return mx.slice_update(buf, new.transpose(0, 2, 1, 3).reshape(B * T, H, D), start, axes=(0,))
+    return mx.slice_update(buf, new.transpose(0, 2, 1, 3).reshape(B * T, H, 1, D), start, axes=(0,))
 
 
 def run_start(slots: np.ndarray) -> int | None:
@@ -113,10 +117,10 @@ def run_start(slots: np.ndarray) -> int | None:
 
 
 def write_positions(positions: mx.array, slots: mx.array, new: mx.array) -> mx.array:
-    """positions (N, bs) with new (B, T) written at flat slots (B, T); padding writes -1."""
+    """positions (N, bs) with new (B, T) written at flat slots (B, T). Padding writes its own
+    negative position: every negative position reads as empty."""
     N, bs = positions.shape
-    held = mx.where(new >= 0, new, -1).reshape(-1)
-    return mx.put_along_axis(positions.reshape(N * bs), slots.reshape(-1), held, axis=0).reshape(N, bs)
+    return mx.put_along_axis(positions.reshape(N * bs), slots.reshape(-1), new.reshape(-1), axis=0).reshape(N, bs)
 
 
 def write_positions_run(positions: mx.array, start: mx.array, new: mx.array) -> mx.array:
@@ -126,19 +130,26 @@ def write_positions_run(positions: mx.array, start: mx.array, new: mx.array) -> 
 
 
 def gather(buf: mx.array, table: mx.array, block_size: int) -> mx.array:
-    """buf (N * bs, H, D), table (B, W) -> (B, H, W * bs, D): each row's keys (or values)."""
+    """buf (N * bs, H, 1, D), table (B, W) -> (B, H, W * bs, D): each row's keys (or values)."""
     B, W = table.shape
-    H, D = buf.shape[1:]
+    H, D = buf.shape[1], buf.shape[-1]
     blocks = buf.reshape(-1, block_size, H, D)  # (N, bs, H, D)
     return blocks[table].reshape(B, W * block_size, H, D).transpose(0, 2, 1, 3)
 
 
+def held_positions(positions: mx.array, table: mx.array) -> mx.array:
+    """positions (N, bs), table (B, W) -> (B, C = W * bs): the position each slot a row reads
+    holds, as held (a slot counts only where it is its own: `masks.causal(slotted=True)`)."""
+    return positions[table].reshape(table.shape[0], -1)
+
+
 def gather_positions(positions: mx.array, table: mx.array) -> mx.array:
     """positions (N, bs), table (B, W) -> (B, C = W * bs): the position each slot a row reads
-    holds, or -1 where the slot holds a position that is not its own (p mod C names the slot a
-    position belongs to: what a block's previous owner left behind is never seen)."""
-    held = positions[table].reshape(table.shape[0], -1)  # (B, C)
-    return mx.where(held % held.shape[1] == mx.arange(held.shape[1], dtype=mx.int32), held, -1)
+    holds, or -1 where it is empty or holds a position that is not its own (p mod C names the
+    slot a position belongs to: what a block's previous owner left behind is never seen)."""
+    held = held_positions(positions, table)  # (B, C)
+    own = (held >= 0) & (held % dynamic(held.shape[1]) == mx.arange(held.shape[1], dtype=mx.int32))
+    return mx.where(own, held, -1)
 
 
 def slot_bytes(config: ModelConfig, dtype: mx.Dtype) -> int:

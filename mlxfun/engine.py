@@ -375,8 +375,8 @@ class Engine:
         index = mx.array(blocks, mx.int32)
         slots = kv.block_slots(index, bs)
 
-        def put(pool: mx.array, new: mx.array) -> mx.array:
-            return kv.updated(pool, slots, new[:m * bs])
+        def put(pool: mx.array, new: mx.array) -> mx.array:  # new (T, K, D)
+            return kv.updated(pool, slots, new[:m * bs, :, None])
 
         self.state = self.state._replace(cache=c._replace(
             keys=tuple(put(p, k) for p, k in zip(c.keys, cache.keys)),

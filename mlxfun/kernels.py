@@ -209,7 +209,7 @@ def launch(batch: int, num_kv_heads: int, keys: int, head_dim: int, group: int, 
 
 def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, table: mx.array, mask: mx.array,
                      num_heads: int) -> mx.array:
-    """qk (B, H + K, 1, D) rotated queries then keys, keys/values (N * bs, K, D) pools after this
+    """qk (B, H + K, 1, D) rotated queries then keys, keys/values (N * bs, K, 1, D) pools after this
     step's write, table (B, W) int32 each row's blocks, mask (B, 1, W * bs) bool -> (B, H * D):
     softmax(q k^T / sqrt(D)) v over the visible keys."""
     B, _, _, D = qk.shape

@@ -139,8 +139,8 @@ def rope(config: ModelConfig, x: mx.array, offset: mx.array, freqs: mx.array | N
 class LayerCache(NamedTuple):
     """One layer's view of the cache in a forward pass (see `hidden`)."""
 
-    keys: mx.array  # (N * bs, K, D) the pool before this pass's write
-    values: mx.array  # (N * bs, K, D)
+    keys: mx.array  # (N * bs, K, 1, D) the pool before this pass's write
+    values: mx.array  # (N * bs, K, 1, D)
     table: mx.array  # (B, W) each row's blocks
     block_size: int
     slots: mx.array  # (B, T) where this pass's tokens are written
@@ -183,7 +183,7 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
     if cache is None:
         keys, values = k, v
     else:
-        if cache.run is not None:  # (N * bs, K, D) each
+        if cache.run is not None:  # (N * bs, K, 1, D) each
             written = (kv.write_run(cache.keys, k, cache.run), kv.write_run(cache.values, v, cache.run))
         else:
             written = (kv.write(cache.keys, k, cache.slots), kv.write(cache.values, v, cache.slots))
@@ -260,7 +260,7 @@ def grouped_attention(q: mx.array, keys: mx.array, values: mx.array, mask: mx.ar
 
 def paged_attention(q: mx.array, keys: mx.array, values: mx.array, table: mx.array, block_size: int,
                     mask: mx.array, scale: float) -> mx.array:
-    """q (B, H, T, D), keys/values pools (N * bs, K, D), table (B, W), mask (B, T, S = W * bs) bool
+    """q (B, H, T, D), keys/values pools (N * bs, K, 1, D), table (B, W), mask (B, T, S = W * bs) bool
     -> (B, H, T, D): `grouped_attention` over each row's slots, read through its table.
 
     Each row's keys are taken from the pool straight into the (B, K, S, D) layout the products
@@ -274,11 +274,15 @@ def paged_attention(q: mx.array, keys: mx.array, values: mx.array, table: mx.arr
 
 
 def layer_masks(config: ModelConfig, positions: mx.array, key_pos: mx.array,
-                mask: mx.array | None) -> dict[int | None, mx.array]:
-    """One (B, T, S) mask per distinct layer window, built once per forward pass."""
-    base = masks.causal(positions, key_pos) if mask is None else mask
-    return {w: masks.never_empty(base if w is None else base & masks.window(positions, key_pos, w))
-            for w in set(config.layer_windows)}
+                mask: mx.array | None, slotted: bool = False) -> dict[int | None, mx.array]:
+    """One (B, T, S) mask per distinct layer window, built once per forward pass. `slotted`:
+    key_pos are what the row's slots hold (`masks.causal`)."""
+    base = masks.causal(positions, key_pos, slotted) if mask is None else mask
+    windowed = {w: base if w is None else base & masks.window(positions, key_pos, w) for w in set(config.layer_windows)}
+    # A given mask may hide every key from a real query; one made from positions never does.
+    if mask is None:
+        return {w: masks.padding_sees_all(m, positions) for w, m in windowed.items()}
+    return {w: masks.never_empty(m) for w, m in windowed.items()}
 
 
 def mlp(config: ModelConfig, layer: Layer, x: mx.array, fast: bool = False) -> mx.array:
@@ -347,10 +351,11 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
         if fresh:
             key_pos = positions  # (B, T)
         elif tokens.shape[1] == 1 or not wraps:
-            key_pos = kv.gather_positions(held, cache.table)  # (B, S)
+            key_pos = kv.held_positions(held, cache.table)  # (B, S), their own or not: the masks check
         else:
             key_pos = mx.concatenate([kv.gather_positions(cache.positions, cache.table), positions], axis=1)
-    layer_mask = layer_masks(config, positions, key_pos, mask)
+    slotted = cache is not None and not fresh and (tokens.shape[1] == 1 or not wraps)
+    layer_mask = layer_masks(config, positions, key_pos, mask, slotted)
     # Additive forms for MLX's fused attention, built once per pass (lazily: unused, never run).
     layer_bias = {w: additive_mask(m, h.dtype) for w, m in layer_mask.items()}
     unread = cache is not None and (fresh or (wraps and tokens.shape[1] > 1))  # attention reads no write

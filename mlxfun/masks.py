@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxfun.scalars import dynamic
 
-def causal(q_pos: mx.array, k_pos: mx.array) -> mx.array:
-    """(B, T, S): visible keys, hiding padding and empty slots (negative positions)."""
+
+def causal(q_pos: mx.array, k_pos: mx.array, slotted: bool = False) -> mx.array:
+    """(B, T, S): visible keys, hiding padding and empty slots (negative positions). `slotted`:
+    k_pos are what a row's S cache slots hold (`cache.held_positions`), and a slot counts only if
+    the position it holds is its own (p mod S names the slot: what a block's previous owner left
+    is never seen; S read at run time, `scalars`). One expression, so that compilation makes the
+    whole mask one kernel."""
     k = k_pos[:, None, :]
-    return (k >= 0) & (k <= q_pos[:, :, None])
+    visible = (k >= 0) & (k <= q_pos[:, :, None])
+    if slotted:
+        visible = visible & (k % dynamic(k.shape[-1], k.dtype) == mx.arange(k.shape[-1], dtype=k.dtype))
+    return visible
 
 
 def window(q_pos: mx.array, k_pos: mx.array, size: int) -> mx.array:
@@ -24,3 +33,10 @@ def never_empty(mask: mx.array) -> mx.array:
     """Let a query that sees nothing (a padding token) see everything instead. Its output is
     discarded, but it must stay finite: a NaN would reach real rows through 0 * NaN."""
     return mask | ~mx.any(mask, axis=-1, keepdims=True)
+
+
+def padding_sees_all(mask: mx.array, q_pos: mx.array) -> mx.array:
+    """`never_empty` for a mask made from positions, where every real query sees at least its own
+    key: only padding (negative positions) can see nothing. Elementwise, so it joins the mask's
+    kernel, where `never_empty` adds a reduction and a second kernel."""
+    return mask | (q_pos[:, :, None] < 0)

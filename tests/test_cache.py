@@ -255,3 +255,51 @@ def test_fused_attention_with_an_additive_mask_equals_grouped(monkeypatch, varia
     assert llama.grouped_max_scores(mx.bfloat16) == (1 << 26 if mx.default_device() == mx.cpu else 1 << 24)
     m = llama.additive_mask(mx.array([[[True, False]]]), mx.float32)
     assert m.shape == (1, 1, 1, 2) and m.tolist() == [[[[0.0, -np.inf]]]]
+
+
+def test_slotted_masks_equal_the_gathered_positions_masks():
+    """`masks.causal(slotted=True)` over what the slots hold, with padding seeing everything,
+    equals the mask over `gather_positions` (own positions, -1 elsewhere) made never empty, for
+    every real query (its own key written first, as a pass writes before it reads): over pools
+    holding stale positions of other owners, negative padding positions, ring rows past their
+    width, and windows. Padding queries see every key."""
+    from mlxfun import masks
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        B, W, bs, T = int(rng.integers(1, 5)), int(rng.integers(1, 5)), 4, int(rng.integers(1, 4))
+        N = 1 + B * W + 3
+        S = W * bs
+        positions = mx.array(rng.integers(-7, 3 * S, size=(N, bs)).astype(np.int32))  # stale and padding
+        table = mx.array(rng.permutation(np.arange(1, N))[:B * W].reshape(B, W).astype(np.int32))
+        q = rng.integers(-3, 3 * S, size=(B, 1)) + np.arange(T)[None]
+        q = np.where(rng.random((B, 1)) < 0.25, -1 - np.arange(T)[None], q)  # some rows all padding
+        q = mx.array(q.astype(np.int32))
+        # As a pass does: each token's position written at its slot before any query reads.
+        positions = kv.write_positions(positions, kv.slots(table, q, bs), q)
+        held = kv.held_positions(positions, table)
+        for window in (None, int(rng.integers(1, S + 1))):
+            config = tiny_config(num_layers=1, layer_windows=(window,))
+            new = llama.layer_masks(config, q, held, None, slotted=True)[window]
+            key = kv.gather_positions(positions, table)
+            old = masks.causal(q, key)
+            old = masks.never_empty(old if window is None else old & masks.window(q, key, window))
+            real = np.array(q) >= 0  # (B, T)
+            assert np.array_equal(np.array(new)[real], np.array(old)[real]), trial
+            assert np.array(new)[~real].all()
+
+
+def test_a_one_token_write_has_no_reshape_of_its_keys(tmp_path):
+    """A decode step writes each layer's (B, K, 1, D) keys into the (N * bs, K, 1, D) pool as they
+    are: the scatter's only view is of the slots (shared by every layer), none of the keys."""
+    import re
+    buf = mx.zeros((64, 2, 1, 8))
+    new = mx.random.normal((3, 2, 1, 8))
+    slots = mx.array([[5], [17], [0]], mx.int32)
+    mx.eval(buf, new, slots)
+    out = kv.write(buf, new, slots)
+    path = tmp_path / "write.dot"
+    mx.export_to_dot(str(path), out)
+    nodes = re.findall(r'label ="?([A-Za-z_]+)', path.read_text())
+    assert sorted(nodes) == ["Broadcast", "Reshape", "ScatterAxis"]  # the slots' reshape and broadcast
+    got = np.array(out)
+    assert np.array_equal(got[[5, 17, 0]], np.array(new)) and not got[np.setdiff1d(np.arange(64), [5, 17, 0])].any()

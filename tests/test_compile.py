@@ -180,3 +180,32 @@ def test_decode_products_read_transposed_views_without_a_node_each(tmp_path):
     assert a.tokens.tolist() == b.tokens.tolist()
     quantized = tiny_model(quant=(4, 32))  # every map quantized: nothing to view
     assert Engine(quantized, rows=2, strategy=QUANTIZED).step_params is quantized.params
+
+
+def test_decode_bookkeeping_fuses_and_reads_the_table_width_at_run_time(tmp_path, monkeypatch):
+    """A decode step's mask (slots holding their own positions, causal, padding seeing all) is one
+    fused kernel, with no reduction for queries that see nothing; and the table's width and slot
+    count reach kernels as inputs (`scalars.dynamic`: a Slice of a two-element constant), not as
+    one-element constants, which `mx.compile` writes into a kernel's source: on CUDA each new
+    width would build new kernels (the first step at 32 columns took 9 s on an H200)."""
+    from mlxfun.engine import Engine
+    from mlxfun.scalars import dynamic
+    x = mx.arange(10)
+    baked = graph_nodes(mx.compile(lambda x: (x % 7,))(x), tmp_path)
+    read = graph_nodes(mx.compile(lambda x: (x % dynamic(7),))(x), tmp_path)
+    assert "Slice" not in baked and read.count("Slice") == 1 and mx.array_equal(x % dynamic(7), x % 7).item()
+    model = tiny_model()
+    engine = Engine(model, rows=2)
+    for p in prompts_of([5, 9], model.config.vocab_size):
+        engine.add(p, max_tokens=6, ignore_eos=True)
+    engine.admit()
+    mx.eval(engine.state)
+    fn, args = engine.next_decode()
+    nodes = graph_nodes(fn(*args), tmp_path)
+    mask = [n for n in nodes if n.startswith("Compiled") and all(k in n for k in ("LessEqual", "Remainder", "Equal"))]
+    assert len(mask) == 1 and "Or" not in nodes and not any("LogicalNot" in n for n in nodes)
+    from mlxfun import cache, masks, step
+    monkeypatch.setattr(cache, "dynamic", lambda n, dtype=mx.int32: n)  # plain Python ints: constants
+    monkeypatch.setattr(masks, "dynamic", lambda n, dtype=mx.int32: n)
+    fresh = step.make_steps(model.config, engine._roster().mode).decode  # traced again
+    assert nodes.count("Slice") - graph_nodes(fresh(*args), tmp_path).count("Slice") == 2  # width and slot count

@@ -41,7 +41,7 @@ def test_keys_split_into_parts_of_at_most_four_rounds():
 
 
 def paged(keys, values, mask, block_size, seed=0):
-    """keys/values (B, K, S, D) and mask (B, 1, S) as a shuffled pool of blocks (N * bs, K, D),
+    """keys/values (B, K, S, D) and mask (B, 1, S) as a shuffled pool of blocks (N * bs, K, 1, D),
     a table (B, W) and a mask padded to W * bs slots."""
     B, K, S, D = keys.shape
     W = -(-S // block_size)
@@ -53,7 +53,7 @@ def paged(keys, values, mask, block_size, seed=0):
         for w in range(W):
             for pool, a in zip(pools, (keys, values)):
                 pool[table[b, w]] = a[b, :, w * block_size:(w + 1) * block_size].transpose(1, 0, 2)
-    flat = [p.reshape(-1, K, D) for p in pools]  # the cache's layout: slot by slot
+    flat = [p.reshape(-1, K, 1, D) for p in pools]  # the cache's layout: slot by slot
     return flat[0], flat[1], table, np.pad(mask, [(0, 0), (0, 0), (0, pad)])
 
 
