@@ -120,6 +120,11 @@
 #                                     batch 1, then 1B static at 1-128 against round 1
 #   bash benchmarks/gpu_round2.sh p53 # (carries .old) 1B batch 1 against round 1, 12 repeats of 256 tokens; 8B static
 #                                     at 1-128 against round 1
+#   bash benchmarks/gpu_round2.sh p54 # (carries .old) the session's final code (table widths read at run time):
+#                                     kernels checked, smoke, the first step at a new width (stall_probe.py),
+#                                     1B static at 1-128 against round 1
+#   bash benchmarks/gpu_round2.sh p55 # (carries .old) after streamed detokenization (DecodeStream): continuous against
+#                                     round 1, twice, alternating (round 1 first); 1B static at 1-128 against round 1
 #   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
 #                                     (1B, 32 rows, 128 tokens): 0.98x (eighteenth session)
 #   bash benchmarks/gpu_round2.sh p24 # (carries .whl, .tok) mlxfun bench --structured alone (1B, 32 rows, 64 tokens),
@@ -718,6 +723,23 @@ case "${1:-a}" in
       --json "$OUT/rounds-ab-1B-1-12.json" | tail -3
     timeout 380 python3 benchmarks/rounds_ab.py --shape 8B --old .old --batch-sizes 1,8,32,128 --gen-tokens 32 \
       --repeats 3 --json "$OUT/rounds-ab-8B-final-3.json" | tail -12
+    ;;
+  p54)
+    timeout 100 python3 benchmarks/kernels_check.py --json "$OUT/kernels.json" | grep -c '"ok": true'
+    MLX_ENABLE_TF32=0 timeout 100 python3 benchmarks/smoke.py --json "$OUT/smoke.json" | tail -2
+    timeout 100 python3 -u benchmarks/stall_probe.py --gen-tokens 256 --json "$OUT/stall-probe-1B-1.json"
+    timeout 330 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
+      --repeats 4 --json "$OUT/rounds-ab-1B-final-4.json" | tail -12
+    ;;
+  p55)
+    for i in 1 2; do
+      old timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/cont-old-$i.json" \
+        | tail -2 | head -1
+      timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/cont-new-$i.json" \
+        | tail -2 | head -1
+    done
+    timeout 300 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
+      --repeats 4 --json "$OUT/rounds-ab-1B-final-4.json" | tail -12
     ;;
   p25)
     wheels

@@ -7,6 +7,8 @@ string (that tail is held back until it can no longer match).
 
 from __future__ import annotations
 
+from tokenizers.decoders import DecodeStream
+
 from mlxfun.tokenizer import Tokenizer
 
 
@@ -21,20 +23,19 @@ class RowText:
         self.emitted = 0  # characters of `text` already handed out
         self.stopped_at: int | None = None  # index in `text` where a stop string starts
         self.tokens_at_stop: int | None = None  # tokens kept when a stop string ended the row
-        # Decode a short window of tokens, with the previous piece as context (some decoders
-        # strip a leading space from a text's first token), so each step costs O(1).
-        self._prefix = 0
-        self._read = 0
+        # The tokenizers library's incremental decoder: each token decoded in a short window with
+        # the previous piece as context (some decoders strip a leading space from a text's first
+        # token), text held back while a UTF-8 sequence is incomplete; one native call a token
+        # (every live row pays it every step: a 1B step at 128 rows is host-bound on an H200).
+        self._stream = DecodeStream(skip_special_tokens=False)
 
     def add(self, token: int) -> str:
         """Append a token; return the newly final text (possibly empty)."""
         self.tokens.append(token)
-        context = self.tokenizer.decode(self.tokens[self._prefix:self._read])
-        window = self.tokenizer.decode(self.tokens[self._prefix:])
-        if window.endswith("\ufffd") or len(window) <= len(context):
+        piece = self._stream.step(self.tokenizer.backend, token)
+        if not piece:
             return ""  # an incomplete UTF-8 sequence: wait for the next token
-        self.text += window[len(context):]
-        self._prefix, self._read = self._read, len(self.tokens)
+        self.text += piece
         if self.stop and self.stopped_at is None:
             self._find_stop()
         return self._release()

@@ -48,6 +48,21 @@ def test_tokenizer_round_trips(model_q4, text):
     assert tok.decode(ids) == text
 
 
+@pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
+def test_streamed_text_is_the_whole_text_in_complete_characters(model_q4, text):
+    """A row's text handed out token by token (`detok.RowText`) joins to the whole decode, and no
+    piece holds half a character: each multi-byte character of the texts above arrives whole."""
+    from mlxfun.detok import RowText
+    tok = model_q4.tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    row = RowText(tok, ())
+    pieces = [row.add(t) for t in ids]
+    assert "".join(pieces) + row.flush() == tok.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)
+    if text.startswith("Emoji"):  # the case this is for: characters split across tokens
+        assert any("\ufffd" in tok.decode([t]) for t in ids) and "" in pieces
+
+
 def test_special_tokens_are_single_ids(model_q4):
     tok = model_q4.tokenizer
     specials = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
