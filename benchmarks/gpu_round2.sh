@@ -124,7 +124,7 @@
 #                                     kernels checked, smoke, the first step at a new width (stall_probe.py),
 #                                     1B static at 1-128 against round 1
 #   bash benchmarks/gpu_round2.sh p55 # (carries .old) after streamed detokenization (DecodeStream): continuous against
-#                                     round 1, twice, alternating (round 1 first); 1B static at 1-128 against round 1
+#                                     round 1 (round 1 first); 1B static at 1-128 against round 1
 #   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
 #                                     (1B, 32 rows, 128 tokens): 0.98x (eighteenth session)
 #   bash benchmarks/gpu_round2.sh p24 # (carries .whl, .tok) mlxfun bench --structured alone (1B, 32 rows, 64 tokens),
@@ -592,7 +592,7 @@ case "${1:-a}" in
       --repeats 3 --json "$OUT/decode-reserve-1B-32.json"
     ;;
   p32)
-    for i in 1 2; do
+    for i in 1; do
       timeout 100 python3 -m mlxfun.profile --shape 1B --batch-sizes 32,128 --max-tokens 128 --no-matmuls \
         --json "$OUT/profile-1B-$i.json" | tail -2
       old timeout 100 python3 -m mlxfun.profile --shape 1B --batch-sizes 32,128 --max-tokens 128 --no-matmuls \
@@ -732,7 +732,7 @@ case "${1:-a}" in
       --repeats 4 --json "$OUT/rounds-ab-1B-final-4.json" | tail -12
     ;;
   p55)
-    for i in 1 2; do
+    for i in 1; do
       old timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/cont-old-$i.json" \
         | tail -2 | head -1
       timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/cont-new-$i.json" \
