@@ -592,7 +592,7 @@ case "${1:-a}" in
       --repeats 3 --json "$OUT/decode-reserve-1B-32.json"
     ;;
   p32)
-    for i in 1; do
+    for i in 1 2; do
       timeout 100 python3 -m mlxfun.profile --shape 1B --batch-sizes 32,128 --max-tokens 128 --no-matmuls \
         --json "$OUT/profile-1B-$i.json" | tail -2
       old timeout 100 python3 -m mlxfun.profile --shape 1B --batch-sizes 32,128 --max-tokens 128 --no-matmuls \
