@@ -11,7 +11,7 @@ row is meant to outrun W * bs slots (windowed layers, `max_kv_size`) its columns
 
 A token's slot follows from its position (`slots`), so there is no cursor, and rows advance at
 their own pace. Block 0 is scratch: padding tokens (negative positions) are written there with
-position -1, and columns without a block of their own point to it, so it is never visible. Masks
+their positions, and columns without a block of their own point to it, so it is never visible. Masks
 come from the positions of the slots a row reads (`held_positions`), so padding, causality,
 windows and blocks shared between rows (a common prefix) are one formula. A freshly allocated
 block is not cleared: a slot counts only if the position it holds maps to that slot, so what a

@@ -341,6 +341,7 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
         kv.check_write(cache, positions, full_attention=config.max_window is None)
     step = cache is not None and tokens.shape[1] == 1  # one token per row: (B, E) activations
     h = embed(params.embed, tokens[:, 0] if step else tokens, config.hidden_size)
+    slotted = False  # key_pos are what the rows' slots hold, their own or not (the masks check)
     if cache is None:
         key_pos = positions  # (B, T)
     else:
@@ -351,10 +352,9 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
         if fresh:
             key_pos = positions  # (B, T)
         elif tokens.shape[1] == 1 or not wraps:
-            key_pos = kv.held_positions(held, cache.table)  # (B, S), their own or not: the masks check
+            key_pos, slotted = kv.held_positions(held, cache.table), True  # (B, S)
         else:
             key_pos = mx.concatenate([kv.gather_positions(cache.positions, cache.table), positions], axis=1)
-    slotted = cache is not None and not fresh and (tokens.shape[1] == 1 or not wraps)
     layer_mask = layer_masks(config, positions, key_pos, mask, slotted)
     # Additive forms for MLX's fused attention, built once per pass (lazily: unused, never run).
     layer_bias = {w: additive_mask(m, h.dtype) for w, m in layer_mask.items()}
