@@ -143,6 +143,15 @@ def graph_nodes(outputs, tmp_path) -> list[str]:
     return re.findall(r'label ="?([A-Za-z_]+)', path.read_text())
 
 
+def first_decode(engine):
+    """Two prompts (5 and 9 tokens) admitted -> the engine's compiled decode step and its arguments."""
+    for p in prompts_of([5, 9], engine.config.vocab_size):
+        engine.add(p, max_tokens=6, ignore_eos=True)
+    engine.admit()
+    mx.eval(engine.state)
+    return engine.next_decode()
+
+
 def test_decode_products_read_transposed_views_without_a_node_each(tmp_path):
     """The engine's steps read dense weights through `weight_t`, a transposed view sharing their
     memory: a decode step's graph has one transpose node fewer per product (4 per layer and the
@@ -165,11 +174,7 @@ def test_decode_products_read_transposed_views_without_a_node_each(tmp_path):
     before = mx.get_active_memory()
     assert weights.with_transposed(model.config, model.params) is not model.params
     assert mx.get_active_memory() - before < 1024  # views: no copy of the 4-layer model's weights
-    for p in prompts_of([5, 9], model.config.vocab_size):
-        engine.add(p, max_tokens=6, ignore_eos=True)
-    engine.admit()
-    mx.eval(engine.state)
-    fn, args = engine.next_decode()
+    fn, args = first_decode(engine)
     with_views = graph_nodes(fn(*args), tmp_path)
     without = graph_nodes(fn(engine.params, *args[1:]), tmp_path)
     products = 4 * model.config.num_layers + 1  # the output head is the tied embedding
@@ -196,11 +201,7 @@ def test_decode_bookkeeping_fuses_and_reads_the_table_width_at_run_time(tmp_path
     assert "Slice" not in baked and read.count("Slice") == 1 and mx.array_equal(x % dynamic(7), x % 7).item()
     model = tiny_model()
     engine = Engine(model, rows=2)
-    for p in prompts_of([5, 9], model.config.vocab_size):
-        engine.add(p, max_tokens=6, ignore_eos=True)
-    engine.admit()
-    mx.eval(engine.state)
-    fn, args = engine.next_decode()
+    fn, args = first_decode(engine)
     nodes = graph_nodes(fn(*args), tmp_path)
     mask = [n for n in nodes if n.startswith("Compiled") and all(k in n for k in ("LessEqual", "Remainder", "Equal"))]
     assert len(mask) == 1 and "Or" not in nodes and not any("LogicalNot" in n for n in nodes)
