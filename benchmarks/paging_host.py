@@ -14,9 +14,8 @@ from pathlib import Path
 
 from mlxfun import bench
 from mlxfun import blocks as blk
+from mlxfun.cache import BLOCK
 from mlxfun.paging import Pages
-
-BLOCK = 16
 
 
 def step_ms(rows: int, context: int, steps: int) -> float:

@@ -12,9 +12,8 @@ import json
 import time
 from pathlib import Path
 
-import mlx.core as mx
-
 from mlxfun import bench, kernels
+from mlxfun import cache as kv
 from mlxfun.engine import Engine
 
 
@@ -39,13 +38,12 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             engine.step()
             took = time.perf_counter() - t
-            s = engine.state
-            width = None if s is None else s.cache.table.shape[1]
-            pool = None if s is None else s.cache.positions.shape[0]
-            parts = None if width is None else kernels.launch(args.batch, model.config.num_kv_heads, width * 16,
-                                                               model.config.head_dim,
-                                                               model.config.num_heads // model.config.num_kv_heads,
-                                                               mx.bfloat16)[2]
+            s, c = engine.state, model.config
+            width = pool = parts = None  # the state is dropped once the engine is idle
+            if s is not None:
+                width, pool = s.cache.table.shape[1], s.cache.positions.shape[0]
+                parts = kernels.launch(args.batch, c.num_kv_heads, kv.capacity(s.cache), c.head_dim,
+                                       c.num_heads // c.num_kv_heads, engine.dtype)[2]
             rounds.append((took, len(rounds), width, pool, parts))
         total = sum(r[0] for r in rounds)
         print(f"run {run}: {len(rounds)} rounds, {total:.3f} s; slowest (s, round, width, pool, parts):",
