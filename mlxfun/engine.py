@@ -13,8 +13,9 @@ Threads. One thread runs the engine: it calls `events`, `serve` or `step` (and `
 `cancel`: they only put a message in a thread-safe inbox, which the engine thread drains at the
 start of each step, so a cancelled request leaves its row within one step. `stats` may be read
 from any thread (a snapshot that may be one step old). With structured output, the engine's mask
-worker reads each step's tokens and advances the constrained rows' matchers while the engine
-thread queues the next forward pass; the engine thread waits for it before touching the records.
+worker reads each step's tokens (through MLX arrays of its own, `step.reading`: no MLX array is
+touched by two threads) and advances the constrained rows' matchers while the engine thread
+queues the next forward pass; the engine thread waits for it before touching the records.
 
 Memory. Every request gets exactly one closing event (its finish reason: "stop", "length" or
 "cancelled"); its record then waits in `requests` until `take` releases it. Statistics keep
@@ -54,7 +55,7 @@ from mlxfun.options import GenerationConfig, Request, check_bool, check_positive
 from mlxfun.paging import MIN_BLOCKS, Pages, pool_size
 from mlxfun.rows import Row, host_values
 from mlxfun.speculative import Verdict
-from mlxfun.step import DecodeState, Mode, StepOut, Steps, compiled_steps, first_token
+from mlxfun.step import DecodeState, Mode, StepOut, Steps, compiled_steps, first_token, reading
 from mlxfun.strategy import WeightStrategy, default_strategy, memory_limit, params_for_batch, params_for_prompts
 
 # Recent samples kept for latency percentiles.
@@ -513,9 +514,14 @@ class Engine:
         roster, state = self._prepare_step()
         mode, steps = roster.mode, roster.steps
         ready, self._inflight = self._inflight, []
-        mx.async_eval([step_out for step_out, _ in ready])  # scheduled here: the worker thread has no stream
+        # The worker reads handles of its own (`reading`): an MLX array is not safe to touch from two
+        # threads, and this thread's next evaluation takes the tokens as input (it drops their
+        # signalled event, which the worker's read also does). With the same handles, 5 of 8 runs
+        # of 40 constrained batches crashed or hung on this 2-core CPU.
+        reads = [reading(step_out) for step_out, _ in ready]
+        mx.async_eval(reads)  # scheduled here: the worker thread has no stream
         owners = list(self.owner)
-        job = self._mask_pool().submit(self._read_and_mask, ready, owners, self._mask_buffer())
+        job = self._mask_pool().submit(self._read_and_mask, reads, [o for _, o in ready], owners, self._mask_buffer())
         # The forward pass is queued at once. MLX holds the GIL while it encodes the graph, so the
         # worker reads and matches the tokens after that; letting it go first (up to 1 ms) left
         # the device idle meanwhile: 1.16-1.22x a free step against 1.07-1.12x (1B and 8B, batch 32,
@@ -537,13 +543,13 @@ class Engine:
         self._count_rows()
         return events
 
-    def _read_and_mask(self, ready: list, owners: list, out: np.ndarray) -> list:
-        """On the mask worker (`masked_decode`): the steps in flight read (waiting for the device
-        without the GIL), the constrained rows' matchers advanced by their tokens, and out (B, W)
-        <- the masks of the rows `owners` hold for the next token. -> each step's host values."""
-        values = [host_values(step_out) for step_out, _ in ready]
-        for (_, step_owners), (tokens, _, _) in zip(ready, values):
-            self._match(step_owners, tokens)
+    def _read_and_mask(self, reads: list[StepOut], step_owners: list, owners: list, out: np.ndarray) -> list:
+        """On the mask worker (`masked_decode`): the steps in flight read (`reads`, waiting for the
+        device without the GIL), the constrained rows' matchers advanced by their tokens, and out
+        (B, W) <- the masks of the rows `owners` hold for the next token. -> each step's host values."""
+        values = [host_values(r) for r in reads]
+        for who, (tokens, _, _) in zip(step_owners, values):
+            self._match(who, tokens)
         structured.fill_masks([self._mask_matcher(o) for o in owners], out)
         return values
 

@@ -51,6 +51,13 @@ class StepOut(NamedTuple):
     top_logprobs: mx.array | None  # (B, n) float32
 
 
+def reading(out: StepOut) -> StepOut:
+    """New handles of a step's outputs, for another thread to read: the same memory (no kernel),
+    but MLX arrays of their own, which no later step takes as input. (MLX arrays are not thread-safe:
+    an evaluation that takes an array as input updates it, as a read does.)"""
+    return StepOut(*(None if a is None else mx.stop_gradient(a) for a in out))
+
+
 def choose(mode: Mode, logits: mx.array, settings: sampling.Settings, steps: mx.array,
            counts: mx.array | None, mask: mx.array | None = None) -> StepOut:
     """logits (B, V), mask (B, W) uint32 or None -> the next token per row, with logprobs when the
