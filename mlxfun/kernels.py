@@ -54,12 +54,14 @@ _ATTENTION = compact(r"""
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int s = first + ((r0 + u) * NW + warp) * KPW + grp;
+            // The mask and the table are read at once, then the key and value: two loads deep, as
+            // over a contiguous cache. A hidden slot reads slot 0 (cached), with no branch that
+            // would hold the table's load back until the mask's arrived.
+            const int32_t block = s < end ? tp[s / BS] : 0;
             seen[u] = s < end && mp[s];
-            if (seen[u]) {
-                const int64_t at = ((int64_t)tp[s / BS] * BS + s % BS) * K * D;
-                kv[u] = unsafe_load_vector<PER>(kp + at, sub);
-                vv[u] = unsafe_load_vector<PER>(vp + at, sub);
-            }
+            const int64_t at = seen[u] ? ((int64_t)block * BS + s % BS) * K * D : 0;
+            kv[u] = unsafe_load_vector<PER>(kp + at, sub);
+            vv[u] = unsafe_load_vector<PER>(vp + at, sub);
         }
         #pragma unroll
         for (int u = 0; u < U; ++u) {

@@ -48,7 +48,9 @@ def paged(keys, values, mask, block_size, seed=0):
     pad = W * block_size - S
     keys, values = (np.pad(a, [(0, 0), (0, 0), (0, pad), (0, 0)]) for a in (keys, values))
     table = (1 + np.random.default_rng(seed).permutation(B * W)).reshape(B, W).astype(np.int32)
-    pools = [np.zeros((1 + B * W, block_size, K, D), np.float32) for _ in range(2)]
+    # Block 0, the scratch block no row holds, is NaN: a hidden slot's read there (the kernel reads
+    # slot 0 for hidden slots, so as not to wait for the mask) must never reach the output.
+    pools = [np.full((1 + B * W, block_size, K, D), np.nan, np.float32) for _ in range(2)]
     for b in range(B):
         for w in range(W):
             for pool, a in zip(pools, (keys, values)):
