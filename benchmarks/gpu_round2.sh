@@ -125,6 +125,15 @@
 #                                     1B static at 1-128 against round 1
 #   bash benchmarks/gpu_round2.sh p55 # (carries .old) after streamed detokenization (DecodeStream): continuous against
 #                                     round 1 (round 1 first); 1B static at 1-128 against round 1
+#   bash benchmarks/gpu_round2.sh p56 # (carries .old, .prev: the commit before) run from branch gpu-pending's
+#                                     prefill policy (chunk shapes compiled from their second sight): continuous and
+#                                     static passes, that code / .prev / round 1 (ABBA); ncu of one 1B decode step at
+#                                     batch 1, this code and round 1
+#   bash benchmarks/gpu_round2.sh p57 # (not run yet) decode attention reading its mask and table at once: kernels
+#                                     checked, smoke, ncu of one 1B decode step at batch 1 (against p56's); a new
+#                                     chunk shape's first admission, plain and compiled (prefill_first_sight.py, each
+#                                     twice, in turn)
+#   bash benchmarks/gpu_round2.sh p58 # (not run yet; carries .old) 1B static at 1-128 against round 1
 #   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
 #                                     (1B, 32 rows, 128 tokens): 0.98x (eighteenth session)
 #   bash benchmarks/gpu_round2.sh p24 # (carries .whl, .tok) mlxfun bench --structured alone (1B, 32 rows, 64 tokens),
@@ -739,6 +748,36 @@ case "${1:-a}" in
         | tail -2 | head -1
     done
     timeout 300 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
+      --repeats 4 --json "$OUT/rounds-ab-1B-final-4.json" | tail -12
+    ;;
+  p56)
+    cont() { timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/cont-$1.json" \
+      | tail -2 | head -1; }
+    prev() { (cd .prev && "$@"); }
+    echo new; cont new-1; echo prev; prev cont prev-1; echo old; old cont old-1
+    echo old; old cont old-2; echo prev; prev cont prev-2; echo new; cont new-2
+    for n in new old; do
+      P=$PYTHONPATH; [ $n = old ] && P=$HOME/gpu-site:$PWD/.old
+      PYTHONPATH=$P timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        --log-file "$OUT/decode-$n.csv" python3 benchmarks/prefill_ncu.py --shape 1B --batch 1 --decode | tail -1
+    done
+    python3 benchmarks/prefill_ncu.py --summarize "$OUT/decode-new.csv" "$OUT/decode-old.csv" \
+      --json "$OUT/decode-ncu-1B-1.json" | head -60
+    gzip "$OUT"/decode-*.csv
+    ;;
+  p57)
+    timeout 100 python3 benchmarks/kernels_check.py --json "$OUT/kernels.json" | grep -c '"ok": true'
+    MLX_ENABLE_TF32=0 timeout 100 python3 benchmarks/smoke.py --json "$OUT/smoke.json" | tail -2
+    timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/decode-new.csv" \
+      python3 benchmarks/prefill_ncu.py --shape 1B --batch 1 --decode | tail -1
+    python3 benchmarks/prefill_ncu.py --summarize "$OUT/decode-new.csv" --json "$OUT/decode-ncu-1B-1.json" | head -8
+    gzip "$OUT"/decode-*.csv
+    for v in plain compiled plain compiled; do
+      timeout 60 python3 benchmarks/prefill_first_sight.py --variant $v --json "$OUT/first-sight-$v-$SECONDS.json"
+    done
+    ;;
+  p58)
+    timeout 330 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
       --repeats 4 --json "$OUT/rounds-ab-1B-final-4.json" | tail -12
     ;;
   p25)
