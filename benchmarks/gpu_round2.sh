@@ -125,10 +125,10 @@
 #                                     1B static at 1-128 against round 1
 #   bash benchmarks/gpu_round2.sh p55 # (carries .old) after streamed detokenization (DecodeStream): continuous against
 #                                     round 1 (round 1 first); 1B static at 1-128 against round 1
-#   bash benchmarks/gpu_round2.sh p56 # (carries .old, .prev: the commit before) run from branch gpu-pending's
-#                                     prefill policy (chunk shapes compiled from their second sight): continuous and
-#                                     static passes, that code / .prev / round 1 (ABBA); ncu of one 1B decode step at
-#                                     batch 1, this code and round 1
+#   bash benchmarks/gpu_round2.sh p56 # (carries .old, .prev: the commit before) run from branch
+#                                     prefill-compile-after's policy (chunk shapes compiled from their second sight):
+#                                     continuous and static passes, that code / .prev / round 1 (ABBA); ncu of one 1B
+#                                     decode step at batch 1, this code and round 1
 #   bash benchmarks/gpu_round2.sh p57 # (not run yet) decode attention reading its mask and table at once: kernels
 #                                     checked, smoke, ncu of one 1B decode step at batch 1 (against p56's); a new
 #                                     chunk shape's first admission, plain and compiled (prefill_first_sight.py, each
