@@ -637,9 +637,8 @@ class Engine:
 
     def _queue_verify(self, live: list[int], drafts: mx.array, valid: mx.array, q: mx.array | None) -> Verdict:
         """Queue the verify step for the live rows (the device state caught up: `_sync`)."""
-        mode = mode_for([self.requests[self.owner[r]] for r in live])
-        out, state = self.steps(self.config, mode).verify(self.step_params, self.state._replace(counts=None), drafts,
-                                                          valid, q, self._settings)
+        steps = self._roster().steps  # the live rows' mode, kept while they stay
+        out, state = steps.verify(self.step_params, self.state._replace(counts=None), drafts, valid, q, self._settings)
         self.state = state._replace(counts=self.state.counts)
         mx.async_eval(out, self.state)
         self.stats.steps += 1
