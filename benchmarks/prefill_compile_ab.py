@@ -37,11 +37,11 @@ def plain_prefill(config, mode) -> step.Steps:
 VARIANTS = {"plain": plain_prefill, "compiled": compiled_prefill}
 
 
-def admission(model: Model, prompts: list[list[int]], steps) -> float:
-    """One static admission's seconds, to its end."""
-    engine = Engine(model, len(prompts), steps=steps)
+def admission(model: Model, prompts: list[list[int]], steps, rows: int | None = None, max_tokens: int = 8) -> float:
+    """One static admission's seconds, to its end (in an engine of `rows` rows, one per prompt by default)."""
+    engine = Engine(model, rows or len(prompts), steps=steps)
     for prompt in prompts:
-        engine.add(prompt, max_tokens=8, ignore_eos=True)
+        engine.add(prompt, max_tokens=max_tokens, ignore_eos=True)
     mx.synchronize()
     t = time.perf_counter()
     engine.admit()

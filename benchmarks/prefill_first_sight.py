@@ -15,29 +15,16 @@ import argparse
 import json
 import random
 import statistics
-import time
 from pathlib import Path
 
 import mlx.core as mx
+from prefill_compile_ab import admission  # benchmarks/ is on the path: these scripts run from there
 
 from mlxfun import bench, step
-from mlxfun.engine import Engine
 from mlxfun.load import Model
 
 # (rows, prompt tokens) met once each; lengths are rounded up to 32 on a GPU, so each is its own shape.
 SHAPES = [(g, t) for g in (2, 3, 5, 7, 9, 11, 13, 15) for t in (40, 70, 100)]
-
-
-def admission(model: Model, prompts: list[list[int]], steps, rows: int) -> float:
-    """One admission's seconds, to its end, in an engine of `rows` rows (the same pool size for every G)."""
-    engine = Engine(model, rows, steps=steps)
-    for prompt in prompts:
-        engine.add(prompt, max_tokens=64, ignore_eos=True)
-    mx.synchronize()
-    t = time.perf_counter()
-    engine.admit()
-    mx.synchronize()
-    return time.perf_counter() - t
 
 
 def main(argv=None) -> int:
@@ -58,12 +45,12 @@ def main(argv=None) -> int:
     rng = random.Random(0)
     rows = max(g for g, _ in SHAPES)
     for _ in range(2):  # warm-up at a shape not measured: weights, kernels, the decode-free paths
-        admission(model, [[rng.randrange(1, config.vocab_size) for _ in range(16)]], steps, rows)
+        admission(model, [[rng.randrange(1, config.vocab_size) for _ in range(16)]], steps, rows, 64)
     runs = []
     for g, t in SHAPES:
         prompts = [[rng.randrange(1, config.vocab_size) for _ in range(t)] for _ in range(g)]
-        first = admission(model, prompts, steps, rows)
-        again = admission(model, prompts, steps, rows)
+        first = admission(model, prompts, steps, rows, 64)
+        again = admission(model, prompts, steps, rows, 64)
         runs.append({"rows": g, "tokens": t, "first_ms": 1e3 * first, "again_ms": 1e3 * again})
     first = sum(r["first_ms"] for r in runs)
     again = sum(r["again_ms"] for r in runs)
