@@ -31,6 +31,7 @@ import numpy as np
 
 from mlxfun.config import ModelConfig
 from mlxfun.errors import InputError
+from mlxfun.masks import own_slots
 from mlxfun.scalars import dynamic
 
 BLOCK = 16  # slots per block in the scheduler's pool
@@ -148,8 +149,7 @@ def gather_positions(positions: mx.array, table: mx.array) -> mx.array:
     holds, or -1 where it is empty or holds a position that is not its own (p mod C names the
     slot a position belongs to: what a block's previous owner left behind is never seen)."""
     held = held_positions(positions, table)  # (B, C)
-    own = (held >= 0) & (held % dynamic(held.shape[1]) == mx.arange(held.shape[1], dtype=mx.int32))
-    return mx.where(own, held, -1)
+    return mx.where((held >= 0) & own_slots(held), held, -1)
 
 
 def slot_bytes(config: ModelConfig, dtype: mx.Dtype) -> int:

@@ -49,7 +49,7 @@ _ATTENTION = compact(r"""
         l[g] = 0.f;
     }
     for (int r0 = 0; first + r0 * NW * KPW < end; r0 += U) {
-        AlignedVector<T, PER> kv[U] = {}, vv[U] = {};
+        AlignedVector<T, PER> kv[U], vv[U];  // every slot loads: a hidden one slot 0
         bool seen[U];
         #pragma unroll
         for (int u = 0; u < U; ++u) {

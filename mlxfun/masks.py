@@ -14,14 +14,19 @@ from mlxfun.scalars import dynamic
 def causal(q_pos: mx.array, k_pos: mx.array, slotted: bool = False) -> mx.array:
     """(B, T, S): visible keys, hiding padding and empty slots (negative positions). `slotted`:
     k_pos are what a row's S cache slots hold (`cache.held_positions`), and a slot counts only if
-    the position it holds is its own (p mod S names the slot: what a block's previous owner left
-    is never seen; S read at run time, `scalars`). One expression, so that compilation makes the
+    the position it holds is its own (`own_slots`). One expression, so that compilation makes the
     whole mask one kernel."""
     k = k_pos[:, None, :]
     visible = (k >= 0) & (k <= q_pos[:, :, None])
-    if slotted:
-        visible = visible & (k % dynamic(k.shape[-1], k.dtype) == mx.arange(k.shape[-1], dtype=k.dtype))
-    return visible
+    return visible & own_slots(k) if slotted else visible
+
+
+def own_slots(held: mx.array) -> mx.array:
+    """held (..., S) the positions a row's S cache slots hold -> whether each is its slot's own:
+    p mod S names the slot a position belongs to, so what a block's previous owner left is never
+    seen (S read at run time: `scalars`). Negative positions are for the caller to hide."""
+    S = held.shape[-1]
+    return held % dynamic(S, held.dtype) == mx.arange(S, dtype=held.dtype)
 
 
 def window(q_pos: mx.array, k_pos: mx.array, size: int) -> mx.array:
