@@ -789,6 +789,7 @@ class Engine:
     def _resize_rows(self, width: int) -> None:
         """The host's per-row lists at `width` rows, every row empty (no state yet)."""
         self.owner, self.pos, self.need = [None] * width, [-1] * width, [0] * width
+        self._vacated = []  # rows of a state that is gone: a new state's rows start at -1
 
     def _set_width(self, width: int) -> None:
         """Hold `width` rows: the live ones (in order), then empty ones. Steps already queued keep
@@ -961,6 +962,7 @@ class Engine:
 
     def _merge(self, rows: list[int], first: mx.array, lengths: list[int]) -> None:
         s = self.state
+        _check_rows(rows, s.tokens.shape[0], "admitted")
         r = mx.array(rows, dtype=mx.int32)
         fresh = sampling.update_counts(mx.zeros((len(rows), s.counts.shape[1]), mx.int32), first)
         self.state = s._replace(tokens=kv.updated(s.tokens, r, first),
@@ -976,6 +978,7 @@ class Engine:
             cache = cache._replace(table=mx.array(self.pages.table[:len(self.owner)]))
             self.pages.dirty = False
         if self._vacated:
+            _check_rows(self._vacated, positions.shape[0], "vacated")
             positions = kv.updated(positions, mx.array(self._vacated, mx.int32), mx.full((len(self._vacated),), -1,
                                                                                         mx.int32))
             self._vacated = []
@@ -1106,6 +1109,13 @@ def _rows(a: mx.array, keep: list[int], width: int, fill) -> mx.array:
     kept = a[mx.array(keep, mx.int32)] if keep else a[:0]
     pad = mx.full((width - len(keep), *a.shape[1:]), fill, a.dtype)
     return mx.concatenate([kept, pad]) if width > len(keep) else kept
+
+
+def _check_rows(rows: list[int], width: int, what: str) -> None:
+    """Rows a scatter is about to write, checked on the host: MLX does not bound-check scatter
+    indices, so a row past the state would write past the end of its arrays (heap corruption)."""
+    if rows and not 0 <= min(rows) <= max(rows) < width:
+        raise RuntimeError(f"engine bug: {what} rows {sorted(rows)} outside a state of {width} rows")
 
 
 def _stack(settings: list[sampling.Settings]) -> sampling.Settings:

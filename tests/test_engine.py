@@ -112,6 +112,23 @@ def test_rows_follow_the_live_requests(tiny, shrink):
         assert engine.take(rid).row.token_ids == generate(tiny, [p], max_tokens=m, ignore_eos=True).token_ids[0]
 
 
+def test_rows_vacated_before_an_idle_engine_drops_its_state_are_not_written_in_the_next(tiny):
+    """16 rows finish in one step, the idle engine drops its state, and 8 requests then get a state
+    of 8 rows (shrink_rows). The 16 rows' pending "position -1" marks once reached the first decode
+    step of the new state: a scatter into rows 8-15 of its 8-row arrays, past their end (heap
+    corruption that crashed `mlxfun serve`). Each request's tokens equal the prompt alone."""
+    engine = Engine(tiny, rows=16, shrink_rows=True)
+    first = [engine.add([3 + i] * (2 + i % 8), max_tokens=2, ignore_eos=True) for i in range(16)]
+    list(engine.events())
+    assert engine.state is None and len(engine.owner) == 1  # dropped when idle
+    second = [engine.add([40 + i] * (3 + i), max_tokens=3, ignore_eos=True) for i in range(8)]
+    widths = [engine.state.tokens.shape[0] for _ in engine.events() if engine.state is not None]
+    assert widths[0] == 8
+    for rid, p, m in [(r, [3 + i] * (2 + i % 8), 2) for i, r in enumerate(first)] + \
+            [(r, [40 + i] * (3 + i), 3) for i, r in enumerate(second)]:
+        assert engine.take(rid).row.token_ids == generate(tiny, [p], max_tokens=m, ignore_eos=True).token_ids[0]
+
+
 def test_engine_grows_its_ring_without_losing_rows(tiny):
     """A long request admitted next to short ones forces the cache to grow (and unroll)."""
     prompts = [[3] * 10, [4] * 200, [5] * 30, [6] * 250]
