@@ -3,9 +3,10 @@ B prompts of T tokens of a random-weight model admitted (this code's `Engine.adm
 `Batch.prefill`), evaluated; reported: the peak beyond the weights, the KV cache held right after
 it, and their difference (activations and everything else). Then both whole runs' peaks.
 
-This code's pool is made for every token its rows may hold (prompt and `--gen-tokens`) before
-the prompts run; round 1's cache held the prompts only and grew at the first decode step, when
-the prompts' activations were gone.
+Round 1's cache held the prompts only and grew at the first decode step, when the prompts'
+activations were gone. This code made its pool for every token its rows may hold (prompt and
+`--gen-tokens`) before the prompts ran, until a first admission's pool became the prompts' blocks,
+grown to the reservation by the first decode step (2026-12-05).
 
 Run: python benchmarks/admission_peak.py --old .old [--shape 1B] [--width 256] [--batch 128] [--json F]
 (--width scales the shape down, same layers and vocabulary split, so the CPU can run it.)

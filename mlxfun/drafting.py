@@ -87,7 +87,7 @@ class DraftModel(Drafter):
         self.dtype = model.params.norm.dtype
         self.pool = Pool(1, engine.pool.block_size)
         self.multiple = engine.pad_multiple
-        self.pages = Pages(engine.rows, self.pool, self.config.max_window, engine.max_blocks)
+        self.pages = Pages(engine.rows, self.pool, self.config.max_window, engine.max_blocks, engine.pages.least)
         self.cache: kv.KVCache | None = None
         self.draft_pos = [0] * engine.rows  # positions whose draft KV is right, per row
 

@@ -52,7 +52,7 @@ from mlxfun.events import Event, Stats
 from mlxfun.load import Model
 from mlxfun.mapped import HostArray
 from mlxfun.options import GenerationConfig, Request, check_bool, check_positive_int, make_request
-from mlxfun.paging import MIN_BLOCKS, Pages, pool_size
+from mlxfun.paging import MIN_BLOCKS, MIN_BLOCKS_CPU, Pages, pool_size
 from mlxfun.rows import Row, host_values
 from mlxfun.speculative import Verdict
 from mlxfun.step import DecodeState, Mode, StepOut, Steps, compiled_steps, first_token, reading
@@ -217,7 +217,8 @@ class Engine:
         self.max_blocks = max(2, self.kv_memory // self.block_bytes)
         cached = (self.kv_memory // 8 if prefix_cache_bytes is None else prefix_cache_bytes) // self.block_bytes
         self.pool = Pool(1, block_size, cached if prefix_cache else 0)
-        self.pages = Pages(rows, self.pool, self.config.max_window, self.max_blocks)
+        self.pages = Pages(rows, self.pool, self.config.max_window, self.max_blocks,
+                           MIN_BLOCKS if on_gpu else MIN_BLOCKS_CPU)
         self.requests: dict[int, Record] = {}
         self.stats = EngineStats(rows=rows)
         # Engine-thread state.
@@ -421,11 +422,17 @@ class Engine:
         else:
             self._set_width(width)
         free = self._free_rows()
-        # The pool grows once for what the rows may hold (each new size retraces the step), before
-        # a first state is made at that size (growing it after would copy it).
+        # The pool grows once for what the rows may hold (each new size retraces the step).
         self.pages.reserve(self._outstanding() + sum(self._blocks_needed(r.request) for r in records))
         if self.state is None:
-            self.state = self._empty_state()
+            # A first state's device pool holds the prompts' blocks; the first decode step grows it
+            # to the reservation (`_sync`: one copy of the prompts' KV), after the prompts'
+            # activations are freed, so the peak holds one or the other. Made at the reservation,
+            # the 1B's 128 x 128-token batch peaked its generated tokens' KV (0.54 GB) above round 1.
+            bs = self.pool.block_size
+            prompts = sum(-(-len(r.request.prompt) // bs) for r in records)
+            self.state = self._empty_state(min(pool_size(1 + prompts, self.max_blocks, self.pages.least),
+                                               self.pool.size))
         # Long prompts may run a dense copy of quantized weights, dropped after admission (mlxfun.strategy).
         params = params_for_prompts(self.config, self.step_params, [len(r.request.prompt) for r in records],
                                     self.prefill_step, self.strategy)
@@ -953,8 +960,9 @@ class Engine:
                                                                                            np.uint32)))
         return first_token(self.config, mode, params, h, settings, mx.zeros((len(records),), mx.int32), None, mask)
 
-    def _empty_state(self) -> DecodeState:
-        keys, values, positions = kv.pool(self.config, self.pool.size, self.pool.block_size, self.dtype)
+    def _empty_state(self, blocks: int | None = None) -> DecodeState:
+        """A state of empty rows over a device pool of `blocks` blocks (the host's pool size by default)."""
+        keys, values, positions = kv.pool(self.config, blocks or self.pool.size, self.pool.block_size, self.dtype)
         B = len(self.owner)
         return DecodeState(kv.KVCache(keys, values, positions, mx.array(self.pages.table[:B])),
                            tokens=mx.zeros((B,), mx.int32), positions=mx.full((B,), -1, mx.int32),
@@ -1013,9 +1021,10 @@ class Engine:
             # Blocks held or cached, and reserved (upper bounds first: this runs every step, and
             # compaction() walks the pool).
             held = 1 + self.pool.used + self.pool.cached
-            reserved = self._outstanding() if self.pool.size > 1 + MIN_BLOCKS and 4 * held <= self.pool.size else None
+            reserved = self._outstanding() if self.pool.size > 1 + self.pages.least and 4 * held <= self.pool.size \
+                else None
             keep = self.pool.compaction() if reserved is not None and 4 * (held + reserved) <= self.pool.size else None
-            size = None if keep is None else pool_size(2 * (len(keep) + reserved), self.max_blocks)
+            size = None if keep is None else pool_size(2 * (len(keep) + reserved), self.max_blocks, self.pages.least)
             # (A pool at its least size stays: compacting it to that size again copied the KV every step.)
             if keep is not None and 4 * (len(keep) + reserved) <= self.pool.size and size < self.pool.size:
                 cache = kv.take_blocks(self.state.cache, mx.array(keep))

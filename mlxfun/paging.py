@@ -16,23 +16,30 @@ import numpy as np
 from mlxfun import cache as kv
 from mlxfun.blocks import Pool
 
+# The least pool, in blocks beside the scratch block. Each new pool size retraces the compiled
+# step: about a second on an H200, where 64 blocks are a sliver of its memory (33 MB of the 1B's
+# KV). On the CPU a retrace costs about a step (SmolLM2: 0.1 s), and 64 blocks of SmolLM2's float32
+# KV (48 MB) put its 4-bit batch-1 bench 1.29x round 1's peak; 16 blocks are round 1's growth step.
 MIN_BLOCKS = 64
+MIN_BLOCKS_CPU = 16
 
 
-def pool_size(blocks: int, max_blocks: int) -> int:
-    """The pool size for at least `blocks` blocks, scratch block 0 included: 1 + 64 * 2^k or
-    1 + 96 * 2^k (steps of 1.5x and 1.33x in the blocks rows can hold), or `max_blocks` when that
-    is smaller. The scratch block sits beside the grid: a batch whose rows need 2^k blocks in all
-    (128 rows of 256 tokens) fits a pool of 2^k + 1, not of 1.5 * 2^k (2.1 GB more for the 8B)."""
-    size = MIN_BLOCKS
+def pool_size(blocks: int, max_blocks: int, least: int = MIN_BLOCKS) -> int:
+    """The pool size for at least `blocks` blocks, scratch block 0 included: 1 + least * 2^k or
+    1 + 1.5 * least * 2^k (steps of 1.5x and 1.33x in the blocks rows can hold; `least` a power of
+    two), or `max_blocks` when that is smaller. The scratch block sits beside the grid: a batch
+    whose rows need 2^k blocks in all (128 rows of 256 tokens) fits a pool of 2^k + 1, not of
+    1.5 * 2^k (2.1 GB more for the 8B)."""
+    size = least
     while size < blocks - 1:
         size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
     return min(1 + size, max_blocks)
 
 
 class Pages:
-    def __init__(self, rows: int, pool: Pool, window: int | None, max_blocks: int):
+    def __init__(self, rows: int, pool: Pool, window: int | None, max_blocks: int, least: int = MIN_BLOCKS):
         self.pool, self.bs, self.window, self.max_blocks = pool, pool.block_size, window, max_blocks
+        self.least = least  # the least pool's blocks (`pool_size`)
         self.ring = None if window is None else kv.ring_columns(window, self.bs)
         self.held: list[dict[int, int]] = [{} for _ in range(rows)]
         self.table = np.zeros((rows, self.ring or kv.columns_for(1, None, self.bs)), np.int32)
@@ -140,7 +147,7 @@ class Pages:
         compiled step (about a second on an H200), so sizes are few and the same across engines."""
         if self.pool.available() >= blocks:
             return
-        size = pool_size(self.pool.size + blocks - self.pool.available(), self.max_blocks)
+        size = pool_size(self.pool.size + blocks - self.pool.available(), self.max_blocks, self.least)
         if size - self.pool.size + self.pool.available() < blocks:
             raise MemoryError(f"the KV pool is full ({self.pool.size} blocks)")  # reservations prevent this
         self.pool.grow(size)

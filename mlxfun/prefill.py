@@ -129,7 +129,10 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
         start = kv.run_start(slots)  # one run of slots (equal rows, consecutive blocks): slice updates
         # A first chunk of rows without a cached prefix sees only itself: no keys are read from the pool.
         fresh = offset == 0 and not any(starts)
-        cache = ensure_pool(cache, pages.pool.size)
+        # The device pool holds every block the chunk writes or reads (a first admission's pool starts
+        # at the prompts' size, `Engine.admit`; otherwise it is the host's pool already).
+        if max(int(slots.max()) // pages.bs, int(pages.table[rows].max())) >= cache.positions.shape[0]:
+            cache = ensure_pool(cache, pages.pool.size)
         # A first chunk with nothing to wait for starts its first layers while the host builds the rest.
         launch = mx.async_eval if offset == 0 and before_launch is None and ids.size <= EARLY_LAUNCH_TOKENS else None
         out, cache = steps.prefill(params, mx.array(ids), mx.array(positions), cache._replace(

@@ -3,6 +3,7 @@ process, memory budgets, and every boundary checked before any work."""
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import subprocess
@@ -20,10 +21,10 @@ from helpers import admission_peak, tiny_config, tiny_model
 
 import mlxfun
 from mlxfun import cache as kv
-from mlxfun import llama, prefill, sampling, weights
+from mlxfun import llama, prefill, sampling, step, weights
 from mlxfun.engine import WINDOW, Engine
 from mlxfun.generate import generate
-from mlxfun.paging import MIN_BLOCKS
+from mlxfun.paging import pool_size
 
 
 @pytest.fixture(scope="module")
@@ -141,20 +142,98 @@ def test_a_pool_compacts_only_to_a_smaller_size(tiny, monkeypatch):
     take_blocks = kv.take_blocks
     monkeypatch.setattr(kv, "take_blocks", lambda cache, keep: copies.append(keep.size) or take_blocks(cache, keep))
     engine = Engine(tiny, rows=1)
-    engine.add([3] * 5, max_tokens=40, ignore_eos=True)  # 3 blocks of the least pool (65)
+    engine.add([3] * 5, max_tokens=40, ignore_eos=True)  # 3 blocks of the least pool (17 on the CPU)
     for _ in engine.events():
-        assert engine.pool.size == 1 + MIN_BLOCKS
+        assert engine.pool.size == 1 + engine.pages.least
     assert engine.stats.generation_tokens == 40 and copies == []
     engine = Engine(tiny, rows=2, prefix_cache=False)  # (cached prompt blocks would keep the pool's size)
     long = engine.add([4] * 900, max_tokens=4, ignore_eos=True)  # 57 blocks: the pool grows past 65
-    short = engine.add([5] * 5, max_tokens=200, ignore_eos=True)
+    short = engine.add([5] * 5, max_tokens=200, ignore_eos=True)  # 13 blocks
     sizes = []
     for e in engine.events():
         sizes.append(engine.pool.size)
     grown = sizes.index(max(sizes))
-    assert max(sizes) > 1 + MIN_BLOCKS and 1 + MIN_BLOCKS in sizes[grown:] and len(copies) == 1
+    assert max(sizes) > 65 and pool_size(2 * 13, 10**6, engine.pages.least) in sizes[grown:] and len(copies) == 1
     assert engine.take(short).row.token_ids == generate(tiny, [[5] * 5], max_tokens=200, ignore_eos=True).token_ids[0]
     assert engine.take(long).row.finish_reason == "length"
+
+
+def pool_sizes_seen(kinds: list):
+    """Steps that record the device pool's blocks each prefill chunk and decode step is given."""
+    made = {}
+
+    def steps(config, mode):
+        if mode not in made:
+            s = step.make_steps(config, mode)
+
+            def prefill(params, tokens, positions, cache, *rest):
+                kinds.append(("prefill", cache.positions.shape[0]))
+                return s.prefill(params, tokens, positions, cache, *rest)
+
+            def decode(params, state, settings):
+                kinds.append(("decode", state.cache.positions.shape[0]))
+                return s.decode(params, state, settings)
+
+            made[mode] = s._replace(prefill=prefill, decode=decode)
+        return made[mode]
+
+    return steps
+
+
+def test_a_first_admission_holds_its_prompts_kv_and_its_first_step_the_reservation(tiny):
+    """A static batch's pool is made for its prompts' blocks and grows to what its rows may hold
+    (their prompts and every token they may generate) at the first decode step, once the prompts'
+    activations are freed: made at the reservation before the prompts ran, the pool of the 1B's
+    128 x 128-token batch took its generated tokens' KV (0.54 GB) above round 1's peak. The KV
+    written before the growth is read after it: every row equals its output alone."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 97) for _ in range(rng.randrange(60, 200))] for _ in range(8)]
+    seen = []
+    engine = Engine(tiny, rows=8, shrink_rows=False, steps=pool_sizes_seen(seen))
+    ids = [engine.add(p, max_tokens=120, ignore_eos=True) for p in prompts]
+    list(engine.events())
+    prompt_blocks = sum(-(-len(p) // kv.BLOCK) for p in prompts)
+    reserved = sum(-(-(len(p) + 120) // kv.BLOCK) for p in prompts)
+    least = engine.pages.least
+    assert {n for kind, n in seen if kind == "prefill"} == {pool_size(1 + prompt_blocks, 10**6, least)}
+    assert {n for kind, n in seen if kind == "decode"} == {pool_size(reserved, 10**6, least)}
+    assert pool_size(1 + prompt_blocks, 10**6, least) < pool_size(reserved, 10**6, least)
+    alone = [generate(tiny, [p], max_tokens=120, ignore_eos=True).token_ids[0] for p in prompts]
+    assert [engine.take(i).row.token_ids for i in ids] == alone
+
+
+def test_an_admission_before_the_first_decode_step_grows_the_pool_it_writes(tiny):
+    """Until a first decode step grows it, the device pool holds only the first admission's
+    prompts. A second admission before that step (the engine busy: `admit` called twice) takes
+    blocks past it, so its prefill grows the pool first: written past its end, MLX's scatter
+    corrupted memory and the process died. So the engine runs in a subprocess; its requests must
+    equal their outputs alone."""
+    code = textwrap.dedent("""
+        import json, sys
+        sys.path.insert(0, "tests")
+        from helpers import tiny_config, tiny_model
+        from mlxfun.engine import Engine
+        engine = Engine(tiny_model(tiny_config(max_position_embeddings=1024)), rows=3, shrink_rows=False)
+        first = [engine.add([3 + i] * 10, max_tokens=1000, ignore_eos=True) for i in range(2)]  # 128 blocks reserved
+        engine.admit()
+        before = engine.state.cache.positions.shape[0]
+        assert before == 1 + engine.pages.least < engine.pool.size, (before, engine.pool.size)
+        late = engine.add([(7 * j) % 96 + 1 for j in range(1000)], max_tokens=8, ignore_eos=True)  # 63 blocks
+        engine.admit()
+        highest = max(engine.pages.held[engine.owner.index(late)].values())
+        after = engine.state.cache.positions.shape[0]
+        list(engine.events())
+        print(json.dumps({"before": before, "highest": highest, "after": after,
+                          "tokens": [engine.take(rid).row.token_ids for rid in first + [late]]}))
+    """)
+    root = Path(__file__).resolve().parent.parent  # this checkout's mlxfun, not an installed one
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert got["highest"] >= got["before"] and got["after"] > got["highest"]  # its blocks lie past the first pool
+    late = [(7 * j) % 96 + 1 for j in range(1000)]
+    assert got["tokens"] == [generate(tiny, [[3 + i] * 10], max_tokens=1000, ignore_eos=True).token_ids[0]
+                             for i in range(2)] + [generate(tiny, [late], max_tokens=8, ignore_eos=True).token_ids[0]]
 
 
 def test_memory_budget_refuses_what_never_fits_and_delays_what_fits_alone(tiny):
@@ -364,6 +443,7 @@ def test_steps_write_the_kv_pool_in_place():
     for p in ([5, 6, 7], [9, 10, 11, 12]):
         engine.add(p, max_tokens=8000, ignore_eos=True)  # a large reservation: a large pool
     engine.admit()
+    engine.decode()  # (grows the pool from the prompts' blocks to the reservation)
     engine.collect()
     mx.eval(engine.state)
     pool = sum(a.nbytes for a in engine.state.cache.keys + engine.state.cache.values)
