@@ -133,6 +133,9 @@
 #                                     checked, smoke, ncu of one 1B decode step at batch 1 (against p56's); a new
 #                                     chunk shape's first admission, plain and compiled (prefill_first_sight.py, each
 #                                     twice, in turn)
+#   bash benchmarks/gpu_round2.sh p60 # (carries .old) does this code's static mixed pass slow down as a process repeats it?
+#   bash benchmarks/gpu_round2.sh p59 # (carries .old) 1B static batches of mixed prompts: round 1, this code, its prefill
+#                                     plain and compiled from a shape's second sight, cold and warm in one process
 #   bash benchmarks/gpu_round2.sh p58 # (not run yet; carries .old) 1B static at 1-128 against round 1
 #   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
 #                                     (1B, 32 rows, 128 tokens): 0.98x (eighteenth session)
@@ -775,6 +778,14 @@ case "${1:-a}" in
     for v in plain compiled plain compiled; do
       timeout 60 python3 benchmarks/prefill_first_sight.py --variant $v --json "$OUT/first-sight-$v-$SECONDS.json"
     done
+    ;;
+  p60)
+    (cd benchmarks && timeout 300 python3 static_drift.py --shape 1B --old ../.old --passes 3 \
+      --json "$OUT/static-drift-1B.json" | cut -c1-240)
+    ;;
+  p59)
+    (cd benchmarks && timeout 400 python3 static_mixed_ab.py --shape 1B --old ../.old --repeats 3 \
+      --json "$OUT/static-mixed-ab-1B.json" | tail -25)
     ;;
   p58)
     timeout 330 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
