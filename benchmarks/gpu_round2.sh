@@ -134,7 +134,7 @@
 #                                     chunk shape's first admission, plain and compiled (prefill_first_sight.py, each
 #                                     twice, in turn)
 #   bash benchmarks/gpu_round2.sh p60 # (carries .old) does this code's static mixed pass slow down as a process repeats it? (CUDA graph cache 400, 4000)
-#   bash benchmarks/gpu_round2.sh p61 # (carries .old) p59 with MLX_CUDA_GRAPH_CACHE_SIZE=4000 (MLX's default: 400)
+#   bash benchmarks/gpu_round2.sh p61 # (carries .old) 1B static mixed batches, round 1 and this code alone, CUDA graph cache 400 / 4000 / 400
 #   bash benchmarks/gpu_round2.sh p59 # (carries .old) 1B static batches of mixed prompts: round 1, this code, its prefill
 #                                     plain and compiled from a shape's second sight, cold and warm in one process
 #   bash benchmarks/gpu_round2.sh p58 # (not run yet; carries .old) 1B static at 1-128 against round 1
@@ -788,9 +788,13 @@ case "${1:-a}" in
     MLX_CUDA_GRAPH_CACHE_SIZE=4000 timeout 250 python3 static_drift.py --shape 1B --old ../.old --passes 3 \
       --json "$OUT/static-drift-1B-graphs4000.json" | cut -c1-200
     ;;
-  p61)  # p59 with room for every CUDA graph the process makes
-    (cd benchmarks && MLX_CUDA_GRAPH_CACHE_SIZE=4000 timeout 400 python3 static_mixed_ab.py --shape 1B --old ../.old \
-      --repeats 3 --json "$OUT/static-mixed-ab-1B-graphs4000.json" | tail -7)
+  p61)  # round 1 and this code alone, with MLX's CUDA-graph cache at its default and at 4000
+    cd benchmarks
+    for g in 400 4000 400; do
+      echo "graphs $g"
+      MLX_CUDA_GRAPH_CACHE_SIZE=$g timeout 130 python3 static_mixed_ab.py --shape 1B --old ../.old --repeats 4 \
+        --variants "" --json "$OUT/static-mixed-ab-1B-two-graphs$g-$SECONDS.json" | tail -3
+    done
     ;;
   p59)
     (cd benchmarks && timeout 400 python3 static_mixed_ab.py --shape 1B --old ../.old --repeats 3 \

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -44,9 +46,10 @@ def main(argv=None) -> int:
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if args.tiny:
-        prefill.pad_multiple = lambda: 32
-    old_code = import_round1(args.old)
+    tmp = Path(tempfile.mkdtemp())
+    old_code = import_round1(args.old, tmp)
+    if args.tiny:  # the GPU's chunk lengths, in both codes
+        prefill.pad_multiple = round1_module("prefill").pad_multiple = lambda: 32
     new = bench.random_model(TINY if args.tiny else bench.SHAPES[args.shape])
     old = round1_model(old_code, new)
     prompts, limits = bench_workloads.mixed_workload(new.config.vocab_size, args.prompts, 16, 256)
@@ -67,6 +70,7 @@ def main(argv=None) -> int:
               f"cache {r['cache_gb']:.2f} GB  objects {r['objects']}  threads {r['threads']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": bench.machine(), "passes": out}, indent=1))
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

@@ -40,10 +40,8 @@ TINY = ModelConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_l
                    num_kv_heads=2, head_dim=32, max_position_embeddings=8192)
 
 
-def after_sights(config, mode, made: dict):
+def after_sights(config, mode):
     """Steps whose prefill compiles a chunk shape from its second sight on (plain the first time)."""
-    if (config, mode) in made:
-        return made[(config, mode)]
     base = step.make_steps(config, mode, compile_prefill=step.PREFILL_COMPILED_TOKENS)
     plain = step.make_steps(config, mode, compile_prefill=0)
     seen: set = set()
@@ -55,8 +53,18 @@ def after_sights(config, mode, made: dict):
         return (plain if first else base).prefill(params, tokens, positions, cache, slots, last, wraps, fresh, run,
                                                   launch)
 
-    made[(config, mode)] = base._replace(prefill=prefill_)
-    return made[(config, mode)]
+    return base._replace(prefill=prefill_)
+
+
+def cached(build):
+    """`build(config, mode)` made once per (config, mode), as `step.compiled_steps` is."""
+    made: dict = {}
+
+    def steps(config, mode):
+        if (config, mode) not in made:
+            made[(config, mode)] = build(config, mode)
+        return made[(config, mode)]
+    return steps
 
 
 def pow2_pool(blocks: int, max_blocks: int, least: int = paging.MIN_BLOCKS) -> int:
@@ -112,28 +120,25 @@ def main(argv=None) -> int:
     prompts, limits = bench_workloads.mixed_workload(new.config.vocab_size, args.prompts, 16, 256)
     old_workloads, old_generate = round1_module("bench_workloads"), round1_module("generate").generate
 
-    made: dict[str, dict] = {"plain": {}, "after1": {}, "pow2": {}}
-
-    def own(name: str, compile_prefill: int):
-        return lambda config, mode: made[name].setdefault(
-            (config, mode), step.make_steps(config, mode, compile_prefill=compile_prefill))
-
-    steps = {"this code": step.compiled_steps, "plain": own("plain", 0),
-             "after1": lambda config, mode: after_sights(config, mode, made["after1"]),
-             "pow2": own("pow2", step.PREFILL_COMPILED_TOKENS if bench.on_gpu() else 0)}
+    compiled = step.PREFILL_COMPILED_TOKENS if bench.on_gpu() else 0  # as `step.compiled_steps` chooses
+    steps = {"this code": step.compiled_steps,
+             "plain": cached(lambda config, mode: step.make_steps(config, mode)),
+             "after1": cached(after_sights),
+             "pow2": cached(lambda config, mode: step.make_steps(config, mode, compile_prefill=compiled))}
     grids = {"pow2": pow2_pool}
 
     def ours(name):
-        def run(warm: bool):
+        def run(warmup: bool):
+            """The workload's static pass -> seconds; or, with `warmup`, the bench's warm-up batch."""
             with engine_steps(steps[name]), pool_grid(grids.get(name, paging.pool_size)):
-                if warm:
+                if warmup:
                     bench_workloads.generate(new, prompts[:args.rows], max_tokens=4, ignore_eos=True)
                     return 0.0
                 return bench_workloads.static_batches(new, prompts, limits, args.rows)
         return run
 
-    def round1(warm: bool):
-        if warm:
+    def round1(warmup: bool):
+        if warmup:
             old_generate(old, prompts[:args.rows], max_tokens=4, ignore_eos=True)
             return 0.0
         return old_workloads.static_batches(old, prompts, limits, args.rows)
