@@ -129,15 +129,18 @@
 #                                     prefill-compile-after's policy (chunk shapes compiled from their second sight):
 #                                     continuous and static passes, that code / .prev / round 1 (ABBA); ncu of one 1B
 #                                     decode step at batch 1, this code and round 1
-#   bash benchmarks/gpu_round2.sh p57 # (not run yet) decode attention reading its mask and table at once: kernels
+#   bash benchmarks/gpu_round2.sh p57 # (run on an H100, twenty-seventh session) decode attention reading its mask and table at once: kernels
 #                                     checked, smoke, ncu of one 1B decode step at batch 1 (against p56's); a new
 #                                     chunk shape's first admission, plain and compiled (prefill_first_sight.py, each
 #                                     twice, in turn)
 #   bash benchmarks/gpu_round2.sh p60 # (carries .old) does this code's static mixed pass slow down as a process repeats it? (CUDA graph cache 400, 4000)
 #   bash benchmarks/gpu_round2.sh p61 # (carries .old) 1B static mixed batches, round 1 and this code alone, CUDA graph cache 400 / 4000 / 400
+#   bash benchmarks/gpu_round2.sh p63 # (carries .old) 1B at 32 rows against round 1: rounds_ab at 32/128/512 tokens,
+#                                     ncu of a decode step, step_timeline.py (the twenty-seventh session's calls, gathered)
+#   bash benchmarks/gpu_round2.sh p62 # (carries .old) p61 with the codes' cold-pass order alternating across six processes
 #   bash benchmarks/gpu_round2.sh p59 # (carries .old) 1B static batches of mixed prompts: round 1, this code, its prefill
 #                                     plain and compiled from a shape's second sight, cold and warm in one process
-#   bash benchmarks/gpu_round2.sh p58 # (not run yet; carries .old) 1B static at 1-128 against round 1
+#   bash benchmarks/gpu_round2.sh p58 # (carries .old) 1B static at 1-128 against round 1
 #   bash benchmarks/gpu_round2.sh p25 # (carries .whl, .tok) mlxfun bench --structured with medians of 5 alternating pairs
 #                                     (1B, 32 rows, 128 tokens): 0.98x (eighteenth session)
 #   bash benchmarks/gpu_round2.sh p24 # (carries .whl, .tok) mlxfun bench --structured alone (1B, 32 rows, 64 tokens),
@@ -722,7 +725,8 @@ case "${1:-a}" in
       --repeats 4 --json "$OUT/rounds-ab-1B-1-32.json" | tail -6
     ;;
   p52)
-    timeout 100 python3 benchmarks/kernels_check.py --json "$OUT/kernels.json" | grep -c '"ok": true'
+    # (100 s cut a fresh H100 off after the bfloat16 cases: it builds each kernel first)
+    timeout 240 python3 benchmarks/kernels_check.py --json "$OUT/kernels.json" | grep -c '"ok": true'
     MLX_ENABLE_TF32=0 timeout 100 python3 benchmarks/smoke.py --json "$OUT/smoke.json" | tail -2
     timeout 60 python3 benchmarks/step_nodes.py --shape 1B --old .old --batch 1 --repeats 50 \
       --json "$OUT/step-nodes-1B-1.json" | tail -3
@@ -738,7 +742,8 @@ case "${1:-a}" in
       --repeats 3 --json "$OUT/rounds-ab-8B-final-3.json" | tail -12
     ;;
   p54)
-    timeout 100 python3 benchmarks/kernels_check.py --json "$OUT/kernels.json" | grep -c '"ok": true'
+    # (100 s cut a fresh H100 off after the bfloat16 cases: it builds each kernel first)
+    timeout 240 python3 benchmarks/kernels_check.py --json "$OUT/kernels.json" | grep -c '"ok": true'
     MLX_ENABLE_TF32=0 timeout 100 python3 benchmarks/smoke.py --json "$OUT/smoke.json" | tail -2
     timeout 100 python3 -u benchmarks/stall_probe.py --gen-tokens 256 --json "$OUT/stall-probe-1B-1.json"
     timeout 330 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 1,8,32,128 --gen-tokens 128 \
@@ -770,7 +775,8 @@ case "${1:-a}" in
     gzip "$OUT"/decode-*.csv
     ;;
   p57)
-    timeout 100 python3 benchmarks/kernels_check.py --json "$OUT/kernels.json" | grep -c '"ok": true'
+    # (100 s cut a fresh H100 off after the bfloat16 cases: it builds each kernel first)
+    timeout 240 python3 benchmarks/kernels_check.py --json "$OUT/kernels.json" | grep -c '"ok": true'
     MLX_ENABLE_TF32=0 timeout 100 python3 benchmarks/smoke.py --json "$OUT/smoke.json" | tail -2
     timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/decode-new.csv" \
       python3 benchmarks/prefill_ncu.py --shape 1B --batch 1 --decode | tail -1
@@ -794,6 +800,34 @@ case "${1:-a}" in
       echo "graphs $g"
       MLX_CUDA_GRAPH_CACHE_SIZE=$g timeout 130 python3 static_mixed_ab.py --shape 1B --old ../.old --repeats 4 \
         --variants "" --json "$OUT/static-mixed-ab-1B-two-graphs$g-$SECONDS.json" | tail -3
+    done
+    ;;
+  p63)  # (carries .old) the 1B at 32 rows against round 1: generated tok/s at 32-512 tokens, a step's kernels, step timelines
+    for g in 128 512 32; do
+      timeout 200 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 32 --gen-tokens $g --repeats 8 \
+        --json "$OUT/rounds-ab-1B-32-gen$g.json" | tail -1
+    done
+    for n in new old; do
+      P=$PYTHONPATH; [ $n = old ] && P=$HOME/gpu-site:$PWD/.old
+      PYTHONPATH=$P timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        --log-file "$OUT/decode32-$n.csv" python3 benchmarks/prefill_ncu.py --shape 1B --batch 32 --decode | tail -1
+    done
+    python3 benchmarks/prefill_ncu.py --summarize "$OUT/decode32-new.csv" "$OUT/decode32-old.csv" \
+      --json "$OUT/decode-ncu-1B-32.json" > "$OUT/decode-ncu-1B-32.txt"
+    gzip "$OUT"/decode32-*.csv
+    cd benchmarks
+    for run in "32 128" "32 512" "8 128"; do
+      set -- $run
+      timeout 200 python3 step_timeline.py --shape 1B --old ../.old --batch $1 --gen-tokens $2 --repeats 6 \
+        --json "$OUT/step-timeline-1B-$1-gen$2.json" | tail -3
+    done
+    ;;
+  p62)  # round 1 and this code alone, which code's cold pass comes first alternating across processes
+    cd benchmarks
+    for first in round1 ours round1 ours round1 ours; do
+      echo "cold first: $first"
+      timeout 100 python3 static_mixed_ab.py --shape 1B --old ../.old --repeats 2 --variants "" --cold-order $first \
+        --json "$OUT/static-mixed-ab-1B-order-$first-$SECONDS.json" | tail -3
     done
     ;;
   p59)
