@@ -207,6 +207,18 @@ continuous_pair() {  # 256 mixed requests through 32 rows, then as static batche
   timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-new.json" | tail -2
   old timeout 90 python3 -m mlxfun.bench --shape 1B --continuous 32 --prompts 256 --json "$OUT/r2-cont-old.json" | tail -2
 }
+decode_ncu() {  # one decode step of shape $1 at batch $2, kernel by kernel (Nsight Compute): this code, then round 1
+  local n P
+  for n in new old; do
+    P=$PYTHONPATH; [ $n = old ] && P=$HOME/gpu-site:$PWD/.old
+    PYTHONPATH=$P timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+      --log-file "$OUT/decode-$1-$2-$n.csv" python3 benchmarks/prefill_ncu.py --shape $1 --batch $2 --decode | tail -1
+  done
+  python3 benchmarks/prefill_ncu.py --summarize "$OUT/decode-$1-$2-new.csv" "$OUT/decode-$1-$2-old.csv" \
+    --json "$OUT/decode-ncu-$1-$2.json" > "$OUT/decode-ncu-$1-$2.txt"
+  head -60 "$OUT/decode-ncu-$1-$2.txt"
+  gzip "$OUT/decode-$1-$2-new.csv" "$OUT/decode-$1-$2-old.csv"
+}
 case "${1:-a}" in
   a)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -353,14 +365,7 @@ case "${1:-a}" in
     old timeout 100 python3 -m mlxfun.bench "${small[@]}" --json "$OUT/r2-1B-small-old.json" | tail -3
     ;;
   u6)  # one 8B decode step at batch 8, kernel by kernel, this code against round 1; continuous against round 1
-    for n in new old; do
-      P=$PYTHONPATH; [ $n = old ] && P=$HOME/gpu-site:$PWD/.old
-      PYTHONPATH=$P timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-        --log-file "$OUT/decode-$n.csv" python3 benchmarks/prefill_ncu.py --shape 8B --batch 8 --decode | tail -1
-    done
-    python3 benchmarks/prefill_ncu.py --summarize "$OUT/decode-new.csv" "$OUT/decode-old.csv" \
-      --json "$OUT/decode-ncu-8B.json" | head -70
-    gzip "$OUT"/decode-*.csv
+    decode_ncu 8B 8  # (its files were decode-{new,old}.csv and decode-ncu-8B.json when it ran)
     continuous_pair
     ;;
   u3)  # 8B static against round 1; continuous against round 1
@@ -765,14 +770,7 @@ case "${1:-a}" in
     prev() { (cd .prev && "$@"); }
     echo new; cont new-1; echo prev; prev cont prev-1; echo old; old cont old-1
     echo old; old cont old-2; echo prev; prev cont prev-2; echo new; cont new-2
-    for n in new old; do
-      P=$PYTHONPATH; [ $n = old ] && P=$HOME/gpu-site:$PWD/.old
-      PYTHONPATH=$P timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-        --log-file "$OUT/decode-$n.csv" python3 benchmarks/prefill_ncu.py --shape 1B --batch 1 --decode | tail -1
-    done
-    python3 benchmarks/prefill_ncu.py --summarize "$OUT/decode-new.csv" "$OUT/decode-old.csv" \
-      --json "$OUT/decode-ncu-1B-1.json" | head -60
-    gzip "$OUT"/decode-*.csv
+    decode_ncu 1B 1
     ;;
   p57)
     # (100 s cut a fresh H100 off after the bfloat16 cases: it builds each kernel first)
@@ -780,7 +778,9 @@ case "${1:-a}" in
     MLX_ENABLE_TF32=0 timeout 100 python3 benchmarks/smoke.py --json "$OUT/smoke.json" | tail -2
     timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/decode-new.csv" \
       python3 benchmarks/prefill_ncu.py --shape 1B --batch 1 --decode | tail -1
-    python3 benchmarks/prefill_ncu.py --summarize "$OUT/decode-new.csv" --json "$OUT/decode-ncu-1B-1.json" | head -8
+    python3 benchmarks/prefill_ncu.py --summarize "$OUT/decode-new.csv" --json "$OUT/decode-ncu-1B-1.json" \
+      > "$OUT/decode-ncu-1B-1.txt"
+    head -8 "$OUT/decode-ncu-1B-1.txt"
     gzip "$OUT"/decode-*.csv
     for v in plain compiled plain compiled; do
       timeout 60 python3 benchmarks/prefill_first_sight.py --variant $v --json "$OUT/first-sight-$v-$SECONDS.json"
@@ -807,14 +807,7 @@ case "${1:-a}" in
       timeout 200 python3 benchmarks/rounds_ab.py --shape 1B --old .old --batch-sizes 32 --gen-tokens $g --repeats 8 \
         --json "$OUT/rounds-ab-1B-32-gen$g.json" | tail -1
     done
-    for n in new old; do
-      P=$PYTHONPATH; [ $n = old ] && P=$HOME/gpu-site:$PWD/.old
-      PYTHONPATH=$P timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-        --log-file "$OUT/decode32-$n.csv" python3 benchmarks/prefill_ncu.py --shape 1B --batch 32 --decode | tail -1
-    done
-    python3 benchmarks/prefill_ncu.py --summarize "$OUT/decode32-new.csv" "$OUT/decode32-old.csv" \
-      --json "$OUT/decode-ncu-1B-32.json" > "$OUT/decode-ncu-1B-32.txt"
-    gzip "$OUT"/decode32-*.csv
+    decode_ncu 1B 32
     cd benchmarks
     for run in "32 128" "32 512" "8 128"; do
       set -- $run

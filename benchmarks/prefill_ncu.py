@@ -136,12 +136,12 @@ def main(argv=None) -> int:
         run(args.shape, args.batch, args.prompt_tokens, args.decode, args.verify)
         return 0
     result = summarize(args.summarize)
+    if args.json:  # first: a reader that stops early (`| head`) ends the printing below
+        Path(args.json).write_text(json.dumps(result, indent=2))
     for path, r in result.items():
         print(f"{path}: {r['kernels']} kernels, {r['total_ms']:.2f} ms")
         for name, n, ms in r["families"][:25]:
             print(f"  {ms:9.3f} ms {n:5d}x  {name}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
 

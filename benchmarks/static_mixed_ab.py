@@ -110,6 +110,8 @@ def main(argv=None) -> int:
                    help="which code runs its cold pass first (a process drifts: alternate it across processes)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1 (the table is of warm medians)")
     if args.tiny:
         prefill.pad_multiple = lambda: 32  # the GPU's chunk lengths
 
