@@ -22,8 +22,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxfun import masks
-from mlxfun.llama import additive_mask, grouped_attention
+from mlxfun.model import masks
+from mlxfun.model.llama import additive_mask, grouped_attention
 
 
 def sdpa(q, k, v, mask, scale):

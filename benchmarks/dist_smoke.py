@@ -20,9 +20,9 @@ import mlx.core as mx
 from smoke import CONFIG
 
 import mlxfun
-from mlxfun import bench
-from mlxfun.load import Model
-from mlxfun.shard import shard
+from mlxfun.bench import models as bench
+from mlxfun.model.load import Model
+from mlxfun.parallel.shard import shard
 
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((5, 40, 17, 1, 33, 64))]
 

@@ -23,15 +23,15 @@ case "${1:-smoke}" in
       python3 dist_smoke.py --json "$OUT/h200x2-dist-smoke.json")
     ;;
   tp)
-    timeout 500 python3 -m mlxfun.bench "${bench[@]}" --batch-sizes "$BATCHES" --tensor-parallel \
+    timeout 500 python3 -m mlxfun.bench.main "${bench[@]}" --batch-sizes "$BATCHES" --tensor-parallel \
       --json "$OUT/h200x1-tp-$SHAPE.json"  # one GPU: the same command without mlx.launch
-    timeout 500 "${launch[@]}" -- python3 -m mlxfun.bench "${bench[@]}" --batch-sizes "$BATCHES" \
+    timeout 500 "${launch[@]}" -- python3 -m mlxfun.bench.main "${bench[@]}" --batch-sizes "$BATCHES" \
       --tensor-parallel --json "$OUT/h200x2-tp-$SHAPE.json"
     ;;
   dp)
-    timeout 500 python3 -m mlxfun.bench "${bench[@]}" --batch-sizes 256 --data-parallel \
+    timeout 500 python3 -m mlxfun.bench.main "${bench[@]}" --batch-sizes 256 --data-parallel \
       --json "$OUT/h200x1-dp-$SHAPE.json"
-    timeout 500 "${launch[@]}" -- python3 -m mlxfun.bench "${bench[@]}" --batch-sizes 256 --data-parallel \
+    timeout 500 "${launch[@]}" -- python3 -m mlxfun.bench.main "${bench[@]}" --batch-sizes 256 --data-parallel \
       --json "$OUT/h200x2-dp-$SHAPE.json"
     ;;
   *) echo "usage: $0 smoke|tp|dp"; exit 2 ;;

@@ -1,80 +1,65 @@
 #!/usr/bin/env bash
-# The H200 runs recorded in benchmarks/ (see README.md). On the lent machine, from the repo root,
-# after `. .gpu-b/install.sh` (from `bash ../shared/gpu/prepare.sh mlx-lm==0.32.2`):
-#   bash benchmarks/gpu.sh 1B    # smoke test, matmul crossover, 1B bench beside mlx-lm, 1B profile
-#   bash benchmarks/gpu.sh 8B    # 8B bench beside mlx-lm, 8B profile
-#   bash benchmarks/gpu.sh ab    # decode-step ablation (attention paths) at 8B, continuous-batching variants at 1B
-#   bash benchmarks/gpu.sh qmv      # kernel checks; the 4-bit product kernel vs MLX's and dense, per rows, 8B
-#   bash benchmarks/gpu.sh qmv-step # 4-bit decode with qmv and with the dense copy, 8B and 1B, batch 1 and 8
-#   bash benchmarks/gpu.sh kernels  # decode-attention kernel vs MLX ops, smoke test, 8B bench beside mlx-lm
-#   bash benchmarks/gpu.sh host     # where a 4-bit step's time goes: profile, node costs, probes, Nsight Compute
-#   bash benchmarks/gpu.sh prompt   # 4-bit prompts: products per rows, 8B prompt 512 (dense copy for prefill)
+# The GPU benchmarks, in named suites. On the lent machine, from the repo root, after
+# `. .gpu-b/install.sh` (made here by `bash ../shared/gpu/prepare.sh`):
+#   bash benchmarks/gpu.sh SUITE [SUITE ...]
+# Suites (each writes JSON to $OUT, default /tmp/mlxfun-out):
+#   smoke        batched == alone in float32, the decode kernels on (benchmarks/smoke.py)
+#   kernels      the CUDA kernels against MLX references (benchmarks/kernels_check.py)
+#   static       mlxfun bench: 1B and 8B shapes, batch 1/8/32/128, bf16 and q4, mlx-lm beside if installed
+#   continuous   mlxfun bench --continuous 32: 256 mixed requests, static batches vs continuous (1B)
+#   prefix       mlxfun bench --prefix: 256 requests sharing a 2,000-token prefix, cache off vs on (1B)
+#   speculative  mlxfun bench --speculative --rule-only (1B target, 135M draft)
+#   structured   mlxfun bench --structured: a JSON schema on every row vs free rows (1B)
+#   serve        benchmarks/serve_load.py: mlxfun serve under 32 streaming clients (1B)
+#   ab-static    this tree against the package in $AB_REF (default .ab/ref), alternating processes:
+#                1B bf16 batch 1/8/32/128 (ABBA), 8B bf16 (AB); ratios by benchmarks/ab_compare.py
+#   ab-continuous  the same for --continuous 32 (1B, ABBA)
+#   ab-1B        the 1B part of ab-static only, in the order $AB_ORDER (default "ref ours ours ref"),
+#                at batch sizes $AB_BATCHES (default 1,8,32,128)
 set -u
 OUT=${OUT:-/tmp/mlxfun-out}
+AB_REF=${AB_REF:-.ab/ref}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
-common=(--batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16,q4 --mlx-lm)
-case "${1:-1B}" in
-  kernels)
-    timeout 150 python3 benchmarks/kernels_check.py --json "$OUT/h200-kernels.json" || exit 1
-    timeout 150 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"
-    timeout 370 python3 -m mlxfun.bench --shape 8B "${common[@]}" \
-      --json "$OUT/h200-8B.json" --plot "$OUT/h200-8B.png"
-    ;;
-  qmv)  # kernel checks (attention and qmv); a step's 4-bit products (qmv, MLX's) vs dense, per rows
-    timeout 200 python3 benchmarks/kernels_check.py --json "$OUT/h200-kernels-qmv.json" || exit 1
-    timeout 350 python3 benchmarks/qmv_rows.py --shape 8B --rows 1,2,4,8 \
-      --json "$OUT/h200-qmv-rows-8B.json"
-    timeout 150 python3 benchmarks/qmv_probe.py --shape 8B --json "$OUT/h200-qmv-probe-8B.json"
-    ;;
-  qmv-step)  # decode with qmv (strategy quantized) and with the dense copy, 4-bit, batch 1 and 8
-    timeout 150 python3 -m mlxfun.bench --shape 1B --batch-sizes 1 --dtypes q4 --gen-tokens 16 --matmul \
-      --json "$OUT/h200-matmul.json" | grep matmul  # 4-bit vs dequantize+matmul vs dense, 1-1024 rows
-    for shape in 8B 1B; do
-      timeout 170 python3 -m mlxfun.bench --shape $shape --batch-sizes 1,8 --dtypes q4 --strategy quantized \
-        --mlx-lm --json "$OUT/h200-$shape-qmv.json" | tail -5
-      timeout 100 python3 -m mlxfun.bench --shape $shape --batch-sizes 1,8 --dtypes q4 --strategy dense \
-        --json "$OUT/h200-$shape-q4-dense.json" | tail -4
-    done
-    timeout 150 python3 benchmarks/smoke.py --json "$OUT/h200-smoke-qmv.json" | tail -4
-    ;;
-  host)
-    timeout 200 python3 -m mlxfun.profile --shape 8B --dtype q4 --strategy quantized --batch-sizes 1,8 \
-      --max-tokens 48 --no-matmuls --json "$OUT/h200-profile-8B-q4.json"
-    timeout 90 python3 benchmarks/host_cost.py --json "$OUT/h200-host-cost.json"
-    timeout 150 python3 benchmarks/qmv_probe.py --shape 8B --json "$OUT/h200-qmv-probe-8B.json"
-    (cd benchmarks && timeout 240 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats \
-      --section LaunchStats --section MemoryWorkloadAnalysis -k regex:'mlxfun|gemv|gemm' \
-      --log-file "$OUT/h200-ncu-qmv.txt" python3 qmv_ncu.py)
-    ;;
-  prompt)
-    timeout 120 python3 -m mlxfun.bench --shape 1B --batch-sizes 1 --dtypes q4 --gen-tokens 16 --matmul \
-      --json "$OUT/h200-matmul.json" | grep matmul
-    timeout 110 python3 -m mlxfun.bench --shape 8B --batch-sizes 1,8 --prompt-tokens 512 --gen-tokens 16 \
-      --dtypes q4 --json "$OUT/h200-8B-prompt.json" | tail -3  # auto: a dense copy for these prefills
-    timeout 110 python3 -m mlxfun.bench --shape 8B --batch-sizes 1,8 --prompt-tokens 512 --gen-tokens 16 \
-      --dtypes q4 --strategy quantized --json "$OUT/h200-8B-prompt-q4.json" | tail -3  # MLX's 4-bit product
-    ;;
-  1B)
-    timeout 90 python3 benchmarks/smoke.py --json "$OUT/h200-smoke.json"
-    timeout 300 python3 -m mlxfun.bench --shape 1B "${common[@]}" --matmul \
-      --json "$OUT/h200-1B.json" --plot "$OUT/h200-1B.png"
-    timeout 120 python3 -m mlxfun.profile --shape 1B --batch-sizes 1,8,32,128 --max-tokens 64 \
-      --json "$OUT/h200-profile-1B.json"
-    ;;
-  8B)
-    timeout 420 python3 -m mlxfun.bench --shape 8B "${common[@]}" \
-      --json "$OUT/h200-8B.json" --plot "$OUT/h200-8B.png"
-    timeout 150 python3 -m mlxfun.profile --shape 8B --batch-sizes 1,8,32,128 --max-tokens 64 \
-      --json "$OUT/h200-profile-8B.json"
-    ;;
-  ab)
-    timeout 240 python3 benchmarks/ablate.py --shape 8B --batch-sizes 1,32,128 --steps 16 \
-      --variants sdpa-masked,sdpa-no-mask,no-attention --json "$OUT/h200-ablate-8B.json"
-    timeout 300 python3 benchmarks/continuous_ab.py --shape 1B --rows 32 --prompts 256 \
-      --json "$OUT/h200-continuous-ab-1B.json"
-    timeout 300 python3 benchmarks/continuous_ab.py --shape 8B --rows 64 --prompts 256 \
-      --json "$OUT/h200-continuous-ab-8B.json"
-    ;;
-esac
+here=$PWD
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+bench() { timeout "$1" python3 -m mlxfun.bench "${@:2}"; }
+# Runs mlxfun bench with the package at $1 (a folder holding mlxfun/) first on the path.
+bench_at() { local dir=$1 limit=$2; shift 2; (cd "$dir" && PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout "$limit" python3 -m mlxfun.bench "$@"); }
+for suite in "$@"; do
+  echo "=== $suite"
+  case "$suite" in
+    smoke) timeout 150 python3 benchmarks/smoke.py --json "$OUT/smoke.json" ;;
+    kernels) timeout 240 python3 benchmarks/kernels_check.py --json "$OUT/kernels.json" ;;
+    static)
+      for shape in 1B 8B; do
+        bench 420 --shape $shape --batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 \
+          --dtypes bfloat16,q4 --mlx-lm --json "$OUT/static-$shape.json"
+      done ;;
+    continuous) bench 300 --shape 1B --continuous 32 --prompts 256 --json "$OUT/continuous-1B.json" ;;
+    prefix) bench 300 --shape 1B --prefix --prompts 256 --rows 256 --json "$OUT/prefix-1B.json" ;;
+    speculative) bench 400 --shape 1B --speculative --rule-only --draft-shape 135M --json "$OUT/speculative-1B.json" ;;
+    structured) bench 300 --shape 1B --structured --batch-sizes 1,8,32 --json "$OUT/structured-1B.json" ;;
+    serve) timeout 420 python3 benchmarks/serve_load.py --shape 1B --clients 32 --requests 128 \
+             --json "$OUT/serve-1B.json" ;;
+    ab-static|ab-1B)
+      static=(--batch-sizes "${AB_BATCHES:-1,8,32,128}" --prompt-tokens 128 --dtypes bfloat16)
+      for who in ${AB_ORDER:-ref ours ours ref}; do
+        dir=$AB_REF; [ $who = ours ] && dir=$here
+        bench_at "$dir" 240 --shape 1B "${static[@]}" --gen-tokens 128 --json "$OUT/ab-static-1B-$who-$RANDOM.json" | tail -6
+      done
+      [ "$suite" = ab-1B ] && continue
+      for who in ref ours; do
+        dir=$AB_REF; [ $who = ours ] && dir=$here
+        bench_at "$dir" 300 --shape 8B "${static[@]}" --gen-tokens 32 --json "$OUT/ab-static-8B-$who.json" | tail -6
+      done ;;
+    ab-continuous)
+      for who in ref ours ours ref; do
+        dir=$AB_REF; [ $who = ours ] && dir=$here
+        bench_at "$dir" 200 --shape 1B --continuous 32 --prompts 256 --json "$OUT/ab-continuous-1B-$who-$RANDOM.json" | tail -4
+      done ;;
+    *) echo "unknown suite $suite"; exit 2 ;;
+  esac
+done
+[ -n "$(ls "$OUT"/ab-*.json 2>/dev/null)" ] && python3 benchmarks/ab_compare.py "$OUT"/ab-*.json
+exit 0

@@ -1,4 +1,4 @@
-"""mlxfun's CUDA kernels (`mlxfun.kernels`) against MLX ops, on random inputs (CUDA only).
+"""mlxfun's CUDA kernels (`mlxfun.kernels.attention`) against MLX ops, on random inputs (CUDA only).
 
 decode_attention (reading a shuffled paged pool through its block table) vs `llama.grouped_attention`
 over the gathered keys in exact float32 (on the CPU) on the same rounded inputs, under masks with
@@ -17,8 +17,10 @@ import time
 
 import mlx.core as mx
 
-from mlxfun import cache as kv
-from mlxfun import dmv, kernels, llama, qmv
+from mlxfun.kernels import attention as kernels
+from mlxfun.kernels import dmv, qmv
+from mlxfun.model import cache as kv
+from mlxfun.model import llama
 
 
 def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed: int) -> dict:

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxfun import bench, step
-from mlxfun.engine import Engine
-from mlxfun.load import Model
+from mlxfun.bench import models as bench
+from mlxfun.engine import step
+from mlxfun.engine.core import Engine
+from mlxfun.model.load import Model
 
 
 @lru_cache(maxsize=None)

@@ -20,8 +20,9 @@ from pathlib import Path
 import mlx.core as mx
 from prefill_compile_ab import admission  # benchmarks/ is on the path: these scripts run from there
 
-from mlxfun import bench, step
-from mlxfun.load import Model
+from mlxfun.bench import models as bench
+from mlxfun.engine import step
+from mlxfun.model.load import Model
 
 # (rows, prompt tokens) met once each; lengths are rounded up to 32 on a GPU, so each is its own shape.
 SHAPES = [(g, t) for g in (2, 3, 5, 7, 9, 11, 13, 15) for t in (40, 70, 100)]

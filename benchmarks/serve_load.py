@@ -187,7 +187,7 @@ def make_prompts(model, n: int, length: int, seed: int = 0) -> list[str]:
     windows of an English text for a real one, each opening with its own number, so that no two
     share more than a token or two (mlx-lm's server reuses the KV of a cached prompt prefix)."""
     rng = np.random.default_rng(seed)
-    if model.tokenizer.token(1) == "t1":  # mlxfun.bench.word_tokenizer
+    if model.tokenizer.token(1) == "t1":  # mlxfun.bench.models.word_tokenizer
         return [" ".join(f"t{t}" for t in rng.integers(1, model.config.vocab_size, length)) for _ in range(n)]
     ids = model.tokenizer.encode(TEXT * (1 + 4 * length // 60), add_special_tokens=False)
     starts = rng.integers(0, len(ids) - length, n)
@@ -198,8 +198,8 @@ def build_model(args):
     import mlx.core as mx
 
     import mlxfun
-    from mlxfun.bench import DTYPES, SHAPES, random_params, word_tokenizer
-    from mlxfun.load import Model
+    from mlxfun.bench.models import DTYPES, SHAPES, random_params, word_tokenizer
+    from mlxfun.model.load import Model
 
     if args.shape is None:
         return mlxfun.load(args.model)
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
 
     from mlxfun import save
-    from mlxfun.bench import machine
+    from mlxfun.bench.models import machine
 
     info = machine()
     if args.mlx_lm:

@@ -18,12 +18,13 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import mlx.core as mx
 
-from mlxfun import bench, weights
-from mlxfun.config import ModelConfig, RopeScaling
-from mlxfun.engine import Engine
-from mlxfun.load import Model
-from mlxfun.rows import result
-from mlxfun.strategy import QUANTIZED, WeightStrategy
+from mlxfun.bench import models as bench
+from mlxfun.engine.core import Engine
+from mlxfun.engine.rows import result
+from mlxfun.engine.strategy import QUANTIZED, WeightStrategy
+from mlxfun.model import weights
+from mlxfun.model.config import ModelConfig, RopeScaling
+from mlxfun.model.load import Model
 
 CONFIG = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
                      num_kv_heads=2, head_dim=32, rope_theta=500000.0, max_position_embeddings=2048,

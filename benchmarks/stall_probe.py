@@ -12,9 +12,11 @@ import json
 import time
 from pathlib import Path
 
-from mlxfun import bench, kernels
-from mlxfun import cache as kv
-from mlxfun.engine import Engine
+from mlxfun.bench import models as bench
+from mlxfun.bench.main import run_batch
+from mlxfun.engine.core import Engine
+from mlxfun.kernels import attention as kernels
+from mlxfun.model import cache as kv
 
 
 def main(argv=None) -> int:
@@ -27,7 +29,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     model = bench.random_model(bench.SHAPES[args.shape])
     prompts = bench.random_prompts(model.config.vocab_size, args.batch, 128)
-    bench.run_batch(model, prompts, args.warmup_tokens, None)
+    run_batch(model, prompts, args.warmup_tokens, None)
     runs = []
     for run in range(2):
         engine = Engine(model, args.batch)
@@ -38,12 +40,12 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             engine.step()
             took = time.perf_counter() - t
-            s, c = engine.state, model.config
+            s, c = engine.runner.state, model.config
             width = pool = parts = None  # the state is dropped once the engine is idle
             if s is not None:
                 width, pool = s.cache.table.shape[1], s.cache.positions.shape[0]
                 parts = kernels.launch(args.batch, c.num_kv_heads, kv.capacity(s.cache), c.head_dim,
-                                       c.num_heads // c.num_kv_heads, engine.dtype)[2]
+                                       c.num_heads // c.num_kv_heads, engine.runner.dtype)[2]
             rounds.append((took, len(rounds), width, pool, parts))
         total = sum(r[0] for r in rounds)
         print(f"run {run}: {len(rounds)} rounds, {total:.3f} s; slowest (s, round, width, pool, parts):",

@@ -1,5 +1,5 @@
 import sys
 
-from mlxfun.cli import main
+from mlxfun.cli.main import main
 
 sys.exit(main())

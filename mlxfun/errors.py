@@ -1,4 +1,10 @@
-"""Errors that name the problem, raised before any work reaches MLX."""
+"""Errors that name the problem, raised before any work reaches MLX, and the checks that raise them."""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
 
 
 class MlxfunError(ValueError):
@@ -11,3 +17,20 @@ class ModelError(MlxfunError):
 
 class InputError(MlxfunError):
     """A prompt or generation setting that cannot be honoured."""
+
+
+def is_int(v) -> bool:
+    """An integer that is not a bool (True is not a token count)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def check_positive_int(name: str, v, allow_none: bool = False) -> None:
+    if v is None and allow_none:
+        return
+    if not is_int(v) or v < 1:
+        raise InputError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {v!r}")
+
+
+def check_bool(name: str, v) -> None:
+    if not isinstance(v, (bool, np.bool_)):
+        raise InputError(f"{name} must be True or False, got {v!r}")

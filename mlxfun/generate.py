@@ -1,6 +1,6 @@
 """`generate` and `stream_generate`: many prompts at once, each answered exactly as if it ran alone.
 
-A call is one job on the scheduler (`mlxfun.engine`): one row per prompt, all admitted at once (a
+A call is one job on the scheduler (`mlxfun.engine.core`): one row per prompt, all admitted at once (a
 static batch), or `batch_size` rows refilled as prompts finish (continuous batching). Prompts are
 left-padded; padding gets negative positions, so the masks hide it from every query at prefill
 and at each decode step, and each row's positions start at 0 at its first real token.
@@ -12,13 +12,14 @@ import dataclasses
 import inspect
 from typing import Callable, Iterator, Sequence
 
-from mlxfun import distributed, sampling
-from mlxfun.engine import engine_for
+from mlxfun.engine import sampling
+from mlxfun.engine.core import engine_for
+from mlxfun.engine.events import Event
+from mlxfun.engine.options import GenerationConfig, Request, requests
+from mlxfun.engine.rows import GenerationResult, result
 from mlxfun.errors import InputError
-from mlxfun.events import Event
-from mlxfun.load import Model
-from mlxfun.options import GenerationConfig, Request, requests
-from mlxfun.rows import GenerationResult, result
+from mlxfun.model.load import Model
+from mlxfun.parallel import distributed
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -28,7 +29,7 @@ class Job:
     token (index = the prompt's), then call `result()`."""
 
     def __init__(self, model: Model, reqs: list[Request], config: GenerationConfig):
-        # Several ranks (mlxfun.distributed): the same seeds on each; with a data group, this rank's share.
+        # Several ranks (mlxfun.parallel.distributed): the same seeds on each; with a data group, this rank's share.
         reqs = distributed.agree(reqs, model.config.tensor_group, config.group)
         self.group, self.total, self.top_n = config.group, len(reqs), max(r.logprobs for r in reqs)
         self.indices = distributed.share(reqs, config.group)

@@ -17,12 +17,13 @@ import numpy as np
 from helpers import VARIANTS, left_pad, run_engine, tiny_config, tiny_model
 
 import mlxfun
-from mlxfun import distributed, llama
+from mlxfun.engine.options import GenerationConfig, requests
+from mlxfun.engine.step import make_steps
 from mlxfun.errors import MlxfunError
-from mlxfun.options import GenerationConfig, requests
-from mlxfun.replicated import ReplicatedEngine
-from mlxfun.shard import shard, sharded_load
-from mlxfun.step import make_steps
+from mlxfun.model import llama
+from mlxfun.parallel import distributed
+from mlxfun.parallel.replicated import ReplicatedEngine
+from mlxfun.parallel.shard import shard, sharded_load
 
 # Six prompts of mixed lengths (tiny models' word-level ids).
 TINY_PROMPTS = [[5, 9, 2], [7] * 11, [1, 2, 3, 4, 5, 6, 7, 8], [40], [3, 30, 33, 36, 60, 66], list(range(10, 24))]

@@ -9,10 +9,10 @@ import numpy as np
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from mlxfun import weights
-from mlxfun.config import ModelConfig, RopeScaling
-from mlxfun.load import Model
-from mlxfun.tokenizer import Tokenizer
+from mlxfun.model import weights
+from mlxfun.model.config import ModelConfig, RopeScaling
+from mlxfun.model.load import Model
+from mlxfun.model.tokenizer import Tokenizer
 
 # Every input width is 64 or 128, so all variants quantize with group sizes 32 and 64.
 TINY = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
@@ -163,11 +163,11 @@ def run_engine(model: Model, prompts, *, rows: int | None = None, steps=None, st
                **options):
     """Prompts through one `Engine` (a static batch unless `rows` is fewer), as `generate` runs
     them but with the scheduler's own knobs -> (GenerationResult, engine)."""
-    from mlxfun import sampling
-    from mlxfun.engine import Engine
-    from mlxfun.options import GenerationConfig, requests
-    from mlxfun.rows import result
-    from mlxfun.step import compiled_steps
+    from mlxfun.engine import sampling
+    from mlxfun.engine.core import Engine
+    from mlxfun.engine.options import GenerationConfig, requests
+    from mlxfun.engine.rows import result
+    from mlxfun.engine.step import compiled_steps
 
     reqs = requests(model, prompts, GenerationConfig(**options))
     engine = Engine(model, rows or len(reqs), steps=steps or compiled_steps, strategy=strategy,
@@ -208,7 +208,7 @@ def left_pad(prompts: list[list[int]]) -> tuple[mx.array, mx.array]:
 def full_byte_tokenizer(added: tuple[str, ...] = (), chat_template: str | None = None) -> Tokenizer:
     """Byte-level BPE with every byte (newlines too): id 0 is the end of text, 1 to 256 the bytes in
     order, then `added` tokens (as a model's <tool_call> or [TOOL_CALLS]), 257 + len(added) in all."""
-    from mlxfun.openai_api import _BYTES
+    from mlxfun.serve.openai_api import _BYTES
 
     vocab = {"<|endoftext|>": 0, **{c: b + 1 for c, b in _BYTES.items()}}
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -222,7 +222,7 @@ def full_byte_tokenizer(added: tuple[str, ...] = (), chat_template: str | None =
 def admission_peak(model: Model, prompts: list[list[int]], max_tokens: int = 3000):
     """A static admission of `prompts` (each reserving `max_tokens`: a large pool), evaluated ->
     (peak bytes above the memory active before it, the pool's bytes, the engine)."""
-    from mlxfun.engine import Engine
+    from mlxfun.engine.core import Engine
 
     engine = Engine(model, len(prompts), shrink_rows=False)
     for p in prompts:
@@ -230,13 +230,19 @@ def admission_peak(model: Model, prompts: list[list[int]], max_tokens: int = 300
     # The pool made at the reservation before the admission, as an engine that earlier requests
     # grew holds it (a first admission's own pool holds only the prompts: `Engine.admit`), so a
     # copy of it would show in the peak.
-    engine.pages.reserve(sum(-(-(len(p) + max_tokens) // engine.pool.block_size) for p in prompts))
-    engine.state = engine._empty_state()
-    mx.eval(engine.state)
+    engine.scheduler.pages.reserve(sum(-(-(len(p) + max_tokens) // engine.scheduler.pool.block_size) for p in prompts))
+    engine.ensure_state()
+    mx.eval(engine.runner.state)
+    return (*admit_measured(engine), engine)
+
+
+def admit_measured(engine) -> tuple[int, int]:
+    """`engine.admit()`, evaluated (nothing else decodes) -> (peak bytes above the memory active
+    before it, the device pool's bytes after it)."""
     mx.synchronize()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
-    engine.admit()  # evaluated: nothing else decodes
+    engine.admit()
     mx.synchronize()
-    pool = sum(a.nbytes for a in engine.state.cache.keys + engine.state.cache.values)
-    return mx.get_peak_memory() - base, pool, engine
+    pool = sum(a.nbytes for a in engine.runner.state.cache.keys + engine.runner.state.cache.values)
+    return mx.get_peak_memory() - base, pool

@@ -8,13 +8,14 @@ import sys
 
 import pytest
 
-from mlxfun import blas
 from mlxfun.errors import MlxfunError
+from mlxfun.kernels import blas
 
 SNIPPET = """
 import os
 import mlxfun
-from mlxfun import blas, strategy
+from mlxfun.engine import strategy
+from mlxfun.kernels import blas
 import mlx.core as mx
 mx.set_default_device(mx.cpu)
 print(blas.LOADED)

@@ -11,8 +11,8 @@ from helpers import VARIANTS, rel_error, tiny_config, tiny_params
 from mlx.utils import tree_flatten
 from test_reference import random_tokens, reference_forward
 
-from mlxfun import cache as kv
-from mlxfun import llama
+from mlxfun.model import cache as kv
+from mlxfun.model import llama
 
 CHUNKINGS = {
     "whole": [12],
@@ -155,7 +155,7 @@ def test_paged_attention_equals_attention_over_gathered_rows(T):
     """`llama.paged_attention` (the CPU's path: keys taken from the pool straight into the layout
     the products read) equals `grouped_attention` over each row's gathered blocks, rows sharing
     blocks, under a random mask."""
-    from mlxfun.llama import grouped_attention, paged_attention
+    from mlxfun.model.llama import grouped_attention, paged_attention
 
     rng = np.random.default_rng(3)
     B, H, K, D, bs, N, W = 3, 6, 2, 8, 4, 9, 3
@@ -263,7 +263,7 @@ def test_slotted_masks_equal_the_gathered_positions_masks():
     every real query (its own key written first, as a pass writes before it reads): over pools
     holding stale positions of other owners, negative padding positions, ring rows past their
     width, and windows. Padding queries see every key."""
-    from mlxfun import masks
+    from mlxfun.model import masks
     rng = np.random.default_rng(0)
     for trial in range(40):
         B, W, bs, T = int(rng.integers(1, 5)), int(rng.integers(1, 5)), 4, int(rng.integers(1, 4))

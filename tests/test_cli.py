@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from mlxfun.cli import main
+from mlxfun.cli.main import main
 
 
 def test_generate_one_prompt_verbose(capsys):

@@ -18,8 +18,8 @@ import pytest
 from helpers import tiny_chat_model, tiny_config
 
 import mlxfun
-from mlxfun.cli import generation_config, main
-from mlxfun.options import GenerationConfig
+from mlxfun.cli.main import generation_config, main
+from mlxfun.engine.options import GenerationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -226,7 +226,7 @@ def test_ignore_eos_generates_max_tokens(folder, tmp_path):
 
 
 def test_every_generation_option_has_a_flag():
-    from mlxfun.cli import generate_parser
+    from mlxfun.cli.main import generate_parser
 
     parser = argparse.ArgumentParser()
     generate_parser(parser)
@@ -286,7 +286,7 @@ def test_perplexity_command(folder):
 
 
 def test_perplexity_windows_are_scored_alone():
-    from mlxfun.score import perplexity
+    from mlxfun.model.score import perplexity
 
     model = tiny_chat_model(seed=4)
     text = " ".join(f"w{(i * 5) % 90 + 1}" for i in range(23))
@@ -300,7 +300,7 @@ def test_perplexity_windows_are_scored_alone():
 def test_progress_bar_on_a_terminal_and_lines_elsewhere():
     import io
 
-    from mlxfun.progress import Progress
+    from mlxfun.cli.progress import Progress
 
     term = io.StringIO()
     bar = Progress(40, 10, stream=term, tty=True)

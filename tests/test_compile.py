@@ -9,9 +9,9 @@ from functools import partial
 import mlx.core as mx
 from helpers import run_engine, tiny_config, tiny_model
 
-from mlxfun import cache as kv
-from mlxfun.step import Steps, decode_step, forward_step, make_steps, prefill_chunk, sample_step, verify_step
-from mlxfun.strategy import QUANTIZED
+from mlxfun.engine.step import Steps, decode_step, forward_step, make_steps, prefill_chunk, sample_step, verify_step
+from mlxfun.engine.strategy import QUANTIZED
+from mlxfun.model import cache as kv
 
 
 def counting_steps():
@@ -149,7 +149,7 @@ def first_decode(engine):
     for p in prompts_of([5, 9], engine.config.vocab_size):
         engine.add(p, max_tokens=6, ignore_eos=True)
     engine.admit()
-    mx.eval(engine.state)
+    mx.eval(engine.runner.state)
     return engine.next_decode()
 
 
@@ -157,19 +157,19 @@ def test_decode_products_read_transposed_views_without_a_node_each(tmp_path):
     """The engine's steps read dense weights through `weight_t`, a transposed view sharing their
     memory: a decode step's graph has one transpose node fewer per product (4 per layer and the
     tied output head), the same tokens, and no weight is copied."""
-    from mlxfun import weights
-    from mlxfun.engine import Engine
+    from mlxfun.engine.core import Engine
+    from mlxfun.model import weights
     model = tiny_model()
     engine = Engine(model, rows=2)
-    assert engine.params is model.params  # the engine's weights are the model's
-    views = engine.step_params
+    assert engine.runner.params is model.params  # the engine's weights are the model's
+    views = engine.runner.step_params
     def maps(params) -> list:  # every linear map, the embedding first
         found = []
         weights.map_linears(model.config, params, lambda p, n: found.append(p) or p)
         return found
 
     assert len(maps(views)) == 4 * model.config.num_layers + 1
-    for plain, view in zip(maps(engine.params), maps(views)):
+    for plain, view in zip(maps(engine.runner.params), maps(views)):
         assert plain.weight_t is None and view.weight is plain.weight
         assert view.weight_t.shape == plain.weight.shape[::-1] and mx.array_equal(view.weight_t, plain.weight.T).item()
     before = mx.get_active_memory()
@@ -177,15 +177,15 @@ def test_decode_products_read_transposed_views_without_a_node_each(tmp_path):
     assert mx.get_active_memory() - before < 1024  # views: no copy of the 4-layer model's weights
     fn, args = first_decode(engine)
     with_views = graph_nodes(fn(*args), tmp_path)
-    without = graph_nodes(fn(engine.params, *args[1:]), tmp_path)
+    without = graph_nodes(fn(engine.runner.params, *args[1:]), tmp_path)
     products = 4 * model.config.num_layers + 1  # the output head is the tied embedding
     assert without.count("Transpose") - with_views.count("Transpose") == products
     assert len(without) - len(with_views) == products
     a, _ = fn(*args)
-    b, _ = fn(engine.params, *args[1:])
+    b, _ = fn(engine.runner.params, *args[1:])
     assert a.tokens.tolist() == b.tokens.tolist()
     quantized = tiny_model(quant=(4, 32))  # every map quantized: nothing to view
-    assert Engine(quantized, rows=2, strategy=QUANTIZED).step_params is quantized.params
+    assert Engine(quantized, rows=2, strategy=QUANTIZED).runner.step_params is quantized.params
 
 
 def test_decode_bookkeeping_fuses_and_reads_the_table_width_at_run_time(tmp_path, monkeypatch):
@@ -194,8 +194,8 @@ def test_decode_bookkeeping_fuses_and_reads_the_table_width_at_run_time(tmp_path
     count reach kernels as inputs (`scalars.dynamic`: a Slice of a two-element constant), not as
     one-element constants, which `mx.compile` writes into a kernel's source: on CUDA each new
     width would build new kernels (the first step at 32 columns took 9 s on an H200)."""
-    from mlxfun.engine import Engine
-    from mlxfun.scalars import dynamic
+    from mlxfun.engine.core import Engine
+    from mlxfun.model.scalars import dynamic
     x = mx.arange(10)
     baked = graph_nodes(mx.compile(lambda x: (x % 7,))(x), tmp_path)
     read = graph_nodes(mx.compile(lambda x: (x % dynamic(7),))(x), tmp_path)
@@ -206,8 +206,9 @@ def test_decode_bookkeeping_fuses_and_reads_the_table_width_at_run_time(tmp_path
     nodes = graph_nodes(fn(*args), tmp_path)
     mask = [n for n in nodes if n.startswith("Compiled") and all(k in n for k in ("LessEqual", "Remainder", "Equal"))]
     assert len(mask) == 1 and "Or" not in nodes and not any("LogicalNot" in n for n in nodes)
-    from mlxfun import cache, masks, step
+    from mlxfun.engine import step
+    from mlxfun.model import cache, masks
     monkeypatch.setattr(cache, "dynamic", lambda n, dtype=mx.int32: n)  # plain Python ints: constants
     monkeypatch.setattr(masks, "dynamic", lambda n, dtype=mx.int32: n)
-    fresh = step.make_steps(model.config, engine._roster().mode).decode  # traced again
+    fresh = step.make_steps(model.config, engine.roster().mode).decode  # traced again
     assert nodes.count("Slice") - graph_nodes(fresh(*args), tmp_path).count("Slice") == 2  # width and slot count

@@ -23,10 +23,11 @@ from dist_worker import REAL_PROMPTS, SAMPLED, TINY_PROMPTS, logits
 from helpers import VARIANTS, rel_error, tiny_config, tiny_model
 
 import mlxfun
-from mlxfun import distributed, llama
-from mlxfun.cli import main
+from mlxfun.cli.main import main
 from mlxfun.errors import ModelError
-from mlxfun.shard import by_inputs, by_outputs, read_slices, shard, shard_params, sharded_load
+from mlxfun.model import llama
+from mlxfun.parallel import distributed
+from mlxfun.parallel.shard import by_inputs, by_outputs, read_slices, shard, shard_params, sharded_load
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,11 +9,11 @@ import pytest
 from helpers import tiny_config, tiny_model
 
 import mlxfun
-from mlxfun import sampling
-from mlxfun.engine import Engine
+from mlxfun.engine import sampling
+from mlxfun.engine.core import Engine
 from mlxfun.generate import generate
-from mlxfun.load import Model
-from mlxfun.tokenizer import Tokenizer
+from mlxfun.model.load import Model
+from mlxfun.model.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_rows_follow_the_live_requests(tiny, shrink):
     ids = [engine.add(p, max_tokens=m, ignore_eos=True) for p, m in zip(prompts, max_tokens)]
     widths, late = [], None
     for event in engine.events():
-        widths.append(engine.state.tokens.shape[0] if engine.state is not None else 0)
+        widths.append(engine.runner.state.tokens.shape[0] if engine.runner.state is not None else 0)
         if event.index == ids[3] and len(engine.requests[ids[3]].text.tokens) == 14:
             late = engine.add([7] * 9, max_tokens=4, ignore_eos=True)
     if shrink:
@@ -120,9 +120,9 @@ def test_rows_vacated_before_an_idle_engine_drops_its_state_are_not_written_in_t
     engine = Engine(tiny, rows=16, shrink_rows=True)
     first = [engine.add([3 + i] * (2 + i % 8), max_tokens=2, ignore_eos=True) for i in range(16)]
     list(engine.events())
-    assert engine.state is None and len(engine.owner) == 1  # dropped when idle
+    assert engine.runner.state is None and len(engine.scheduler.owner) == 1  # dropped when idle
     second = [engine.add([40 + i] * (3 + i), max_tokens=3, ignore_eos=True) for i in range(8)]
-    widths = [engine.state.tokens.shape[0] for _ in engine.events() if engine.state is not None]
+    widths = [engine.runner.state.tokens.shape[0] for _ in engine.events() if engine.runner.state is not None]
     assert widths[0] == 8
     for rid, p, m in [(r, [3 + i] * (2 + i % 8), 2) for i, r in enumerate(first)] + \
             [(r, [40 + i] * (3 + i), 3) for i, r in enumerate(second)]:
@@ -179,7 +179,7 @@ def test_gpu_admission_settings_keep_outputs_equal_alone(tiny, admit_min, pad_mu
 def test_static_batch_with_rounded_shapes_equals_alone(tiny):
     """Chunk lengths rounded up to 32 (the GPU's default, here on the CPU): every prefill chunk
     the static batch runs is a multiple of 32 long, and the tokens are each prompt's alone."""
-    from mlxfun.step import compiled_steps
+    from mlxfun.engine.step import compiled_steps
 
     prompts, max_tokens = workload(9, seed=4)
     shapes = []
@@ -192,7 +192,7 @@ def test_static_batch_with_rounded_shapes_equals_alone(tiny):
     engine = Engine(tiny, rows=len(prompts), pad_multiple=32, steps=steps)
     ids = [engine.add(p, max_tokens=m, ignore_eos=True) for p, m in zip(prompts, max_tokens)]
     engine.admit()  # every prompt at once: a static batch
-    assert not engine.pending and sum(s[0] for s in shapes) >= len(prompts)
+    assert not engine.scheduler.pending and sum(s[0] for s in shapes) >= len(prompts)
     assert shapes and all(T % 32 == 0 for _, T in shapes), shapes
     list(engine.events())
     assert [engine.take(i).row.token_ids for i in ids] == \

@@ -12,8 +12,8 @@ from helpers import tiny_config, tiny_model, tiny_params
 from test_gguf import write_gguf
 
 import mlxfun
-from mlxfun import weights
-from mlxfun.load import Model
+from mlxfun.model import weights
+from mlxfun.model.load import Model
 
 
 @pytest.fixture

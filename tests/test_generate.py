@@ -9,8 +9,8 @@ from helpers import tiny_config, tiny_model
 from real_prompts import REAL_TOKENS, alone
 
 import mlxfun
+from mlxfun.engine.prefill import plan_groups
 from mlxfun.generate import generate, stream_generate
-from mlxfun.prefill import plan_groups
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from helpers import VARIANTS, rel_error, tiny_config, tiny_params
 from test_reference import random_tokens, reference_forward
 
 import mlxfun
-from mlxfun import llama
-from mlxfun.config import RopeScaling
-from mlxfun.load import default_compute_dtype
+from mlxfun.model import llama
+from mlxfun.model.config import RopeScaling
+from mlxfun.model.load import default_compute_dtype
 
 GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",

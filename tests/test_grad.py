@@ -8,8 +8,8 @@ import pytest
 from helpers import VARIANTS, rel_error, tiny_config, tiny_params
 from test_reference import random_tokens, reference_forward
 
-from mlxfun.llama import Dense
-from mlxfun.score import token_logprobs
+from mlxfun.model.llama import Dense
+from mlxfun.model.score import token_logprobs
 
 
 def test_token_logprobs_match_numpy():

@@ -9,7 +9,7 @@ import pytest
 from helpers import tiny_config, tiny_model
 
 import mlxfun
-from mlxfun import llama
+from mlxfun.model import llama
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

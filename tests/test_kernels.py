@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from cuda_emulator import QMV_HEADER, run
 
-from mlxfun import dmv, kernels, qmv
+from mlxfun.kernels import attention as kernels
+from mlxfun.kernels import dmv, qmv
 
 
 def test_layout_limits():
@@ -198,7 +199,8 @@ def test_dense_product_is_on_unless_turned_off(setting, enabled, rows):
     env = {k: v for k, v in os.environ.items() if k != dmv.ENV}
     if setting is not None:
         env[dmv.ENV] = setting
-    out = subprocess.run([sys.executable, "-c", "from mlxfun import dmv; print(dmv.ENABLED, dmv.MAX_ROWS)"], env=env,
+    code = "from mlxfun.kernels import dmv; print(dmv.ENABLED, dmv.MAX_ROWS)"
+    out = subprocess.run([sys.executable, "-c", code], env=env,
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == f"{enabled} {rows}"
 
@@ -229,7 +231,7 @@ def test_dense_product_launch_for_shapes():
 
 def tiny_dense_config():
     """Untied, so the output head is a map of its own."""
-    from mlxfun.config import ModelConfig
+    from mlxfun.model.config import ModelConfig
 
     return ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
@@ -239,7 +241,8 @@ def test_dense_product_runs_in_few_row_steps_only(monkeypatch):
     """Enabled and with kernels available (a stand-in here), dense maps of 2-8 rows in a `fast`
     pass (a verify pass, a small decode step) run the few-row product; one row, more rows, and
     passes that are not `fast` run MLX's."""
-    from mlxfun import bench, llama
+    from mlxfun.bench import main as bench
+    from mlxfun.model import llama
 
     config = tiny_dense_config()
     params = bench.random_params(config, mx.bfloat16)
@@ -260,9 +263,10 @@ def test_dense_product_runs_in_few_row_steps_only(monkeypatch):
 
 def test_kernels_run_in_steps_only(monkeypatch):
     """With kernels available (stand-ins here), the decoder uses them only when asked (`fast`, as
-    mlxfun.step asks): by default a one-token cached pass is MLX ops and differentiable."""
-    from mlxfun import bench, llama, weights
-    from mlxfun import cache as kv
+    mlxfun.engine.step asks): by default a one-token cached pass is MLX ops and differentiable."""
+    from mlxfun.bench import main as bench
+    from mlxfun.model import cache as kv
+    from mlxfun.model import llama, weights
 
     config = tiny_dense_config()
     params = weights.quantize(config, bench.random_params(config, mx.float32), bits=4, group_size=32)
@@ -316,7 +320,8 @@ def test_first_token_runs_mlx_products_at_any_group_size(monkeypatch):
     an H200). The decode steps, whose row count is the engine's, still ask for the kernels."""
     from helpers import tiny_config, tiny_model
 
-    from mlxfun import llama, sampling, step
+    from mlxfun.engine import sampling, step
+    from mlxfun.model import llama
 
     asked = []
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlxfun.mapped import HostArray
+from mlxfun.kernels.mapped import HostArray
 
 
 def test_in_place_the_device_reads_what_the_host_wrote_last():

@@ -8,10 +8,10 @@ import random
 import numpy as np
 from helpers import tiny_model
 
-from mlxfun import blocks as blk
-from mlxfun.engine import Engine
-from mlxfun.paging import Pages
-from mlxfun.prefill import chunk_arrays, group_tokens, plan_groups
+from mlxfun.engine import blocks as blk
+from mlxfun.engine.core import Engine
+from mlxfun.engine.paging import Pages
+from mlxfun.engine.prefill import chunk_arrays, group_tokens, plan_groups
 
 
 def naive_chunk(tokens, starts, offset, size):
@@ -62,7 +62,7 @@ def test_groups_hold_a_bounded_chunk():
     width (an admission's peak memory follows it): 128 prompts of 128 tokens go in two groups of
     64; rows of prompts longer than a chunk count a chunk's tokens each; one row alone may hold
     more."""
-    from mlxfun.prefill import GROUP_TOKENS
+    from mlxfun.engine.prefill import GROUP_TOKENS
 
     assert GROUP_TOKENS == 8192
     assert [len(g) for g in plan_groups([128] * 128)] == [64, 64]
@@ -104,11 +104,11 @@ def test_waves_skip_digests_only_when_no_prefix_is_shared():
         return [engine.requests[i] for i in ids]
 
     shared_rows = records([[5] * 40, [6] * 40, shared + [7, 8], shared + [9]])
-    waves = engine._waves(shared_rows)
+    waves = engine.scheduler.waves(shared_rows)
     # The two rows sharing two full blocks: the second waits for the first to cache them.
     assert [[r.id for r in w] for w in waves] == [[r.id for r in shared_rows[:3]], [shared_rows[3].id]]
     distinct = records([[5] * 40, [6] * 40, [7] * 5])
-    assert engine._waves(distinct) == [distinct]
+    assert engine.scheduler.waves(distinct) == [distinct]
     assert all(r.keys is None for r in distinct)  # nothing cached, first blocks distinct: no digests
 
 
@@ -118,7 +118,7 @@ def test_a_static_admission_builds_the_next_group_before_waiting_for_the_last(mo
     the device runs the group before; the outputs are those of the admission unobserved."""
     import mlx.core as mx
 
-    from mlxfun import prefill
+    from mlxfun.engine import prefill
 
     model = tiny_model()
     prompts = [[(7 * i + j) % 90 + 3 for j in range(n)] for i, n in enumerate((12, 12, 5, 5))]
@@ -163,8 +163,8 @@ def test_a_first_chunk_starts_its_first_layers_while_the_host_builds_the_rest(tm
     from helpers import tiny_config
     from mlx.utils import tree_flatten
 
-    from mlxfun import cache as kv
-    from mlxfun import llama
+    from mlxfun.model import cache as kv
+    from mlxfun.model import llama
 
     config = tiny_config(num_layers=4)
     model = tiny_model(config)
@@ -196,7 +196,7 @@ def admitted(model, prompts):
 
     peak, pool, engine = admission_peak(model, prompts)
     assert pool >= 8e6
-    return peak, pool, engine.state.tokens.tolist()
+    return peak, pool, engine.runner.state.tokens.tolist()
 
 
 def test_an_admission_launched_early_writes_the_kv_pool_in_place(monkeypatch):
@@ -205,7 +205,7 @@ def test_an_admission_launched_early_writes_the_kv_pool_in_place(monkeypatch):
     import mlx.core as mx
     from helpers import tiny_config
 
-    from mlxfun import llama
+    from mlxfun.model import llama
 
     model = tiny_model(tiny_config(num_layers=4, max_position_embeddings=8192))
     prompts = [[(5 * i + j) % 90 + 3 for j in range(n)] for i, n in enumerate((60, 58, 57))]
@@ -257,8 +257,8 @@ def test_a_decode_step_does_per_row_work_only_where_rows_change(monkeypatch):
     """A decode step's host work is the loop's own (a 1B step at 128 rows is host-bound on an H200):
     the live rows' mode is made again only when the rows' owners change, and blocks are ensured
     only for rows entering a new block; the tokens are those of the loop doing it every step."""
-    from mlxfun import engine as eng
-    from mlxfun.paging import Pages
+    from mlxfun.engine import core as eng
+    from mlxfun.engine.paging import Pages
 
     model = tiny_model()
     prompts = [[(7 * i + j) % 90 + 3 for j in range(n)] for i, n in enumerate((5, 9, 14, 20))]
@@ -283,7 +283,7 @@ def test_a_decode_step_does_per_row_work_only_where_rows_change(monkeypatch):
     # (4 rows finish at the same step: one decode mode for all of it).
     assert len(modes) <= 3
     decode_ensures = [(r, s) for r, s, e in ensured if e == s + 1]
-    bs = engine.pool.block_size
+    bs = engine.scheduler.pool.block_size
     # Each row enters a new block at most every bs positions: 4 rows over 40 positions each.
     assert 0 < len(decode_ensures) <= 4 * (-(-40 // bs) + 1)
     assert all(s % bs == 0 for _, s in decode_ensures)
@@ -295,7 +295,7 @@ def test_an_admission_of_equal_prompts_writes_its_chunk_as_one_run_in_place(monk
     tokens that scattered writes give. Prompts of mixed lengths (padding) are scattered."""
     from helpers import tiny_config
 
-    from mlxfun import cache as kv
+    from mlxfun.model import cache as kv
 
     model = tiny_model(tiny_config(num_layers=4, max_position_embeddings=8192))
     runs = []

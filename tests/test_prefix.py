@@ -11,10 +11,10 @@ import pytest
 from helpers import run_engine, tiny_config, tiny_model
 
 import mlxfun
-from mlxfun import cache as kv
-from mlxfun.blocks import Pool, chain
-from mlxfun.engine import Engine
+from mlxfun.engine.blocks import Pool, chain
+from mlxfun.engine.core import Engine
 from mlxfun.generate import generate
+from mlxfun.model import cache as kv
 
 BS = kv.BLOCK
 
@@ -145,7 +145,7 @@ def test_eviction_under_a_tiny_budget_changes_no_token(tiny):
         ids = [engine.add(p, max_tokens=6, ignore_eos=True) for p in prompts]
         list(engine.events())
         assert [engine.take(i).row.token_ids for i in ids] == alone
-        assert engine.pool.cached <= most and (engine.stats.cached_tokens > 0) == (budget != 0)
+        assert engine.scheduler.pool.cached <= most and (engine.stats.cached_tokens > 0) == (budget != 0)
 
 
 # ---- memory follows the live tokens ----
@@ -165,7 +165,7 @@ def test_one_long_request_among_short_ones_holds_only_its_own_blocks(tiny):
         for e in engine.step():
             if e.finish_reason is not None:
                 engine.take(e.index)
-        live = sum(max(p, 0) for p in engine.pos)  # positions each live row holds KV for
+        live = sum(max(p, 0) for p in engine.scheduler.pos)  # positions each live row holds KV for
         peak_live = max(peak_live, live * engine.slot_bytes)
         peak_pool = max(peak_pool, engine.stats.kv_bytes)
     old_layout = 8 * (4000 + max(max_tokens)) * engine.slot_bytes

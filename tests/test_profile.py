@@ -1,8 +1,8 @@
-"""The profiling API (`mlxfun.profile`): trace counts, timings present, and the step's graph."""
+"""The profiling API (`mlxfun.bench.profile`): trace counts, timings present, and the step's graph."""
 
 from helpers import tiny_config, tiny_model
 
-from mlxfun import profile
+from mlxfun.bench import profile
 
 
 def test_profile_generation_reports_one_trace_and_the_step_graph():

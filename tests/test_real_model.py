@@ -10,11 +10,11 @@ import pytest
 from helpers import rel_error
 
 import mlxfun
-from mlxfun import cache as kv
-from mlxfun import llama, weights
-from mlxfun.llama import Quantized
-from mlxfun.load import default_model_path
-from mlxfun.score import token_logprobs
+from mlxfun.model import cache as kv
+from mlxfun.model import llama, weights
+from mlxfun.model.llama import Quantized
+from mlxfun.model.load import default_model_path
+from mlxfun.model.score import token_logprobs
 
 PARAGRAPH = (
     "The history of the printing press begins in the middle of the fifteenth century, when Johannes Gutenberg "
@@ -52,7 +52,7 @@ def test_tokenizer_round_trips(model_q4, text):
 def test_streamed_text_is_the_whole_text_in_complete_characters(model_q4, text):
     """A row's text handed out token by token (`detok.RowText`) joins to the whole decode, and no
     piece holds half a character: each multi-byte character of the texts above arrives whole."""
-    from mlxfun.detok import RowText
+    from mlxfun.engine.detok import RowText
     tok = model_q4.tokenizer
     ids = tok.encode(text, add_special_tokens=False)
     row = RowText(tok, ())

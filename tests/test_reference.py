@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import VARIANTS, rel_error, tiny_config, tiny_params
 
-from mlxfun import llama
+from mlxfun.model import llama
 
 # ---------------------------------------------------------------- the NumPy reference (float64)
 

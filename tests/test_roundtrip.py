@@ -11,10 +11,10 @@ from helpers import VARIANTS, rel_error, tiny_config, tiny_model
 from test_real_model import ROUND_TRIP_TEXTS
 
 import mlxfun
-from mlxfun import config as cfg
-from mlxfun import llama, weights
-from mlxfun.llama import Dense, Quantized
-from mlxfun.load import Model
+from mlxfun.model import config as cfg
+from mlxfun.model import llama, weights
+from mlxfun.model.llama import Dense, Quantized
+from mlxfun.model.load import Model
 
 PROMPT = "Paris is the capital"
 

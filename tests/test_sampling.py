@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxfun import sampling as S
+from mlxfun.engine import sampling as S
 from mlxfun.errors import InputError
 
 # scipy.stats.chi2.ppf(0.999, df), computed once.

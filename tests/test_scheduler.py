@@ -17,14 +17,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import admission_peak, tiny_config, tiny_model
+from helpers import admission_peak, admit_measured, tiny_config, tiny_model
 
 import mlxfun
-from mlxfun import cache as kv
-from mlxfun import llama, prefill, sampling, step, weights
-from mlxfun.engine import WINDOW, Engine
+from mlxfun.engine import prefill, sampling, step
+from mlxfun.engine.core import Engine
+from mlxfun.engine.paging import pool_size
+from mlxfun.engine.records import WINDOW
 from mlxfun.generate import generate
-from mlxfun.paging import pool_size
+from mlxfun.model import cache as kv
+from mlxfun.model import llama, weights
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,7 @@ def test_eight_threads_add_and_cancel_against_a_running_engine(tiny):
     runner.join(timeout=300)
     assert not runner.is_alive() and len(submitted) == 400
     assert sorted(closing) == sorted(submitted)  # every request ended, exactly once
-    assert not engine.requests and not engine.pending and engine.idle
+    assert not engine.requests and not engine.scheduler.pending and engine.idle
     n_cancelled = 0
     for rid, k in submitted.items():
         if closing[rid] == "cancelled":
@@ -122,7 +124,8 @@ def test_two_thousand_requests_keep_memory_and_records_flat(tiny):
                 done += 1
         window = done // 250
         memory[window].append(mx.get_active_memory())
-        records[window] = max(records[window], len(engine.requests) + len(engine.pending) + len(engine._inflight))
+        held = len(engine.requests) + len(engine.scheduler.pending) + len(engine._inflight)
+        records[window] = max(records[window], held)
         capacities.append(engine.stats.capacity)
     assert max(capacities) >= 1024 and capacities[-1] <= 256  # grew for the long request, then shrank
     memory = [statistics.median(memory[w]) for w in range(2, 8)]  # after a warm-up of 500 requests
@@ -144,16 +147,17 @@ def test_a_pool_compacts_only_to_a_smaller_size(tiny, monkeypatch):
     engine = Engine(tiny, rows=1)
     engine.add([3] * 5, max_tokens=40, ignore_eos=True)  # 3 blocks of the least pool (17 on the CPU)
     for _ in engine.events():
-        assert engine.pool.size == 1 + engine.pages.least
+        assert engine.scheduler.pool.size == 1 + engine.scheduler.pages.least
     assert engine.stats.generation_tokens == 40 and copies == []
     engine = Engine(tiny, rows=2, prefix_cache=False)  # (cached prompt blocks would keep the pool's size)
     long = engine.add([4] * 900, max_tokens=4, ignore_eos=True)  # 57 blocks: the pool grows past 65
     short = engine.add([5] * 5, max_tokens=200, ignore_eos=True)  # 13 blocks
     sizes = []
     for e in engine.events():
-        sizes.append(engine.pool.size)
+        sizes.append(engine.scheduler.pool.size)
     grown = sizes.index(max(sizes))
-    assert max(sizes) > 65 and pool_size(2 * 13, 10**6, engine.pages.least) in sizes[grown:] and len(copies) == 1
+    least = engine.scheduler.pages.least
+    assert max(sizes) > 65 and pool_size(2 * 13, 10**6, least) in sizes[grown:] and len(copies) == 1
     assert engine.take(short).row.token_ids == generate(tiny, [[5] * 5], max_tokens=200, ignore_eos=True).token_ids[0]
     assert engine.take(long).row.finish_reason == "length"
 
@@ -194,7 +198,7 @@ def test_a_first_admission_holds_its_prompts_kv_and_its_first_step_the_reservati
     list(engine.events())
     prompt_blocks = sum(-(-len(p) // kv.BLOCK) for p in prompts)
     reserved = sum(-(-(len(p) + 120) // kv.BLOCK) for p in prompts)
-    least = engine.pages.least
+    least = engine.scheduler.pages.least
     assert {n for kind, n in seen if kind == "prefill"} == {pool_size(1 + prompt_blocks, 10**6, least)}
     assert {n for kind, n in seen if kind == "decode"} == {pool_size(reserved, 10**6, least)}
     assert pool_size(1 + prompt_blocks, 10**6, least) < pool_size(reserved, 10**6, least)
@@ -212,16 +216,17 @@ def test_an_admission_before_the_first_decode_step_grows_the_pool_it_writes(tiny
         import json, sys
         sys.path.insert(0, "tests")
         from helpers import tiny_config, tiny_model
-        from mlxfun.engine import Engine
+        from mlxfun.engine.core import Engine
         engine = Engine(tiny_model(tiny_config(max_position_embeddings=1024)), rows=3, shrink_rows=False)
         first = [engine.add([3 + i] * 10, max_tokens=1000, ignore_eos=True) for i in range(2)]  # 128 blocks reserved
         engine.admit()
-        before = engine.state.cache.positions.shape[0]
-        assert before == 1 + engine.pages.least < engine.pool.size, (before, engine.pool.size)
+        before = engine.runner.state.cache.positions.shape[0]
+        pool = engine.scheduler.pool
+        assert before == 1 + engine.scheduler.pages.least < pool.size, (before, pool.size)
         late = engine.add([(7 * j) % 96 + 1 for j in range(1000)], max_tokens=8, ignore_eos=True)  # 63 blocks
         engine.admit()
-        highest = max(engine.pages.held[engine.owner.index(late)].values())
-        after = engine.state.cache.positions.shape[0]
+        highest = max(engine.scheduler.pages.held[engine.scheduler.owner.index(late)].values())
+        after = engine.runner.state.cache.positions.shape[0]
         list(engine.events())
         print(json.dumps({"before": before, "highest": highest, "after": after,
                           "tokens": [engine.take(rid).row.token_ids for rid in first + [late]]}))
@@ -254,7 +259,7 @@ def test_memory_budget_refuses_what_never_fits_and_delays_what_fits_alone(tiny):
 def test_static_batch_that_does_not_fit_runs_in_waves(tiny, monkeypatch):
     """generate() admits what fits the budget and queues the rest: outputs still equal alone."""
     block = kv.BLOCK * kv.slot_bytes(tiny.config, mx.float32)
-    monkeypatch.setattr("mlxfun.engine.memory_limit", lambda: int((mx.get_active_memory() + 45.5 * block) / 0.75))
+    monkeypatch.setattr("mlxfun.engine.core.memory_limit", lambda: int((mx.get_active_memory() + 45.5 * block) / 0.75))
     # 20, 20, 20 and 17 blocks: two at a time fit 45 blocks.
     prompts, max_tokens = [[5] * 300, [6] * 290, [7] * 10, [8] * 12], [20, 30, 300, 250]
     out = generate(tiny, prompts, max_tokens=max_tokens, ignore_eos=True)
@@ -268,7 +273,7 @@ def test_released_records_and_dropped_cache():
     engine = Engine(model, rows=3)
     ids = [engine.add([i + 1] * (i + 2), max_tokens=5, ignore_eos=True) for i in range(7)]
     list(engine.events())
-    assert sorted(engine.requests) == ids and engine.state is None and engine.stats.capacity == 0
+    assert sorted(engine.requests) == ids and engine.runner.state is None and engine.stats.capacity == 0
     assert engine.stats.max_capacity >= kv.bucket(1)
     for i in ids:
         assert len(engine.take(i).row.token_ids) == 5
@@ -307,7 +312,7 @@ def test_overflowing_write_is_an_error_not_a_crash():
         import mlx.core as mx
         from helpers import tiny_config, tiny_model
         import mlxfun
-        from mlxfun import cache as kv, llama
+        from mlxfun.model import cache as kv, llama
         config = tiny_config()
         model = tiny_model(config)
         cache = kv.empty(config, 1, 8, mx.float32)
@@ -414,7 +419,7 @@ def test_options_keep_mlx_lm_names_and_one_config_value():
 def test_requests_built_on_one_thread_run_on_another(tiny):
     """generate()'s requests (per-row settings sliced from one array) built on the caller's thread
     and run by an engine on another: MLX evaluates arrays on the thread that built them."""
-    from mlxfun.options import GenerationConfig, requests
+    from mlxfun.engine.options import GenerationConfig, requests
 
     prompts = [[5, 6, 7], [8, 9]]
     reqs = requests(tiny, prompts, GenerationConfig(max_tokens=6, temperature=0.7, seed=[1, 2], ignore_eos=True))
@@ -445,16 +450,16 @@ def test_steps_write_the_kv_pool_in_place():
     engine.admit()
     engine.decode()  # (grows the pool from the prompts' blocks to the reservation)
     engine.collect()
-    mx.eval(engine.state)
-    pool = sum(a.nbytes for a in engine.state.cache.keys + engine.state.cache.values)
-    assert pool >= 8e6 and engine.pool.used <= 2  # the rows hold one block each
+    mx.eval(engine.runner.state)
+    pool = sum(a.nbytes for a in engine.runner.state.cache.keys + engine.runner.state.cache.values)
+    assert pool >= 8e6 and engine.scheduler.pool.used <= 2  # the rows hold one block each
     mx.synchronize()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
     for _ in range(4):
         engine.decode()
         engine.collect()
-    mx.eval(engine.state)
+    mx.eval(engine.runner.state)
     mx.synchronize()
     assert mx.get_peak_memory() - base < pool // 4
 
@@ -524,3 +529,15 @@ def test_a_chunk_write_keeps_16_bit_values_in_place(dtype):
     assert np.array_equal(np.array(h0.view(mx.uint16)), np.array(h1.view(mx.uint16)))
     for a, b in zip(c0.keys + c0.values, c1.keys + c1.values):
         assert a.dtype == dtype and np.array_equal(np.array(a.view(mx.uint16)), np.array(b.view(mx.uint16)))
+
+
+def test_a_first_admission_writes_the_pool_it_makes_in_place():
+    """A fresh engine's first admission makes its device pool and prefills into it in place: no
+    reference to the pool outlives the hand-over to the prefill (a local variable in the runner's
+    frame made the first chunk copy the whole pool: SmolLM2's batch-1 peak 25.5 MB above the
+    weights against 13.8 MB)."""
+    model = tiny_model(tiny_config(num_layers=8, max_position_embeddings=8192))
+    engine = Engine(model, 1)
+    engine.add([3] * 8, max_tokens=6, ignore_eos=True)
+    peak, pool = admit_measured(engine)
+    assert peak < 1.5 * pool  # the pool once (2.1x with the copy)

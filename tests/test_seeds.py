@@ -8,8 +8,8 @@ import mlx.core as mx
 import pytest
 
 import mlxfun
-from mlxfun import llama
 from mlxfun.generate import generate
+from mlxfun.model import llama
 
 PROMPT = "Once upon a time"
 NEIGHBOURS = ["The capital of France is", "def add(a, b):", "Hi", "日本の首都は", "1, 2, 3,",

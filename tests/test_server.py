@@ -21,12 +21,12 @@ import openai
 import pytest
 
 import mlxfun
-from mlxfun.bench import WORKLOAD_SHAPE, random_params, word_tokenizer
-from mlxfun.engine import Engine
-from mlxfun.load import Model
-from mlxfun.options import GenerationConfig, requests
-from mlxfun.serving import Bridge, EngineFailed
-from mlxfun.step import Steps, compiled_steps
+from mlxfun.bench.models import WORKLOAD_SHAPE, random_params, word_tokenizer
+from mlxfun.engine.core import Engine
+from mlxfun.engine.options import GenerationConfig, requests
+from mlxfun.engine.step import Steps, compiled_steps
+from mlxfun.model.load import Model
+from mlxfun.serve.serving import Bridge, EngineFailed
 
 ROOT = Path(__file__).resolve().parents[1]
 

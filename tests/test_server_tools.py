@@ -17,8 +17,8 @@ from test_server import Server
 from test_tools import QWEN_TEMPLATE, SCHEMAS, TOOLS, WEATHER
 
 import mlxfun
-from mlxfun import tools
-from mlxfun.load import Model
+from mlxfun.model.load import Model
+from mlxfun.serve import tools
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                          "country": {"enum": ["France", "Germany", "Italy"]}},

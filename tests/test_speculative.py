@@ -12,11 +12,13 @@ from helpers import tiny_config, tiny_model, tiny_tokenizer
 from mlx.utils import tree_flatten
 from test_sampling import CHI2_999, chi2
 
-from mlxfun import llama, sampling, speculative, weights
-from mlxfun.engine import Engine
+from mlxfun.engine import sampling
+from mlxfun.engine.core import Engine
+from mlxfun.features import speculative
 from mlxfun.generate import generate
-from mlxfun.load import Model
-from mlxfun.tokenizer import Tokenizer
+from mlxfun.model import llama, weights
+from mlxfun.model.load import Model
+from mlxfun.model.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +86,16 @@ class Spy(Engine):
     """Records, each time a verify round's tokens are handed out, whether the next round was
     queued already (in flight)."""
 
-    def _take_verified(self, out, owners, proposed=None):
-        self.ahead = getattr(self, "ahead", []) + [any(isinstance(o, speculative.Verdict) for o, _ in self._inflight)]
-        return super()._take_verified(out, owners, proposed)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        take = self.speculation.take
+
+        def spy(engine, out, owners, proposed=None):
+            self.ahead = getattr(self, "ahead", []) + [any(isinstance(o, speculative.Verdict)
+                                                           for o, _ in self._inflight)]
+            return take(engine, out, owners, proposed)
+
+        self.speculation.take = spy
 
 
 @pytest.mark.parametrize("policy", ["always", "alternate"])
@@ -212,7 +221,7 @@ def test_the_measured_rule_turns_speculation_off_where_it_loses(tiny):
     ids = [engine.add(p, max_tokens=60, ignore_eos=True) for p in prompts]
     list(engine.events())
     assert [engine.take(i).row.token_ids for i in ids] == plain
-    assert engine.policy.speedup is not None and engine.policy.speedup < 1.0
+    assert engine.speculation.policy.speedup is not None and engine.speculation.policy.speedup < 1.0
     assert 0 < engine.stats.verify_rounds < engine.stats.steps / 3
 
 
@@ -228,11 +237,12 @@ def test_a_costly_drafter_measures_only_where_the_work_ahead_pays_for_it(tiny):
     ids = [engine.add(p, max_tokens=60, ignore_eos=True) for p in prompts]
     list(engine.events())
     assert [engine.take(i).row.token_ids for i in ids] == plain
-    assert engine.stats.verify_rounds == 0 and not engine.policy.started
-    least = engine.drafter.least(4)
-    assert least == pytest.approx(1 + 5 * engine.drafter.cost)  # the verify pass and k + 1 draft steps
-    loss = engine.policy.expected_loss(least, speculative.FIRST_ROUNDS)
-    assert loss == pytest.approx(speculative.FIRST_ROUNDS * 5 * engine.drafter.cost + speculative.SWITCH_STEPS)
+    assert engine.stats.verify_rounds == 0 and not engine.speculation.policy.started
+    least = engine.speculation.drafter.least(4)
+    assert least == pytest.approx(1 + 5 * engine.speculation.drafter.cost)  # the verify pass and k + 1 draft steps
+    loss = engine.speculation.policy.expected_loss(least, speculative.FIRST_ROUNDS)
+    cost = engine.speculation.drafter.cost
+    assert loss == pytest.approx(speculative.FIRST_ROUNDS * 5 * cost + speculative.SWITCH_STEPS)
     assert loss > speculative.BUDGET * 60
 
 
@@ -245,16 +255,17 @@ def test_a_draft_models_catch_up_is_priced_from_the_measured_prefill(tiny):
     engine = Engine(tiny, 4, draft=draft, policy=speculative.Policy(enabled=True, budget=0.0))  # never affords
     for p in prompts:
         engine.add(p, max_tokens=12, ignore_eos=True)
-    assert engine._feed_steps() == 0.0  # nothing timed yet
+    assert engine.speculation.feed_steps(engine) == 0.0  # nothing timed yet
     for _ in range(6):
         list(engine.step())
-    live = [engine.requests[o] for o in engine.owner if o is not None]
-    lacking = engine.drafter.lacking(engine)
+    live = [engine.requests[o] for o in engine.scheduler.owner if o is not None]
+    lacking = engine.speculation.drafter.lacking(engine)
     assert lacking == sum(len(p) for p in prompts) + sum(len(r.row.text.tokens) for r in live) - len(live)
-    assert engine.stats.timed_prompt_tokens == sum(len(p) for p in prompts) and engine.policy.rate[False]
+    assert engine.stats.timed_prompt_tokens == sum(len(p) for p in prompts) and engine.speculation.policy.rate[False]
     per_token = engine.stats.prompt_time / engine.stats.timed_prompt_tokens
-    assert engine._feed_steps() == pytest.approx(engine.drafter.cost * lacking * per_token * engine.policy.rate[False])
-    assert engine._feed_steps() > 0 and engine.stats.verify_rounds == 0
+    spec = engine.speculation
+    assert spec.feed_steps(engine) == pytest.approx(spec.drafter.cost * lacking * per_token * spec.policy.rate[False])
+    assert engine.speculation.feed_steps(engine) > 0 and engine.stats.verify_rounds == 0
 
 
 def test_a_costly_drafters_tries_are_spread_by_their_expected_loss():
@@ -291,10 +302,10 @@ class Silent(speculative.Drafter):
 
     def propose(self, engine, rows, k):
         self.calls += 1
-        B = len(engine.owner)
+        B = len(engine.scheduler.owner)
         valid = np.zeros((B, k), bool)
         for r in rows:
-            valid[r] = engine.owner[r] in self.rows
+            valid[r] = engine.scheduler.owner[r] in self.rows
         return mx.zeros((B, k), mx.int32), mx.array(valid), None
 
 
@@ -308,7 +319,7 @@ def test_rounds_with_no_draft_decode_plainly(tiny):
     out, engine = run(tiny, prompts, draft=drafter, max_tokens=12, ignore_eos=True)
     assert [r.token_ids for r in out] == plain
     assert engine.stats.verify_rounds == 0 and drafter.calls >= 11 and engine.stats.drafted == 0
-    assert engine.policy.rate[True] is None  # never timed as speculating
+    assert engine.speculation.policy.rate[True] is None  # never timed as speculating
     drafter = Silent(rows={0})  # request 0 always has drafts (zeros)
     out, engine = run(tiny, prompts, draft=drafter, max_tokens=12, ignore_eos=True)
     assert [r.token_ids for r in out] == plain
@@ -336,7 +347,7 @@ class _Shadowed:
     def __init__(self, prompts):
         from types import SimpleNamespace as NS
 
-        self.owner = list(range(len(prompts)))
+        self.scheduler = NS(owner=list(range(len(prompts))))
         self.requests = {i: NS(request=NS(prompt=p), row=NS(text=NS(tokens=[]), finish_reason=None))
                          for i, p in enumerate(prompts)}
 
@@ -495,7 +506,7 @@ def test_an_untimed_round_is_judged_by_the_drafters_least_cost():
 
 def test_a_draft_models_cost_is_its_share_of_the_weights_a_step_reads(tiny):
     """`DraftModel.cost`: the draft's weight bytes per step over the target's (1 for the model itself)."""
-    from mlxfun.drafting import DraftModel
+    from mlxfun.features.drafting import DraftModel
 
     engine = Engine(tiny, 2)
     assert DraftModel(tiny, engine).cost == 1.0
@@ -514,8 +525,8 @@ def test_a_draft_models_cost_on_a_gpu_counts_its_layers_launches_as_well_as_its_
     row. At 32 rows the budget's share is 1 - 32 x 5 / 256 (`headroom`) and the prompts' catch-up
     adds its steps: 512 and 1,024 tokens do not afford the measure (the H200 lost 2.6-3.5% at 512
     when it ran). The measure waits for timed decode steps, which price it."""
-    from mlxfun import bench
-    from mlxfun.drafting import step_cost
+    from mlxfun.bench import main as bench
+    from mlxfun.features.drafting import step_cost
 
     def params(shape):  # the arrays' sizes are what counts: zeros of each shape, never evaluated
         c = bench.SHAPES[shape]
@@ -572,7 +583,8 @@ def test_a_draft_models_catch_up_never_runs_the_few_row_product(monkeypatch):
     row count of their own, which NVRTC builds per count (seconds each on an H200). With
     stand-ins for the kernels, only the engine's own row counts reach it: its rows (a draft step)
     and rows x (k + 1) (a verify pass). The tokens are plain decoding's."""
-    from mlxfun import dmv, kernels
+    from mlxfun.kernels import attention as kernels
+    from mlxfun.kernels import dmv
 
     # A config of its own: compiled steps are cached per config, and a step traced elsewhere
     # without the stand-ins would not call them.
@@ -600,12 +612,13 @@ def test_a_draft_models_pool_takes_the_engines_size_at_admission(tiny):
     plain = generate(tiny, prompts, max_tokens=200, ignore_eos=True).token_ids
     engine = Engine(tiny, 8, draft=tiny_model(tiny_config(), seed=9), num_draft_tokens=3, policy=Alternate())
     sizes = []
-    round_ = engine.drafter._round
-    engine.drafter._round = lambda *a: sizes.append(engine.drafter.pool.size) or round_(*a)
+    round_ = engine.speculation.drafter._round
+    engine.speculation.drafter._round = lambda *a: sizes.append(engine.speculation.drafter.pool.size) or round_(*a)
     ids = [engine.add(p, max_tokens=200, ignore_eos=True) for p in prompts]
     list(engine.events())
     assert [engine.take(i).row.token_ids for i in ids] == plain
-    assert engine.stats.verify_rounds >= 20 and engine.pool.size > 65 and set(sizes) == {engine.pool.size}
+    pool = engine.scheduler.pool
+    assert engine.stats.verify_rounds >= 20 and pool.size > 65 and set(sizes) == {pool.size}
 
 
 def test_lookup_with_the_rule_on_keeps_plain_tokens(tiny):
@@ -615,12 +628,12 @@ def test_lookup_with_the_rule_on_keeps_plain_tokens(tiny):
     plain = generate(tiny, prompts, max_tokens=40, ignore_eos=True).token_ids
     engine = Engine(tiny, 6, draft="prompt-lookup", policy=speculative.Policy(enabled=True, interval=4))
     seen = []
-    shadow = engine.policy.shadow
-    engine.policy.shadow = lambda tokens: seen.extend(tokens) or shadow(tokens)
+    shadow = engine.speculation.policy.shadow
+    engine.speculation.policy.shadow = lambda tokens: seen.extend(tokens) or shadow(tokens)
     ids = [engine.add(p, max_tokens=40, ignore_eos=True) for p in prompts]
     list(engine.events())
     assert [engine.take(i).row.token_ids for i in ids] == plain
-    assert seen and all(1 <= t <= engine.num_draft_tokens + 1 for t in seen)
+    assert seen and all(1 <= t <= engine.speculation.k + 1 for t in seen)
 
 
 def test_draft_model_with_another_vocabulary_is_refused(tiny):
@@ -655,7 +668,7 @@ def test_oracle_drafts_of_a_predictable_model_are_accepted_at_its_rate():
     """The benchmark's oracle: on `predictable` random weights (bf16, as on a GPU) a draft of the
     greedy continuation is always accepted, so alpha sets the acceptance; the continuation is the
     same with and without speculation."""
-    from mlxfun import bench_speculative as bs
+    from mlxfun.bench import speculative as bs
 
     raw = tiny_model(tiny_config(vocab_size=512))
     bf16 = Model(raw.config, weights.cast(raw.config, raw.params, mx.bfloat16), raw.tokenizer, raw.source)
@@ -680,9 +693,9 @@ def test_verify_positions_as_rows_of_their_own_equal_the_chunk():
     """`step.verify_hidden` with `flatten` (on CUDA: each verified position a one-token row, so
     attention runs the one-token kernel) gives the hidden states and cache of the (B, k + 1)
     chunk, rows at different positions, one without a request (float32, MLX ops on this CPU)."""
-    from mlxfun import cache as kv
-    from mlxfun import llama
-    from mlxfun.step import verify_hidden
+    from mlxfun.engine.step import verify_hidden
+    from mlxfun.model import cache as kv
+    from mlxfun.model import llama
 
     config = tiny_config(max_position_embeddings=1024)
     model = tiny_model(config)

@@ -1,4 +1,4 @@
-"""The weights strategy (mlxfun.strategy) changes speed only: a dense copy of quantized weights at
+"""The weights strategy (mlxfun.engine.strategy) changes speed only: a dense copy of quantized weights at
 large batch gives the quantized kernel's results up to rounding, and batched still equals alone."""
 
 from __future__ import annotations
@@ -6,8 +6,15 @@ from __future__ import annotations
 import mlx.core as mx
 from helpers import run_engine, tiny_model
 
-from mlxfun.llama import Dense, Quantized
-from mlxfun.strategy import QUANTIZED, WeightStrategy, dense_bytes, device_memory, params_for_batch, params_for_prompts
+from mlxfun.engine.strategy import (
+    QUANTIZED,
+    WeightStrategy,
+    dense_bytes,
+    device_memory,
+    params_for_batch,
+    params_for_prompts,
+)
+from mlxfun.model.llama import Dense, Quantized
 
 DENSE = WeightStrategy(dense_from=1)
 
@@ -70,12 +77,12 @@ def test_batched_equals_alone_with_each_strategy():
 
 def test_engine_runs_quantized_weights_as_a_dense_copy():
     """The Engine picks its weights once for its row count, like a static batch, with the same tokens."""
-    from mlxfun.engine import Engine
+    from mlxfun.engine.core import Engine
 
     model = tiny_model(quant=(4, 32))
     engine = Engine(model, rows=2, strategy=DENSE)
-    assert isinstance(engine.params.layers[0].qkv, Dense)
-    assert Engine(model, rows=2, strategy=QUANTIZED).params is model.params
+    assert isinstance(engine.runner.params.layers[0].qkv, Dense)
+    assert Engine(model, rows=2, strategy=QUANTIZED).runner.params is model.params
     ids = [engine.add(p, max_tokens=12, ignore_eos=True) for p in PROMPTS]
     list(engine.events())
     assert [engine.requests[i].row.token_ids for i in ids] == run(model, PROMPTS, DENSE).token_ids
@@ -105,15 +112,15 @@ def test_long_prompts_prefill_on_a_copy_and_decode_on_the_quantized_weights(monk
     """One copy per prefill whose chunks hold enough prompt tokens (PROMPTS: 14, a batch of the
     first alone: 4, too few); decode steps read the 4-bit weights; the tokens are the quantized
     run's."""
-    from mlxfun import strategy as strat
+    from mlxfun.engine import strategy as strat
 
     model = tiny_model(quant=(4, 32))
     copies = []
     real = strat.weights.cast
     monkeypatch.setattr(strat.weights, "cast", lambda *a: copies.append(1) or real(*a))
     out, engine = run_engine(model, PROMPTS, strategy=PROMPT_DENSE, max_tokens=12, ignore_eos=True, logprobs=0)
-    assert len(copies) == 1 and engine.params is model.params
-    assert isinstance(engine.params.layers[0].qkv, Quantized)
+    assert len(copies) == 1 and engine.runner.params is model.params
+    assert isinstance(engine.runner.params.layers[0].qkv, Quantized)
     assert out.token_ids == run(model, PROMPTS, QUANTIZED).token_ids
     copies.clear()
     run(model, PROMPTS[:1], PROMPT_DENSE)
@@ -121,15 +128,15 @@ def test_long_prompts_prefill_on_a_copy_and_decode_on_the_quantized_weights(monk
 
 
 def test_engine_admissions_of_long_prompts_prefill_on_a_copy(monkeypatch):
-    from mlxfun import strategy as strat
-    from mlxfun.engine import Engine
+    from mlxfun.engine import strategy as strat
+    from mlxfun.engine.core import Engine
 
     model = tiny_model(quant=(4, 32))
     copies = []
     real = strat.weights.cast
     monkeypatch.setattr(strat.weights, "cast", lambda *a: copies.append(1) or real(*a))
     engine = Engine(model, rows=4, strategy=PROMPT_DENSE)
-    assert engine.params is model.params
+    assert engine.runner.params is model.params
     ids = [engine.add(p, max_tokens=12, ignore_eos=True) for p in PROMPTS]
     list(engine.events())
     assert copies == [1]  # one admission of all four prompts, 14 tokens

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 from helpers import byte_tokenizer, run_engine, tiny_config, tiny_model
 
-from mlxfun import sampling, structured
+from mlxfun.engine import sampling
+from mlxfun.engine.options import GenerationConfig, make_request, requests
+from mlxfun.engine.step import Mode, choose, make_steps
 from mlxfun.errors import InputError
-from mlxfun.options import GenerationConfig, make_request, requests
-from mlxfun.step import Mode, choose, make_steps
+from mlxfun.features import structured
 
 
 def allowed_ids(row: np.ndarray) -> set[int]:
@@ -481,8 +482,8 @@ def test_the_structured_benchmark_alternates_runs_and_reports_medians(tmp_path, 
     """`mlxfun bench --structured` (a random shape, a byte-level tokenizer written here): free and
     constrained runs alternate after a warm-up pair, and the JSON holds every timed run, their
     medians, and both ratios (tok/s with the admission, ms per decode step after it)."""
-    from mlxfun import bench
-    from mlxfun.tokenizer import save_folder
+    from mlxfun.bench import main as bench
+    from mlxfun.model.tokenizer import save_folder
 
     monkeypatch.setitem(bench.SHAPES, "135M", tiny_config(num_layers=2))  # the bench's logic at a test's size
 

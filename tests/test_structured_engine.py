@@ -10,10 +10,10 @@ import jsonschema
 import pytest
 from helpers import byte_tokenizer, tiny_config, tiny_params
 
-from mlxfun import sampling
-from mlxfun.engine import Engine
+from mlxfun.engine import sampling
+from mlxfun.engine.core import Engine
 from mlxfun.generate import generate
-from mlxfun.load import Model
+from mlxfun.model.load import Model
 
 DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
 EMAIL = r"[a-z]{2,8}@[a-z]{2,8}\.(com|org|net)"
@@ -135,7 +135,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import mlxfun
 from helpers import byte_tokenizer, tiny_config, tiny_params
-from mlxfun.load import Model
+from mlxfun.model.load import Model
 config = tiny_config(max_position_embeddings=1024)
 model = Model(config, tiny_params(config, seed=2)[0], byte_tokenizer(), "tiny bytes")
 fmt = {{"type": "grammar", "grammar": 'start: ("x" | "y" | "z")+'}}

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from helpers import full_byte_tokenizer, tiny_config, tiny_params
 
-from mlxfun import structured, tools
 from mlxfun.errors import InputError
+from mlxfun.features import structured
 from mlxfun.generate import generate
-from mlxfun.load import Model
+from mlxfun.model.load import Model
+from mlxfun.serve import tools
 
 # Minimal templates in each family's way (the real ones are longer; what we detect and read is this).
 QWEN_TEMPLATE = (

@@ -8,10 +8,10 @@ import mlx.core as mx
 import pytest
 from helpers import run_engine, tiny_config, tiny_model
 
-from mlxfun import cache as kv
-from mlxfun import config as cfg
-from mlxfun import llama
 from mlxfun.generate import generate
+from mlxfun.model import cache as kv
+from mlxfun.model import config as cfg
+from mlxfun.model import llama
 
 
 def greedy_by_full_forward(model, config, prompt: list[int], n: int) -> list[int]:

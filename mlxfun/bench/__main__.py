@@ -1,0 +1,7 @@
+"""`python -m mlxfun.bench`: the same as `mlxfun bench`."""
+
+import sys
+
+from mlxfun.bench.main import main
+
+sys.exit(main())

@@ -1,0 +1,520 @@
+"""The engine: a fixed number of rows decoding together, each refilled with the next request.
+
+One engine serves static and continuous batches (a static batch is an engine with one row per
+prompt that admits them all at once). It ties three parts together, each with a narrow job:
+- the scheduler (`scheduler.py`, host data only) decides which request holds which row and which
+  KV blocks each row holds;
+- the runner (`runner.py`) owns the device state and queues the compiled steps;
+- features hook in where they change a step: structured output's masks (`features.constraints`),
+  speculative rounds (`features.speculation`) and the prefix cache (in the scheduler's pool).
+
+A step (`step`) is: take new messages, admit queued requests into free rows, queue a decode
+step, then hand out the tokens of the step before (read one step behind, so the device never
+waits for the host).
+
+Threads. One thread runs the engine: it calls `events`, `serve` or `step` (and `admit`,
+`decode`, `collect`, `take`, and reads `requests`). Any thread may call `submit`, `add` and
+`cancel`: they only put a message in a thread-safe inbox, which the engine thread drains at the
+start of each step, so a cancelled request leaves its row within one step. `stats` may be read
+from any thread (a snapshot that may be one step old).
+
+Memory. Every request gets exactly one closing event (its finish reason: "stop", "length" or
+"cancelled"); its record then waits in `requests` until `take` releases it. The pool grows as rows
+need blocks and is compacted when long requests have left; the prefix cache keeps at most
+`prefix_cache_bytes` of blocks no row uses. A request whose KV could never fit the memory budget
+is refused by `submit`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from functools import partial
+from pathlib import Path
+from typing import Callable, Iterator, NamedTuple, Sequence
+
+import mlx.core as mx
+
+from mlxfun.engine import prefill, sampling
+from mlxfun.engine.blocks import Pool
+from mlxfun.engine.detok import RowText
+from mlxfun.engine.events import Event
+from mlxfun.engine.inbox import Inbox
+from mlxfun.engine.options import GenerationConfig, Request, make_request
+from mlxfun.engine.outputs import hand_out
+from mlxfun.engine.paging import MIN_BLOCKS, MIN_BLOCKS_CPU, Pages, pool_size
+from mlxfun.engine.records import EngineStats, Record, mode_for, request_mode
+from mlxfun.engine.rows import Row
+from mlxfun.engine.runner import Runner
+from mlxfun.engine.scheduler import Scheduler
+from mlxfun.engine.step import Mode, StepOut, Steps, compiled_steps
+from mlxfun.engine.strategy import WeightStrategy, default_strategy, memory_limit
+from mlxfun.errors import InputError, check_bool, check_positive_int
+from mlxfun.features import speculative
+from mlxfun.features.constraints import Constraints
+from mlxfun.features.speculation import Speculation
+from mlxfun.features.speculative import Verdict
+from mlxfun.model import cache as kv
+from mlxfun.model.config import ModelConfig
+from mlxfun.model.load import Model
+
+
+class Roster(NamedTuple):
+    """The rows' owners and what follows from them, made again only when the owners change (a 1B
+    decode step is host-bound on an H200: the loop's own Python adds to every step)."""
+
+    owners: tuple  # request id per row, None for an empty row
+    live: list[int]  # rows holding a request
+    mode: Mode  # `mode_for` their requests
+    steps: Steps  # the compiled steps for that mode
+
+
+class Engine:
+    """`rows` requests decode at once; `submit` / `add` queue more, `events()` runs them all.
+
+    Request ids are the integers `submit` returns; a finished request's record is in
+    `requests[id]` until `take(id)` releases it.
+
+    (About 400 lines, over the project's 300: it is the one place where the scheduler's decisions
+    and the runner's steps meet, in the order a step needs them; admission and the two decode
+    paths read as sequences here, where split apart they would pass the same parts around.)"""
+
+    def __init__(self, model: Model, rows: int = 8, *, prefill_step: int = 512, max_kv_size: int | None = None,
+                 admit_min: int | None = None, pad_multiple: int | None = None,
+                 strategy: WeightStrategy | None = None, kv_memory: int | None = None, prefix_cache: bool = True,
+                 prefix_cache_bytes: int | None = None, block_size: int = kv.BLOCK, draft=None,
+                 num_draft_tokens: int = 4, policy: speculative.Policy | None = None,
+                 shrink_rows: bool | None = None, steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps):
+        _check_options(rows, prefill_step, block_size, max_kv_size, admit_min, pad_multiple, kv_memory,
+                       prefix_cache, prefix_cache_bytes, num_draft_tokens)
+        # With max_kv_size every query sees at most that many positions: rows become rings.
+        self.model, self.config, self.rows = model, model.config.with_max_kv_size(max_kv_size), rows
+        strategy = strategy or default_strategy()
+        on_gpu = mx.default_device() == mx.gpu
+        # Chunk lengths rounded up on a GPU, so attention kernels are built for few shapes.
+        self.runner = Runner(model, self.config, rows, strategy, steps, block_size, prefill_step,
+                             pad_multiple or prefill.pad_multiple())
+        # Bytes the cache may take: a share of the device's memory beside what is in use now (weights).
+        self.kv_memory = kv_memory or max(0, int(strategy.memory_fraction * memory_limit()) - mx.get_active_memory())
+        self.slot_bytes = kv.slot_bytes(self.config, self.runner.dtype)
+        self.block_bytes = block_size * self.slot_bytes
+        max_blocks = max(2, self.kv_memory // self.block_bytes)
+        cached = (self.kv_memory // 8 if prefix_cache_bytes is None else prefix_cache_bytes) // self.block_bytes
+        pool = Pool(1, block_size, cached if prefix_cache else 0)
+        pages = Pages(rows, pool, self.config.max_window, max_blocks, MIN_BLOCKS if on_gpu else MIN_BLOCKS_CPU)
+        # On a GPU a prefill of a few prompts costs about what one of many does (kernel launches), so
+        # new requests wait until a quarter of the rows are free (H200, 256 prompts through 64 rows of
+        # an 8B: 1.45 / 1.32x static batches; at one row 1.08 / 1.12x). On the CPU every token costs,
+        # so each free row is refilled at once; and a row costs a step's share of work whether it
+        # holds a request or not, so the decoded rows follow the live requests (shrink_rows). On a
+        # GPU a step costs about the same for 1 row or 32, and every width would compile anew.
+        self.scheduler = Scheduler(rows, pool, pages, max_blocks=max_blocks,
+                                   context=self.config.max_position_embeddings, prefill_step=prefill_step,
+                                   admit_min=admit_min or (max(1, rows // 4) if on_gpu else 1),
+                                   shrink_rows=not on_gpu if shrink_rows is None else shrink_rows,
+                                   spill=0 if draft is None else 2 * (num_draft_tokens + 1))
+        self.stats = EngineStats(rows=rows)
+        self.constraints = Constraints(self.config.vocab_size)
+        drafter = drafter_for(draft, self)
+        self.speculation = None if drafter is None else Speculation(
+            drafter, num_draft_tokens,
+            policy or speculative.Policy(enabled=speculative.may_pay(rows, num_draft_tokens)))
+        # Engine-thread state: outputs queued and not yet handed out, with the requests their rows held.
+        self._inflight: list[tuple[StepOut, Sequence]] = []
+        self._roster_of: Roster | None = None
+        self.inbox = Inbox()  # any thread's messages
+
+    @property
+    def requests(self) -> dict[int, Record]:
+        return self.scheduler.requests
+
+    # ---- any thread ----
+
+    def submit(self, request: Request) -> int:
+        """Queue a checked Request (`options.requests` / `make_request`); returns its id. Raises
+        InputError, before any work, if its cache could never fit the memory budget."""
+        self.check(request)
+        rid = self.inbox.new_id()
+        record = Record(rid, request, request_mode(request),
+                        Row(len(request.prompt), request.max_tokens, RowText(self.model.tokenizer, request.stop),
+                            request.logprobs), submitted=time.perf_counter(),
+                        matcher=None if request.constraint is None else request.constraint.matcher(request.eos))
+        self.inbox.submit(record)
+        return rid
+
+    def check(self, request: Request) -> None:
+        """Raise InputError, as `submit` does, unless this engine can take `request`."""
+        if not isinstance(request, Request):
+            raise InputError(f"submit takes an mlxfun Request, got {type(request).__name__}")
+        need = self.scheduler.blocks_needed(request)
+        if need > self.scheduler.max_blocks:
+            raise InputError(f"a prompt of {len(request.prompt)} tokens with max_tokens={request.max_tokens} needs "
+                             f"{_size(need * self.block_bytes)} of KV cache; {_size(self.kv_memory)} are available "
+                             "(lower max_tokens, or bound the cache with max_kv_size)")
+
+    def add(self, prompt, *, max_tokens: int = 256, stop: Sequence[str] = (), settings: sampling.Settings | None = None,
+            logprobs: int | None = None, ignore_eos: bool = False, response_format: dict | None = None) -> int:
+        """Queue a prompt (text or token ids) with one row's sampling `settings`; returns its id."""
+        return self.submit(make_request(self.model, prompt, max_tokens=max_tokens, settings=settings, stop=stop,
+                                        logprobs=logprobs, ignore_eos=ignore_eos, response_format=response_format))
+
+    def cancel(self, rid: int) -> None:
+        """Stop a request: a queued one never starts, a running one leaves its row at the next step.
+        Its closing event has finish reason "cancelled"; no event of it follows this call."""
+        self.inbox.cancel(rid)
+
+    # ---- the engine thread: the loop ----
+
+    def events(self) -> Iterator[Event]:
+        """Run until every submitted request has finished, yielding each Event as it is produced
+        (index = request id)."""
+        t0, prompt0 = time.perf_counter(), self.stats.prompt_time
+        while True:
+            for event in self.step():
+                if event.finish_reason is None and event.index in self.inbox.cancelling:
+                    continue  # cancelled after this step ran
+                yield event
+            if self.idle:
+                break
+        self.stats.generation_time += time.perf_counter() - t0 - (self.stats.prompt_time - prompt0)
+        self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+
+    def serve(self, stop: threading.Event, poll: float = 0.05) -> Iterator[Event]:
+        """Run until `stop` is set and every request has finished, waiting for work when idle."""
+        while not (stop.is_set() and self.idle):
+            if self.idle:
+                self.inbox.wake.wait(poll)
+                self.inbox.wake.clear()
+                continue
+            yield from self.events()
+
+    @property
+    def idle(self) -> bool:
+        return self.inbox.empty() and not self.scheduler.pending and not self.scheduler.live_count() \
+            and not self._inflight
+
+    def step(self) -> list[Event]:
+        """One round: admit, queue a decode step (a masked one when a live row is constrained), then
+        hand out the round before. When speculation pays, a verify round instead (`Speculation`)."""
+        spec = self.speculation
+        if spec is not None and spec.wants_round(self):
+            events = spec.round(self)
+        else:
+            events = spec.leave_pipeline(self) if spec is not None else []
+            events += self.admit()
+            needs = self.scheduler.needs_decode()
+            if needs and self.roster().mode.masked:
+                events += self._masked_decode()
+            else:
+                queued = self.decode() if needs else None
+                events += self.collect(keep=queued)
+            if spec is not None:
+                spec.after_plain_round(self)
+        self._fit_cache()
+        return events
+
+    def take(self, rid: int) -> Record:
+        """Release a finished request and return its record."""
+        record = self.requests[rid]
+        if record.finish_reason is None:
+            raise InputError(f"request {rid} has not finished")
+        self.inbox.cancelling.discard(rid)
+        return self.requests.pop(rid)
+
+    def add_prompt_cache(self, cache) -> None:
+        """Make a `prompt_cache.PromptCache`'s full blocks part of the prefix cache, pinned for the
+        engine's life, so every prompt that starts with its tokens skips them."""
+        from mlxfun.features.prompt_cache import install
+
+        install(self, cache)
+
+    # -- the round's parts (public for profiling: admit, then decode and collect per step) --
+
+    def admit(self) -> list[Event]:
+        """Drain the inbox (closing events for cancellations), then prefill the requests the
+        scheduler admits into free rows, queued on the device (evaluated at once when no row is
+        decoding: nothing to overlap). Their first tokens are handed out by the next `collect`."""
+        events = self._drain() if not self.inbox.empty() else []  # (a message put after this waits a step)
+        sched = self.scheduler
+        busy = sched.live_count() > 0
+        records = sched.admission()
+        if not records:
+            return events
+        t0 = time.perf_counter()
+        self.stats.admissions += 1
+        width = sched.width(sched.live_count() + len(records))
+        if self.runner.state is None:
+            sched.resize_rows(width)
+        else:
+            self._set_width(width)
+        free = sched.free_rows()
+        # The pool grows once for what the rows may hold (each new size retraces the step).
+        sched.pages.reserve(sched.outstanding() + sum(sched.blocks_needed(r.request) for r in records))
+        if self.runner.state is None:
+            # A first state's device pool holds the prompts' blocks; the first decode step grows it to
+            # the reservation (`sync`), after the prompts' activations are freed, so the peak holds
+            # one or the other (made at the reservation, a 1B's 128 x 128-token batch peaked 0.54 GB higher).
+            bs = sched.pool.block_size
+            prompts = sum(-(-len(r.request.prompt) // bs) for r in records)
+            self._new_state(min(pool_size(1 + prompts, sched.max_blocks, sched.pages.least), sched.pool.size))
+        params = self.runner.prompt_params([len(r.request.prompt) for r in records])
+        outs = []
+        for wave in sched.waves(records):
+            if outs and not busy:
+                mx.eval([o[0] for o in outs], self.runner.state)
+            outs += self._prefill(params, wave, free, wait=not busy)
+        self._inflight += outs
+        self._restack()
+        self.stats.prompt_tokens += sum(len(r.request.prompt) for r in records)
+        if not busy:
+            mx.eval([o[0] for o in outs], self.runner.state)
+            self.stats.prompt_time += time.perf_counter() - t0
+            self.stats.timed_prompt_tokens += sum(len(r.request.prompt) - r.cached_tokens for r in records)
+        return events
+
+    def _prefill(self, params, records: list[Record], free: list[int], wait: bool = False
+                 ) -> list[tuple[StepOut, list]]:
+        """Prefill requests into free rows, each after the longest prefix the cache holds, in
+        length groups. `wait`: evaluate each group before the next is launched (nothing decodes
+        meanwhile), so the peak holds one group's activations; the next group's host work (its
+        blocks, chunks and graph) is done while the device runs the one before."""
+        sched, bs = self.scheduler, self.scheduler.pool.block_size
+        starts = [(r, sched.cached_prefix(r)) for r in records]
+        self.stats.cached_tokens += sum(r.cached_tokens for r in records)
+        outs = []
+        lengths = [len(r.request.prompt) - r.cached_tokens for r, _ in starts]
+        for n, group in enumerate(prefill.plan_groups(lengths, self.runner.prefill_step,
+                                                      prefill.group_tokens(self.config.hidden_size))):
+            # Waited for after this group's host work: on an H200 that work left the device idle
+            # 3.9 ms before the second group of 128 prompts of the 1B shape (of 96 ms in all).
+            previous = partial(mx.eval, outs[-1][0]) if n and wait else None
+            rows = [free.pop(0) for _ in group]
+            chosen = [starts[i][0] for i in group]
+            sched.place(rows, chosen, [starts[i][1] for i in group])
+            if self.speculation is not None:
+                self.speculation.drafter.admitted(self, rows)
+            chains = [partial(r.prompt_chain, bs) for r in chosen] if sched.pool.max_cached > 0 else None
+            h = self.runner.prefill(params, sched.pages, rows, [r.request.prompt for r in chosen],
+                                    [r.cached_tokens for r in chosen], chains, previous)
+            mode = mode_for(chosen)
+            out = self.runner.first_tokens(params, h, rows, mode, [r.request.settings for r in chosen],
+                                           [r.matcher for r in chosen] if mode.masked else None,
+                                           [len(r.request.prompt) for r in chosen])
+            outs.append((out, [r.id for r in chosen]))
+        return outs
+
+    def next_decode(self) -> tuple[Callable, tuple]:
+        """The compiled decode step for the live rows and its arguments, not run (profiling)."""
+        roster = self._prepare_step()
+        return roster.steps.decode, (self.runner.step_params, self.runner.input_state(roster.mode.penalties),
+                                     self.runner.settings)
+
+    def decode(self) -> StepOut:
+        """Queue one decode step for every row (rows without a live request decode idly)."""
+        roster = self._prepare_step()
+        out = self.runner.decode(roster.steps, roster.mode.penalties)
+        self._advanced(roster.live)
+        if self.speculation is not None:
+            self.speculation.decoded(time.perf_counter())
+        self._inflight.append((out, roster.owners))
+        return out
+
+    def _masked_decode(self) -> list[Event]:
+        """A decode step when some live row is constrained: the mask worker reads the tokens in
+        flight and computes the next masks while this thread queues the forward pass (it needs
+        only the tokens already on the device); then the sampling half is queued with the masks,
+        and the tokens read are handed out while the device runs it."""
+        roster = self._prepare_step()
+        ready, self._inflight = self._inflight, []
+        job = self.constraints.start(ready, roster.owners, self.requests)
+        # The forward pass is queued at once. MLX holds the GIL while it encodes the graph, so the
+        # worker reads and matches the tokens after that; letting it go first (up to 1 ms) left the
+        # device idle meanwhile (1.16-1.22x a free step against 1.07-1.12x, 1B and 8B, batch 32, H200).
+        logits = self.runner.forward(roster.steps, roster.mode.penalties)
+        self._advanced(roster.live, count=False)
+        values = job.result()  # the masks are filled
+        out = self.runner.sample(roster.steps, logits, self.constraints.device(), roster.mode.penalties)
+        self.stats.steps += 1
+        self.stats.busy_row_steps += len(roster.live)
+        self._inflight.append((out, roster.owners))
+        events = []
+        for (step_out, step_owners), v in zip(ready, values):
+            events += hand_out(self, step_out, step_owners, v, matched=True)
+        self._count_rows()
+        return events
+
+    def collect(self, keep: StepOut | None = None) -> list[Event]:
+        """Hand out the tokens of every output in flight except `keep` (the step just queued)."""
+        events = []
+        ready = [item for item in self._inflight if item[0] is not keep]
+        self._inflight = [item for item in self._inflight if item[0] is keep]
+        for out, owners in ready:
+            if isinstance(out, Verdict):
+                events += self.speculation.handed_out(self, out, owners, pipelined=keep is not None)
+            else:
+                events += hand_out(self, out, owners)
+        self._count_rows()
+        return events
+
+    # ---- for the parts and the features ----
+
+    def roster(self) -> Roster:
+        owners = tuple(self.scheduler.owner)
+        if self._roster_of is None or self._roster_of.owners != owners:
+            live = [r for r, o in enumerate(owners) if o is not None]
+            mode = mode_for([self.requests[owners[r]] for r in live])
+            self._roster_of = Roster(owners, live, mode, self.runner.steps_for(mode))
+        return self._roster_of
+
+    def sync(self) -> None:
+        """The device state caught up with the host: pool size, block table, vacated rows."""
+        sched = self.scheduler
+        table = None
+        if sched.pages.dirty:
+            table = sched.pages.table[:len(sched.owner)]
+            sched.pages.dirty = False
+        self.runner.sync(sched.pool.size, table, sched.vacated)
+        sched.vacated = []
+
+    def release(self, row: int, record: Record) -> None:
+        """Free a row (its blocks to the prefix cache, then to the pool)."""
+        self.scheduler.release(row, record)
+        if self.speculation is not None:
+            self.speculation.drafter.released(self, row)
+
+    def ensure_state(self) -> None:
+        """A device state, if there is none yet (the prefix cache is written into its pool)."""
+        if self.runner.state is None:
+            self._new_state()
+
+    def in_flight(self, out) -> None:
+        """An output queued outside `decode`, to be handed out by the next `collect`."""
+        self._inflight.append((out, list(self.scheduler.owner)))
+
+    # ---- internals ----
+
+    def _prepare_step(self) -> Roster:
+        """Blocks for each live row's next position, the device state caught up -> the roster."""
+        roster = self.roster()
+        self.scheduler.blocks_for_step(roster.live)
+        self.sync()
+        return roster
+
+    def _advanced(self, live: list[int], count: bool = True) -> None:
+        """A decode step was queued for the `live` rows: each is one position further."""
+        pos = self.scheduler.pos
+        for r in live:
+            pos[r] += 1
+        if count:
+            self.stats.steps += 1
+            self.stats.busy_row_steps += len(live)
+
+    def _new_state(self, blocks: int | None = None) -> None:
+        sched = self.scheduler
+        self.runner.state = self.runner.empty_state(len(sched.owner), blocks or sched.pool.size,
+                                                    sched.pages.table[:len(sched.owner)])
+
+    def _restack(self) -> None:
+        self.runner.restack([self.requests[o].request.settings if o is not None else None
+                             for o in self.scheduler.owner])
+
+    def _set_width(self, width: int) -> None:
+        """Hold `width` rows: the live ones, then empty ones. Steps already queued keep their own
+        row -> request map (`_inflight`), so their tokens still reach the right requests."""
+        keep = self.scheduler.set_width(width)
+        if keep is None:
+            return
+        if self.speculation is not None:
+            self.speculation.drafter.reorder(self, keep)
+        self.runner.set_rows(keep, width)
+        self._restack()
+
+    def _count_rows(self) -> None:
+        self.stats.running = self.scheduler.live_count()
+        self.stats.queued = len(self.scheduler.pending) + self.inbox.size()
+
+    def _drain(self) -> list[Event]:
+        """The inbox's messages: new requests queued, cancelled ones closed (and their rows freed)."""
+        submitted, cancelled = self.inbox.drain()
+        for record in submitted:
+            self.scheduler.enqueue(record)
+        events = []
+        for rid in cancelled:
+            if rid not in self.requests:  # unknown, or already taken
+                self.inbox.cancelling.discard(rid)
+            found = self.scheduler.cancel(rid)
+            if found is None:
+                continue
+            record, row = found
+            if row is not None:
+                self.release(row, record)
+            self.stats.requests += 1
+            events.append(Event(rid, -1, "", "cancelled"))
+        return events
+
+    def _fit_cache(self) -> None:
+        """Drop the pool when idle and nothing is cached; compact it once long requests have left."""
+        sched, runner = self.scheduler, self.runner
+        live = sched.live_count()
+        if runner.state is not None and not live and sched.pool.cached == 0 and self.idle:
+            runner.drop()
+            sched.forget_pool()
+        elif runner.state is not None:
+            if sched.shrink_rows and sched.width(live) < len(sched.owner):
+                self._set_width(sched.width(live))
+            sched.pages.shrink()
+            plan = sched.compaction()
+            if plan is not None:
+                runner.compact(*plan)
+        self.stats.record_memory(self.scheduler, self.runner.state is not None, self.block_bytes)
+
+
+
+def drafter_for(draft, engine: Engine) -> speculative.Drafter | None:
+    """The drafter for a `draft` option: None, "prompt-lookup", a draft Model (or what
+    `mlxfun.load` loads one from: a path or repo id), or a Drafter."""
+    from mlxfun.features.drafting import DraftModel
+
+    if draft is None or isinstance(draft, speculative.Drafter):
+        return draft
+    if isinstance(draft, str) and draft == "prompt-lookup":
+        return speculative.LookupDrafter()
+    if isinstance(draft, (str, Path)):
+        from mlxfun.model.load import load
+
+        draft = load(draft)
+    if isinstance(draft, Model):
+        return DraftModel(draft, engine)
+    raise InputError(f"draft_model must be a Model, a path or 'prompt-lookup', got {draft!r:.60}")
+
+
+def engine_for(model: Model, rows: int, config: GenerationConfig, kv_memory: int | None = None) -> Engine:
+    """The engine a GenerationConfig's scheduler options describe (generate, the command line).
+    `kv_memory`: the KV budget, when ranks must agree on it (mlxfun.parallel.distributed)."""
+    engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size,
+                    prefix_cache=config.prefix_cache, draft=config.draft_model,
+                    num_draft_tokens=config.num_draft_tokens, kv_memory=kv_memory)
+    if config.prompt_cache is not None:
+        engine.add_prompt_cache(config.prompt_cache)
+    return engine
+
+
+def _check_options(rows, prefill_step, block_size, max_kv_size, admit_min, pad_multiple, kv_memory, prefix_cache,
+                   prefix_cache_bytes, num_draft_tokens) -> None:
+    """Raise InputError naming the first of the Engine's options that is out of range."""
+    for name, value in (("rows", rows), ("prefill_step", prefill_step), ("block_size", block_size)):
+        check_positive_int(name, value)
+    for name, value in (("max_kv_size", max_kv_size), ("admit_min", admit_min), ("pad_multiple", pad_multiple),
+                        ("kv_memory", kv_memory)):
+        check_positive_int(name, value, allow_none=True)
+    check_bool("prefix_cache", prefix_cache)
+    check_positive_int("num_draft_tokens", num_draft_tokens)
+    if num_draft_tokens >= block_size:
+        raise InputError(f"num_draft_tokens must be below the block size {block_size}, got {num_draft_tokens}")
+    if prefix_cache_bytes is not None and (isinstance(prefix_cache_bytes, bool) or
+                                           not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0):
+        raise InputError(f"prefix_cache_bytes must be a non-negative integer, got {prefix_cache_bytes!r}")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"

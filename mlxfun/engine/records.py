@@ -1,0 +1,124 @@
+"""What the engine keeps per request and in all: a request's record and the engine's counters.
+
+Host data only. A `Record` is created by `Engine.submit` on any thread, then owned by the
+engine thread; `EngineStats` is written by the engine thread and may be read (one step old)
+from any other.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from mlxfun.engine import sampling
+from mlxfun.engine.blocks import chain
+from mlxfun.engine.detok import RowText
+from mlxfun.engine.events import Stats
+from mlxfun.engine.options import Request
+from mlxfun.engine.rows import Row
+from mlxfun.engine.step import Mode
+from mlxfun.features import structured
+
+# Recent samples kept for latency percentiles.
+WINDOW = 1024
+
+
+@dataclass
+class Record:
+    """A submitted request and, as it runs, its output (`row`). Owned by the engine thread."""
+
+    id: int
+    request: Request
+    mode: Mode  # what a decode step must compute for this request
+    row: Row
+    submitted: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed
+    matcher: structured.Matcher | None = None  # the row's place in its constraint (structured output)
+    error: str | None = None  # why a constrained row had to end early (an error of the grammar engine)
+    complete: bool = False  # nothing but EOS may follow in its constraint (as of the last token matched)
+    keys: list | None = None  # its prompt's block keys (`blocks.chain`), once a prefix cache needs them
+
+    def prompt_chain(self, block_size: int) -> list:
+        """The prompt's `blocks.chain`, computed once (admission looks it up several times)."""
+        if self.keys is None:
+            self.keys = chain(self.request.prompt, block_size)
+        return self.keys
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.row.finish_reason
+
+    @property
+    def text(self) -> RowText:
+        return self.row.text
+
+
+@dataclass
+class EngineStats(Stats):
+    """Counts and bounded windows. `prompt_time` is the time of admissions made while no row was
+    decoding (they cannot overlap anything); prefills that overlap decoding count as generation."""
+
+    steps: int = 0
+    busy_row_steps: int = 0  # sum over decode steps of the rows holding a live request
+    rows: int = 0
+    admissions: int = 0  # times new requests were prefilled (each one prefill per length group)
+    requests: int = 0  # requests finished (any reason)
+    queued: int = 0  # waiting for a row, at the last step
+    running: int = 0  # holding a row, at the last step
+    capacity: int = 0  # slots a row's table spans now
+    max_capacity: int = 0
+    kv_bytes: int = 0  # bytes of the KV pool now (0 when dropped)
+    kv_used_bytes: int = 0  # bytes of the blocks live rows hold
+    peak_kv_bytes: int = 0
+    peak_kv_used_bytes: int = 0
+    verify_rounds: int = 0  # speculative rounds (counted in `steps` too)
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens kept
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
+    cached_blocks: int = 0  # blocks the prefix cache holds (used by rows or not)
+    prefix_hits: int = 0  # prompt blocks found in the prefix cache
+    ttft: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # recent times to first token, s
+    itl: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # recent gaps between a row's tokens, s
+    timed_prompt_tokens: int = 0  # the prompt tokens of the admissions `prompt_time` counts
+
+    def record_memory(self, scheduler, on: bool, block_bytes: int) -> None:
+        """The KV pool's sizes after a step (`on`: the device state exists)."""
+        pool = scheduler.pool
+        self.capacity = scheduler.pages.width * pool.block_size if on else 0
+        self.max_capacity = max(self.max_capacity, self.capacity)
+        self.kv_bytes = (pool.size if on else 0) * block_bytes
+        self.kv_used_bytes = pool.used * block_bytes
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes)
+        self.peak_kv_used_bytes = max(self.peak_kv_used_bytes, self.kv_used_bytes)
+        self.cached_blocks, self.prefix_hits = pool.cached, pool.hits
+
+    @property
+    def occupancy(self) -> float:
+        return self.busy_row_steps / (self.steps * self.rows) if self.steps else 0.0
+
+    def summary(self) -> str:
+        ttft = sorted(self.ttft)
+        median = ttft[len(ttft) // 2] if ttft else 0.0
+        return (f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tokens/s\n"
+                f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.1f} tokens/s\n"
+                f"Requests: {self.requests}, prompts {self.prompt_tokens} tokens ({self.cached_tokens} reused), "
+                f"generated {self.generation_tokens} tokens; rows busy {self.occupancy:.0%} of {self.steps} steps, "
+                f"{self.admissions} admissions; "
+                f"median time to first token {median:.3f} s\n"
+                f"Peak memory: {self.peak_memory_gb:.3f} GB")
+
+
+def mode_for(requests: Sequence[Record]) -> Mode:
+    """The least a step must compute for these requests (each Mode compiles once)."""
+    return Mode(sample=any(r.mode.sample for r in requests), penalties=any(r.mode.penalties for r in requests),
+                sort=any(r.mode.sort for r in requests), top_logprobs=max(r.mode.top_logprobs for r in requests),
+                masked=any(r.mode.masked for r in requests))
+
+
+def request_mode(request: Request) -> Mode:
+    s = request.settings
+    return Mode(sample=not sampling.all_greedy(s), penalties=sampling.needs_counts(s), sort=sampling.needs_sort(s),
+                top_logprobs=request.logprobs, masked=request.constraint is not None)

@@ -1,0 +1,212 @@
+"""The runner: the device side of the engine. It owns the weights the steps read, the decode
+state (`step.DecodeState`: the KV pool, each row's token, position, step and counts) and the
+rows' sampling settings, and queues the compiled steps on them: prefill chunks, the first token,
+decode, the masked decode's two halves and verify rounds.
+
+It decides nothing: the scheduler says which rows hold what, and the engine passes that in
+(row indices, block tables, pool sizes). Every step is queued (`mx.async_eval`), not waited for.
+
+In-place writes. A step writes the KV pool in place only when nothing else references the old
+pool, so no method keeps a reference to a state it has replaced (an extra reference makes MLX
+copy the whole pool first: a 134 MB pool took 74 ms per write on a 2-core CPU against 0.07).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from mlxfun.engine import prefill, sampling
+from mlxfun.engine.paging import Pages
+from mlxfun.engine.step import DecodeState, Mode, StepOut, Steps, first_token
+from mlxfun.engine.strategy import WeightStrategy, params_for_batch, params_for_prompts
+from mlxfun.features import structured
+from mlxfun.features.speculative import Verdict
+from mlxfun.model import cache as kv
+from mlxfun.model import weights
+from mlxfun.model.config import ModelConfig
+from mlxfun.model.load import Model
+
+# Settings for a row that holds no request (its tokens are discarded).
+IDLE = sampling.make_settings(1, seed=0)
+
+
+class Runner:
+    def __init__(self, model: Model, config: ModelConfig, rows: int, strategy: WeightStrategy,
+                 steps: Callable[[ModelConfig, Mode], Steps], block_size: int, prefill_step: int, pad_multiple: int):
+        self.config, self.strategy, self.steps = config, strategy, steps
+        self.block_size, self.prefill_step, self.pad_multiple = block_size, prefill_step, pad_multiple
+        # Quantized weights may run as a dense copy for this many rows (mlxfun.engine.strategy).
+        self.params = params_for_batch(model.config, model.params, rows, strategy)
+        mx.eval(self.params)  # here, on the constructing thread: the engine thread may be another
+        self.dtype = self.params.norm.dtype
+        # What the steps read: the same weights, dense ones also as transposed views (no copy), so a
+        # product is one graph node (a 1B decode step is host-bound on an H200: 65 nodes fewer).
+        self.step_params = weights.with_transposed(config, self.params)
+        self.state: DecodeState | None = None
+        self.settings: sampling.Settings | None = None  # per-row settings of the state's rows
+
+    def steps_for(self, mode: Mode) -> Steps:
+        return self.steps(self.config, mode)
+
+    # ---- the state ----
+
+    def empty_state(self, rows: int, blocks: int, table: np.ndarray) -> DecodeState:
+        """A state of `rows` empty rows over a device pool of `blocks` blocks."""
+        keys, values, positions = kv.pool(self.config, blocks, self.block_size, self.dtype)
+        return DecodeState(kv.KVCache(keys, values, positions, mx.array(table)),
+                           tokens=mx.zeros((rows,), mx.int32), positions=mx.full((rows,), -1, mx.int32),
+                           steps=mx.zeros((rows,), mx.int32), counts=mx.zeros((rows, self.config.vocab_size), mx.int32))
+
+    def drop(self) -> None:
+        """Free the state (an idle engine with nothing cached)."""
+        self.state, self.settings = None, None
+
+    def restack(self, settings: list[sampling.Settings | None]) -> None:
+        """The rows' sampling settings as one batch (None: a row without a request)."""
+        self.settings = _stack([IDLE if s is None else s for s in settings])
+
+    def set_rows(self, keep: list[int], width: int) -> None:
+        """Rows `keep` become rows 0, 1, ..., then empty rows up to `width`. Steps already queued
+        keep their own arrays; the KV stays where it is (the rows' blocks move with them)."""
+        s = self.state
+        self.state = s._replace(tokens=_rows(s.tokens, keep, width, 0), positions=_rows(s.positions, keep, width, -1),
+                                steps=_rows(s.steps, keep, width, 0), counts=_rows(s.counts, keep, width, 0))
+
+    def sync(self, pool_blocks: int, table: np.ndarray | None, vacated: list[int]) -> None:
+        """The state caught up with the host: the device pool at `pool_blocks`, a new block
+        `table` (None: unchanged), and the `vacated` rows' positions at -1 (hidden)."""
+        s = self.state
+        cache, positions = prefill.ensure_pool(s.cache, pool_blocks), s.positions
+        if table is not None:
+            cache = cache._replace(table=mx.array(table))
+        if vacated:
+            check_rows(vacated, positions.shape[0], "vacated")
+            positions = kv.updated(positions, mx.array(vacated, mx.int32), mx.full((len(vacated),), -1, mx.int32))
+        if cache is not s.cache or positions is not s.positions:  # most steps: nothing to do
+            self.state = s._replace(cache=cache, positions=positions)
+
+    def compact(self, keep: np.ndarray, blocks: int) -> None:
+        """The pool's blocks `keep` renumbered 0, 1, ... in a pool of `blocks` blocks."""
+        cache = kv.take_blocks(self.state.cache, mx.array(keep))
+        self.state = self.state._replace(cache=prefill.ensure_pool(cache, blocks))
+
+    def write_blocks(self, blocks: list[int], keys: list[mx.array], values: list[mx.array], pool_blocks: int) -> None:
+        """Keys and values (T, K, D) per layer written into `blocks` (their first len(blocks) * bs
+        positions), positions 0 ... (a prompt cache's blocks), in a pool of `pool_blocks` blocks."""
+        m, bs = len(blocks), self.block_size
+        c = prefill.ensure_pool(self.state.cache, pool_blocks)
+        index = mx.array(blocks, mx.int32)
+        slots = kv.block_slots(index, bs)
+
+        def put(pool: mx.array, new: mx.array) -> mx.array:  # new (T, K, D)
+            return kv.updated(pool, slots, new[:m * bs, :, None])
+
+        self.state = self.state._replace(cache=c._replace(
+            keys=tuple(put(p, k) for p, k in zip(c.keys, keys)),
+            values=tuple(put(p, v) for p, v in zip(c.values, values)),
+            positions=kv.updated(c.positions, index, mx.arange(m * bs, dtype=mx.int32).reshape(m, bs))))
+
+    def input_state(self, penalties: bool) -> DecodeState:
+        """The state a step takes: without counts unless it applies penalties."""
+        return self.state if penalties else self.state._replace(counts=None)
+
+    def _advanced(self, state: DecodeState) -> None:
+        """The state after a step (counts kept where the step had none)."""
+        self.state = state if state.counts is not None else state._replace(counts=self.state.counts)
+
+    # ---- steps ----
+
+    def decode(self, steps: Steps, penalties: bool) -> StepOut:
+        """Queue one decode step for every row (rows without a request decode idly)."""
+        out, state = steps.decode(self.step_params, self.input_state(penalties), self.settings)
+        self._advanced(state)  # the old state unreferenced: the step writes the KV pool in place
+        mx.async_eval(out, self.state)
+        return out
+
+    def forward(self, steps: Steps, penalties: bool) -> mx.array:
+        """Queue a decode step's forward pass (the masked decode's first half) -> logits."""
+        logits, state = steps.forward(self.step_params, self.input_state(penalties))
+        self._advanced(state)
+        mx.async_eval(logits, self.state)
+        return logits
+
+    def sample(self, steps: Steps, logits: mx.array, masks: mx.array, penalties: bool) -> StepOut:
+        """Queue the masked decode's second half: each row's token under its mask."""
+        out, state = steps.sample(logits, masks, self.input_state(penalties), self.settings)
+        self._advanced(state)
+        mx.async_eval(out, self.state)
+        return out
+
+    def verify(self, steps: Steps, drafts: mx.array, valid: mx.array, q: mx.array | None) -> Verdict:
+        """Queue a verify round: every row's drafts (B, k) checked by one forward pass."""
+        out, state = steps.verify(self.step_params, self.state._replace(counts=None), drafts, valid, q, self.settings)
+        self.state = state._replace(counts=self.state.counts)
+        mx.async_eval(out, self.state)
+        return out
+
+    # ---- admission ----
+
+    def prompt_params(self, lengths: list[int]):
+        """The weights a prefill of these prompts multiplies by (long prompts may run a dense copy
+        of quantized weights, dropped after admission: mlxfun.engine.strategy)."""
+        return params_for_prompts(self.config, self.step_params, lengths, self.prefill_step, self.strategy)
+
+    def prefill(self, params, pages: Pages, rows: list[int], prompts: list[list[int]], starts: list[int],
+                chains, previous: Callable[[], None] | None) -> mx.array:
+        """Queue the prefill of `prompts` (from `starts`, the ends of their cached prefixes) into
+        `rows` -> the hidden state of each prompt's last token (G, E)."""
+        # Passed on as a temporary: no reference to the pool may outlive the call (this frame's
+        # included), or the chunks' writes would copy the whole pool rather than write it in place.
+        h, cache = prefill.prefill_rows(self.steps(self.config, Mode()), params, self._detach_cache(), pages, rows,
+                                        prompts, starts, self.prefill_step, self.pad_multiple, chains, previous)
+        self.state = self.state._replace(cache=cache)
+        return h
+
+    def _detach_cache(self):
+        """The state's cache, which the state then no longer holds: a write into an array nothing
+        else references happens in place."""
+        cache = self.state.cache
+        self.state = self.state._replace(cache=None)
+        return cache
+
+    def first_tokens(self, params, h: mx.array, rows: list[int], mode: Mode, settings: list[sampling.Settings],
+                     matchers: list | None, lengths: list[int]) -> StepOut:
+        """Each admitted row's first token from its last hidden state, merged into the state at
+        `rows`. Not compiled: group sizes vary, and each new shape would trace and build kernels
+        again. `matchers`: the rows' constraints (structured output), when any row has one."""
+        mode = mode._replace(penalties=False)  # nothing generated yet: counts are zero
+        mask = None
+        if matchers is not None:
+            words = structured.words(self.config.vocab_size)
+            mask = mx.array(structured.fill_masks(matchers, np.ones((len(rows), words), np.uint32)))
+        out = first_token(self.config, mode, params, h, _stack(settings), mx.zeros((len(rows),), mx.int32), None, mask)
+        s = self.state
+        check_rows(rows, s.tokens.shape[0], "admitted")
+        r = mx.array(rows, dtype=mx.int32)
+        fresh = sampling.update_counts(mx.zeros((len(rows), s.counts.shape[1]), mx.int32), out.tokens)
+        self.state = s._replace(tokens=kv.updated(s.tokens, r, out.tokens),
+                                positions=kv.updated(s.positions, r, mx.array(lengths, mx.int32)),
+                                steps=kv.updated(s.steps, r, mx.ones((len(rows),), mx.int32)),
+                                counts=kv.updated(s.counts, r, fresh))
+        return out
+
+
+def _rows(a: mx.array, keep: list[int], width: int, fill) -> mx.array:
+    """a (B, ...) -> (width, ...): rows `keep` of a, then rows of `fill`."""
+    kept = a[mx.array(keep, mx.int32)] if keep else a[:0]
+    pad = mx.full((width - len(keep), *a.shape[1:]), fill, a.dtype)
+    return mx.concatenate([kept, pad]) if width > len(keep) else kept
+
+
+def check_rows(rows: list[int], width: int, what: str) -> None:
+    """Rows a scatter is about to write, checked on the host: MLX does not bound-check scatter
+    indices, so a row past the state would write past the end of its arrays (heap corruption)."""
+    if rows and not 0 <= min(rows) <= max(rows) < width:
+        raise RuntimeError(f"engine bug: {what} rows {sorted(rows)} outside a state of {width} rows")
+
+
+def _stack(settings: list[sampling.Settings]) -> sampling.Settings:
+    return sampling.Settings(*(mx.concatenate(fields) for fields in zip(*settings)))

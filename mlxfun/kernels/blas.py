@@ -1,0 +1,72 @@
+"""Opt-in system BLAS for MLX's CPU backend on Linux, chosen by the environment at import.
+
+MLX's Linux CPU wheel bundles the reference BLAS, whose float32 product costs the same per row at
+any batch size. An optimised BLAS loaded into the process before MLX takes over its BLAS calls
+(measured with Debian's OpenBLAS on 2 cores: 2.6x at one row, 10-20x at 8 to 128; SmolLM2 4-bit
+decodes 1.8-5.3x mlx-lm's speed as a dense copy; round2-main:benchmarks/README.md). It must be loaded before
+`mlx.core` is imported, so it is chosen by the environment, not by an argument:
+
+    MLXFUN_BLAS=openblas python -m mlxfun generate ...      # Debian/Ubuntu libopenblas0-pthread
+    MLXFUN_BLAS=/path/to/libopenblas.so.0 python ...
+
+Caveat: such a BLAS picks kernels by row count, so a prompt alone and in a batch may differ in the
+last bits of their logits (1.5e-5 measured), and a near tie can flip a greedy token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+from mlxfun.errors import MlxfunError
+
+ENV = "MLXFUN_BLAS"
+# Where Debian and Ubuntu install OpenBLAS (libopenblas0-pthread / -openmp / -serial).
+OPENBLAS = tuple(f"/usr/lib/{arch}-linux-gnu/{flavour}/libopenblas.so.0"
+                 for arch in ("x86_64", "aarch64") for flavour in ("openblas-pthread", "openblas-openmp",
+                                                                   "openblas-serial")) + (
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0")
+
+
+def resolve(spec: str) -> str:
+    """The library path `spec` names: a path, or "openblas" for the first system OpenBLAS found."""
+    if spec == "openblas":
+        for path in OPENBLAS:
+            if os.path.exists(path):
+                return path
+        raise MlxfunError(f"{ENV}=openblas but no OpenBLAS was found (looked in {', '.join(OPENBLAS[:3])}, ...); "
+                          "install libopenblas0-pthread or give the library's path")
+    if not os.path.isfile(spec):
+        raise MlxfunError(f"{ENV}={spec!r}: no such file (give a BLAS shared library's path, or 'openblas')")
+    return spec
+
+
+def load_from_environment() -> str | None:
+    """Load the library $MLXFUN_BLAS names, globally, before MLX. -> its path, or None when unset."""
+    spec = os.environ.get(ENV, "").strip()
+    if not spec:
+        return None
+    path = resolve(spec)
+    if "mlx.core" in sys.modules and os.path.realpath(path) not in loaded_libraries():
+        raise MlxfunError(f"{ENV} is set but mlx was imported before mlxfun, too late to change its BLAS: "
+                          "import mlxfun first, or preload the library with LD_PRELOAD")
+    try:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise MlxfunError(f"{ENV}={spec!r}: cannot load {path}: {e}") from None
+    return path
+
+
+def loaded_libraries() -> set[str]:
+    """Real paths of the files mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return {os.path.realpath(p) for p in (line.split()[-1] for line in f) if p.startswith("/")}
+    except OSError:
+        return set()
+
+
+# Set once, at import, from the environment: the BLAS library in use, or None for MLX's own.
+LOADED = load_from_environment()

@@ -1,0 +1,300 @@
+"""mlxfun's product of a few rows with 4-bit weights, on CUDA (MLX 0.32's 4-bit product at one
+row runs no faster than bf16, which reads four times the bytes).
+
+`product` reads only the 4-bit bytes. With bf16 or fp16 activations it runs on tensor cores, the
+weights dequantized in registers (`_MMA`); with float32 on CUDA cores (`_SIMT`). The decoder runs
+it only when its caller asks (`llama.hidden(..., fast=True)`, as the steps of `mlxfun.engine.step` do):
+it has no gradient, and the default path is MLX ops.
+
+MLX's 4-bit affine format: w (OUT, IN / 8) uint32, value k of a word in bits [4k, 4k + 4), in input
+order; scales, biases (OUT, IN / GS); a weight is q * scale + bias.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxfun.kernels.attention import compact
+
+_SIMT = compact(r"""
+    // One warp computes R output features for all M rows of x. Each lane takes 32-value chunks
+    // (16 bytes of 4-bit weights per feature), U of them in flight; a chunk's x values are read
+    // and converted once and serve all R features. A nibble q at bits 4k (k < 5; the upper three
+    // after a shift by 12) is read exactly as the float q * 16^k by OR-ing it into the mantissa of
+    // 2^23 and subtracting 2^23 (two full-rate ops; an int-to-float conversion runs at 1/8 rate),
+    // and x is pre-scaled by 16^-k once per chunk, so x * q is exact as before.
+    constexpr int U = 2;
+    const int IN = x_shape[1], OUT = w_shape[0], chunks = IN / 32, groups = IN / GS;
+    const int f0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R, lane = threadIdx.x & 31;
+    if (f0 >= OUT) return;  // a whole warp: the kernel has no block-wide barrier
+    float acc[M][R];
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+        #pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+    }
+    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+        uint4 wv[U][R];
+        float sc[U][R], bi[U][R];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + 32 * u;
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int64_t f = min(f0 + r, OUT - 1);  // past the end: recomputes the last, never stored
+                if (c < chunks) {
+                    wv[u][r] = reinterpret_cast<const uint4*>(w + f * (IN / 8))[c];
+                    sc[u][r] = static_cast<float>(scales[f * groups + c * 32 / GS]);
+                    bi[u][r] = static_cast<float>(biases[f * groups + c * 32 / GS]);
+                }
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + 32 * u;
+            if (c >= chunks) break;
+            float dot[M][R], xs[M];
+            #pragma unroll
+            for (int m = 0; m < M; ++m) {
+                xs[m] = 0.f;
+                #pragma unroll
+                for (int r = 0; r < R; ++r) dot[m][r] = 0.f;
+            }
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {  // 32-bit word j of the chunk: 8 weights
+                float q[R][8];
+                #pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const uint32_t word = j == 0 ? wv[u][r].x : j == 1 ? wv[u][r].y : j == 2 ? wv[u][r].z : wv[u][r].w;
+                    const uint32_t high = word >> 12;
+                    #pragma unroll
+                    for (int k = 0; k < 8; ++k) {
+                        const uint32_t bits = k < 5 ? word & (0xFu << (4 * k)) : high & (0xFu << (4 * (k - 3)));
+                        q[r][k] = __int_as_float(0x4B000000u | bits) - 8388608.f;
+                    }
+                }
+                #pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    auto xv = unsafe_load_vector<8>(x + (int64_t)m * IN + c * 32, j);
+                    #pragma unroll
+                    for (int k = 0; k < 8; ++k) {
+                        const float xf = static_cast<float>(xv[k]);
+                        xs[m] += xf;
+                        const float xs16 = xf * __int_as_float((127 - 4 * (k < 5 ? k : k - 3)) << 23);  // x 16^-k
+                        #pragma unroll
+                        for (int r = 0; r < R; ++r) dot[m][r] += xs16 * q[r][k];
+                    }
+                }
+            }
+            #pragma unroll
+            for (int m = 0; m < M; ++m) {
+                #pragma unroll
+                for (int r = 0; r < R; ++r) acc[m][r] += sc[u][r] * dot[m][r] + bi[u][r] * xs[m];
+            }
+        }
+    }
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float v = acc[m][r];
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
+            if (lane == (m * R + r) % 32 && f0 + r < OUT) y[(int64_t)m * OUT + f0 + r] = static_cast<T>(v);
+        }
+    }
+""")
+
+MAX_ROWS = 8
+
+
+def fits(rows: int, in_features: int, group_size: int, bits: int) -> bool:
+    """The 4-bit product's layout: at most MAX_ROWS rows of x (each weight is unpacked once
+    for all of them), inputs in whole 32-value chunks, a chunk inside one group."""
+    return bits == 4 and rows <= MAX_ROWS and in_features % 32 == 0 and group_size % 32 == 0
+
+
+FEATURES_PER_WARP = 4
+SIMT_WARPS = 4
+
+
+def simt_grid(out_features: int, per_warp: int) -> tuple[int, int]:
+    """(threads in the grid, threads per block) of a `simt` launch: one warp per `per_warp` features."""
+    threads = 32 * SIMT_WARPS
+    return threads * -(-out_features // (per_warp * SIMT_WARPS)), threads
+
+
+def product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+    """x (M, IN) @ dequantize(w, scales, biases)^T (4 bits) -> (M, OUT); needs `fits`.
+    bf16 and fp16 run on tensor cores, float32 on CUDA cores."""
+    if x.dtype == mx.float32:
+        return simt(x, w, scales, biases, group_size)
+    return mma(x, w, scales, biases, group_size)
+
+
+def simt(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+         per_warp: int = FEATURES_PER_WARP) -> mx.array:
+    """`product` on CUDA cores, `per_warp` output features per warp (a benchmark varies it)."""
+    M, out = x.shape[0], w.shape[0]
+    kernel = mx.fast.cuda_kernel(name="mlxfun_qmv4", input_names=["x", "w", "scales", "biases"],
+                                 output_names=["y"], source=_SIMT)
+    grid, block = simt_grid(out, per_warp)
+    return kernel(inputs=[x, w, scales, biases],
+                  template=[("T", x.dtype), ("GS", group_size), ("M", M), ("R", per_warp)],
+                  grid=(grid, 1, 1), threadgroup=(block, 1, 1),
+                  output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]
+
+
+# Tensor-core helpers for `_MMA` and `dmv._MMA` (bf16 and fp16 activations). A `Pair` is two values of T in
+# one register, the operand of mma.sync; `tests/cuda_emulator.py` defines the same names on the CPU.
+MMA_HEADER = compact(r"""
+using Pair = uint32_t;
+template <typename T> struct QmvOps;
+template <> struct QmvOps<__nv_bfloat16> {
+    using T2 = __nv_bfloat162;
+    static constexpr uint32_t MAGIC = 0x43004300u;  // bf16 128: OR a nibble in, read 128 + q
+};
+template <> struct QmvOps<__half> {
+    using T2 = __half2;
+    static constexpr uint32_t MAGIC = 0x64006400u;  // fp16 1024
+};
+template <typename T> __device__ inline Pair qmv_pack(T lo, T hi) {
+    typename QmvOps<T>::T2 v{lo, hi};
+    return *reinterpret_cast<Pair*>(&v);
+}
+// Nibbles p and p + 4 of `word`, dequantized: q * scale + bias, rounded once to T (as mx.dequantize).
+template <typename T> __device__ inline Pair qmv_dequant(uint32_t word, int p, Pair scale, Pair bias) {
+    using T2 = typename QmvOps<T>::T2;
+    Pair bits = ((word >> (4 * p)) & 0x000F000Fu) | QmvOps<T>::MAGIC, magic = QmvOps<T>::MAGIC;
+    T2 q = __hsub2(*reinterpret_cast<T2*>(&bits), *reinterpret_cast<T2*>(&magic));  // exact
+    T2 w = __hfma2(q, *reinterpret_cast<T2*>(&scale), *reinterpret_cast<T2*>(&bias));
+    return *reinterpret_cast<Pair*>(&w);
+}
+// c (16 x 8, f32) += a (16 x 16) b (16 x 8): one warp, PTX fragment layouts of m16n8k16.
+template <typename T> __device__ inline void qmv_mma(float* c, const Pair* a, const Pair* b);
+template <> __device__ inline void qmv_mma<__nv_bfloat16>(float* c, const Pair* a, const Pair* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <> __device__ inline void qmv_mma<__half>(float* c, const Pair* a, const Pair* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+""")
+
+_MMA = compact(r"""
+    // y (M, OUT) = x (M, IN) W^T, W 4-bit. A block computes 16 output features for all M <= 8 rows
+    // with tensor cores: mma m16n8k16, A = 16 features x 16 inputs of W dequantized in registers,
+    // B = 16 inputs x 8 rows of x. A dot product may take its inputs in any order, so each lane's
+    // A slots are filled from the nibbles of the 32-bit words it loads itself, and its B slots with
+    // the x values of those same inputs: lane (g, t) = (lane / 4, lane % 4) takes features g and
+    // g + 8 and, of each 128 inputs, the 32 at 32 t (one uint4 of W per feature, one group).
+    // The KW warps of a block take every KW-th 128 inputs, U of them in flight, each U with its
+    // own accumulators (consecutive mma on one accumulator wait for each other); shared memory
+    // sums the warps' partials.
+    const int IN = x_shape[1], OUT = w_shape[0], groups = IN / GS, blocks = (IN + 127) / 128;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int f0 = blockIdx.x * 16;
+    const int64_t fa = min(f0 + g, OUT - 1), fb = min(f0 + g + 8, OUT - 1);  // past OUT: never stored
+    const uint4* wa = reinterpret_cast<const uint4*>(w + fa * (IN / 8));
+    const uint4* wb = reinterpret_cast<const uint4*>(w + fb * (IN / 8));
+    const T* xr = x + (int64_t)min(g, M - 1) * IN;  // columns past M: never stored
+    float c[U][4];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) c[u][0] = c[u][1] = c[u][2] = c[u][3] = 0.f;
+    for (int b0 = warp; b0 < blocks; b0 += KW * U) {  // the same trip count on every lane of a warp
+        uint4 qa[U], qb[U];
+        AlignedVector<T, 8> xv[U][4];
+        Pair sa[U], ba[U], sb[U], bb[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int k = (b0 + KW * u) * 128 + 32 * t;
+            if (b0 + KW * u < blocks && k < IN) {
+                qa[u] = wa[k / 32];
+                qb[u] = wb[k / 32];
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) xv[u][j] = unsafe_load_vector<8>(xr + k, j);
+                // Through float: scales may have another dtype than x (bf16 <-> fp16 has no implicit cast).
+                const int64_t ga = fa * groups + k / GS, gb = fb * groups + k / GS;
+                const T s0 = static_cast<T>(static_cast<float>(scales[ga]));
+                const T s1 = static_cast<T>(static_cast<float>(scales[gb]));
+                const T z0 = static_cast<T>(static_cast<float>(biases[ga]));
+                const T z1 = static_cast<T>(static_cast<float>(biases[gb]));
+                sa[u] = qmv_pack<T>(s0, s0); ba[u] = qmv_pack<T>(z0, z0);
+                sb[u] = qmv_pack<T>(s1, s1); bb[u] = qmv_pack<T>(z1, z1);
+            } else {  // zero weights times zero inputs
+                qa[u] = qb[u] = uint4{0u, 0u, 0u, 0u};
+                const T zero = static_cast<T>(0.f);
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) xv[u][j][i] = zero;
+                }
+                sa[u] = ba[u] = sb[u] = bb[u] = qmv_pack<T>(zero, zero);
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {  // word j: inputs 8 j .. 8 j + 7 of the lane's 32
+                const uint32_t word_a = j == 0 ? qa[u].x : j == 1 ? qa[u].y : j == 2 ? qa[u].z : qa[u].w;
+                const uint32_t word_b = j == 0 ? qb[u].x : j == 1 ? qb[u].y : j == 2 ? qb[u].z : qb[u].w;
+                #pragma unroll
+                for (int p = 0; p < 4; p += 2) {  // two mma: nibbles (p, p + 4) and (p + 1, p + 5)
+                    Pair a[4] = {qmv_dequant<T>(word_a, p, sa[u], ba[u]),
+                                 qmv_dequant<T>(word_b, p, sb[u], bb[u]),
+                                 qmv_dequant<T>(word_a, p + 1, sa[u], ba[u]),
+                                 qmv_dequant<T>(word_b, p + 1, sb[u], bb[u])};
+                    Pair b[2] = {qmv_pack<T>(xv[u][j][p], xv[u][j][p + 4]),
+                                 qmv_pack<T>(xv[u][j][p + 1], xv[u][j][p + 5])};
+                    qmv_mma<T>(c[u], a, b);
+                }
+            }
+        }
+    }
+    __shared__ float partial[KW][32][4];
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float v = 0.f;
+        #pragma unroll
+        for (int u = 0; u < U; ++u) v += c[u][i];
+        partial[warp][lane][i] = v;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {  // c[i]: feature f0 + g (+ 8 for i >= 2), row 2 t + i % 2
+            float v = 0.f;
+            #pragma unroll
+            for (int k = 0; k < KW; ++k) v += partial[k][lane][i];
+            const int f = f0 + g + 8 * (i >> 1), row = 2 * t + (i & 1);
+            if (f < OUT && row < M) y[(int64_t)row * OUT + f] = static_cast<T>(v);
+        }
+    }
+""")
+
+# The fastest of six launches on an H200 at 1 and 8 rows (round2-main:benchmarks/README.md, fourth pass).
+MMA_WARPS = 16  # KW: warps per block, sharing the inputs
+MMA_IN_FLIGHT = 1  # U: 128-input blocks a warp loads at once
+
+
+def mma_grid(out_features: int, warps: int = MMA_WARPS) -> tuple[int, int]:
+    """(threads in the grid, threads per block) of an `mma` launch: a block per 16 features."""
+    return 32 * warps * -(-out_features // 16), 32 * warps
+
+
+def mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+        warps: int = MMA_WARPS, in_flight: int = MMA_IN_FLIGHT) -> mx.array:
+    """`product` on tensor cores (bf16 or fp16 x); `warps` and `in_flight` as a benchmark varies them."""
+    M, out = x.shape[0], w.shape[0]
+    kernel = mx.fast.cuda_kernel(name="mlxfun_qmv4_mma", input_names=["x", "w", "scales", "biases"],
+                                 output_names=["y"], source=_MMA, header=MMA_HEADER)
+    grid, block = mma_grid(out, warps)
+    return kernel(inputs=[x, w, scales, biases],
+                  template=[("T", x.dtype), ("GS", group_size), ("M", M), ("KW", warps), ("U", in_flight)],
+                  grid=(grid, 1, 1), threadgroup=(block, 1, 1),
+                  output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]

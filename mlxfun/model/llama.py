@@ -1,0 +1,413 @@
+"""The Llama-family decoder as pure functions over NamedTuple parameter trees.
+
+`forward(config, params, tokens, positions, mask, cache) -> (logits, cache)` computes logits for
+`tokens (B, T)` at `positions (B, T)`. A negative position marks left padding: its keys are
+never visible. Positions must be consecutive along T within a row (RoPE starts from the first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from mlxfun.errors import InputError
+from mlxfun.kernels import attention as kernels
+from mlxfun.kernels import dmv, qmv
+from mlxfun.model import cache as kv
+from mlxfun.model import masks
+from mlxfun.model.config import ModelConfig
+
+
+class Dense(NamedTuple):
+    weight: mx.array  # (out, in)
+    bias: mx.array | None = None  # (out,)
+    # (in, out): `weight.T` evaluated as a view of the same memory (`weights.with_transposed`), so a
+    # product has no transpose node: a decode step is host-bound on a GPU, and each node costs the
+    # host about 1-1.4 us to replay and launch (a 1B step has 65 products).
+    weight_t: mx.array | None = None
+
+
+class Quantized(NamedTuple):
+    """MLX affine quantization; bits and group size follow from the shapes and the input width."""
+
+    weight: mx.array  # (out, in * bits / 32) uint32
+    scales: mx.array  # (out, in / group_size)
+    biases: mx.array  # (out, in / group_size)
+    bias: mx.array | None = None  # (out,)
+
+
+Linear = Dense | Quantized
+
+
+class Layer(NamedTuple):
+    attn_norm: mx.array  # (E,)
+    qkv: Linear  # E -> (H + 2 * Hkv) * D, q/k/v fused at load time
+    o: Linear  # H * D -> E
+    mlp_norm: mx.array  # (E,)
+    gate_up: Linear  # E -> 2 * I, gate then up
+    down: Linear  # I -> E
+    q_norm: mx.array | None = None  # (D,) Qwen3
+    k_norm: mx.array | None = None  # (D,)
+
+
+class Params(NamedTuple):
+    embed: Linear  # (V, E) table, used as lm_head when tied
+    layers: tuple[Layer, ...]
+    norm: mx.array  # (E,)
+    lm_head: Linear | None = None  # (V, E); None when tied to `embed`
+
+
+def quant_shape(q: Quantized, in_features: int) -> tuple[int, int]:
+    """(group_size, bits) of a quantized matrix with `in_features` inputs."""
+    return in_features // q.scales.shape[-1], q.weight.shape[-1] * 32 // in_features
+
+
+def dequantize(q: Quantized, in_features: int) -> mx.array:
+    group_size, bits = quant_shape(q, in_features)
+    return mx.dequantize(q.weight, q.scales, q.biases, group_size=group_size, bits=bits)
+
+
+def linear(p: Linear, x: mx.array, fast: bool = False) -> mx.array:
+    """x (..., in) -> (..., out). `fast`: on CUDA, 4-bit weights and at most `qmv.MAX_ROWS` rows
+    run mlxfun's 4-bit product, and dense weights at 2 to `dmv.MAX_ROWS` rows its few-row product
+    where enabled (`dmv`); they have no gradient."""
+    # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
+    rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
+    if isinstance(p, Quantized):
+        group_size, bits = quant_shape(p, x.shape[-1])
+        if fast and kernels.available(x.dtype) and qmv.fits(rows.shape[0], x.shape[-1], group_size, bits):
+            y = qmv.product(rows, p.weight, p.scales, p.biases, group_size)
+        else:
+            y = mx.quantized_matmul(rows, p.weight, p.scales, p.biases, transpose=True,
+                                    group_size=group_size, bits=bits)
+    elif fast and kernels.available(x.dtype) and dmv.fits(rows, p.weight):
+        y = dmv.product(rows, p.weight)
+    else:
+        y = x @ (p.weight.T if p.weight_t is None else p.weight_t)
+    y = y if y.ndim == x.ndim else y.reshape(*x.shape[:-1], -1)  # the kernels' (rows, out) back to x's shape
+    return y if p.bias is None else y + p.bias
+
+
+def embed(p: Linear, tokens: mx.array, hidden_size: int) -> mx.array:
+    """tokens (...) -> (..., E): rows of the table, dequantized if needed."""
+    if isinstance(p, Quantized):
+        group_size, bits = quant_shape(p, hidden_size)
+        return mx.dequantize(p.weight[tokens], p.scales[tokens], p.biases[tokens],
+                             group_size=group_size, bits=bits)
+    return p.weight[tokens]
+
+
+def rope_freqs(config: ModelConfig) -> mx.array | None:
+    """Per-pair RoPE periods for llama3 scaling or explicit frequency factors; None where
+    mx.fast.rope's base suffices."""
+    d = config.head_dim
+    inv = [config.rope_theta ** (-2 * i / d) for i in range(d // 2)]
+    if config.rope_freq_factors is not None:
+        return mx.array([f / i for f, i in zip(config.rope_freq_factors, inv)], dtype=mx.float32)
+    s = config.rope_scaling
+    if s is None or s.kind != "llama3":
+        return None
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    out = []
+    for f in inv:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(f)
+        elif wavelen > low_wavelen:
+            out.append(f / s.factor)
+        else:
+            smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor)
+            out.append((1 - smooth) * f / s.factor + smooth * f)
+    # mx.fast.rope takes periods (1 / frequency).
+    return mx.array([1.0 / f for f in out], dtype=mx.float32)
+
+
+def rope(config: ModelConfig, x: mx.array, offset: mx.array, freqs: mx.array | None) -> mx.array:
+    """x (B, H, T, D) rotated for positions offset[b] + t; offset (B,) int32; freqs: `rope_freqs`
+    (made once per pass: rebuilt by each of 16 layers, it cost a prefill chunk 0.3 ms of host
+    time on this project's CPU)."""
+    s = config.rope_scaling
+    scale = 1.0 / s.factor if s is not None and s.kind == "linear" else 1.0
+    return mx.fast.rope(x, config.head_dim, traditional=config.rope_traditional,
+                        base=None if freqs is not None else config.rope_theta,
+                        scale=scale, offset=offset, freqs=freqs)
+
+
+class LayerCache(NamedTuple):
+    """One layer's view of the cache in a forward pass (see `hidden`)."""
+
+    keys: mx.array  # (N * bs, K, 1, D) the pool before this pass's write
+    values: mx.array  # (N * bs, K, 1, D)
+    table: mx.array  # (B, W) each row's blocks
+    block_size: int
+    slots: mx.array  # (B, T) where this pass's tokens are written
+    wraps: bool  # the write may overwrite slots the chunk's own queries see
+    fresh: bool = False  # the rows hold nothing before this chunk: it attends over itself alone
+    run: mx.array | None = None  # (1,): `slots` are the run [run, run + B * T) (`kv.write_run`)
+
+
+def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, freqs: mx.array | None,
+              mask: mx.array, bias: mx.array, cache: LayerCache | None, fast: bool = False
+              ) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
+    """x (B, T, E), or (B, E) for one token per row, offset (B,) and freqs (`rope`), mask (B, T, S)
+    and bias, the same mask as `additive_mask` makes it (for MLX's fused kernel off Metal; `hidden`
+    makes both once per pass) -> (output shaped as x, this layer's pools after the write, or None
+    without a cache).
+
+    Keys are the T new tokens without a cache. With one, the new keys are written at their slots
+    and a row's keys are read through its table: after the write (S = W * bs), unless the chunk
+    `wraps` (it may overwrite ring slots its earlier queries still see): then the slots before the
+    write followed by the chunk (S = W * bs + T). `fast`: mlxfun's CUDA kernels may run (see
+    `hidden`); attention is one kernel in a one-token step, reading the pools through the table.
+    A (B, E) x takes fewer graph nodes (no flatten/unflatten around each product, no transposes):
+    decode steps are host-bound on a GPU, and each node costs the host about 1-3 us."""
+    B, T = x.shape[0], 1 if x.ndim == 2 else x.shape[1]
+    H, K, D = config.num_heads, config.num_kv_heads, config.head_dim
+    qkv = linear(layer.qkv, x, fast)
+    if x.ndim == 2:
+        qkv = qkv.reshape(B, H + 2 * K, 1, D)
+    else:
+        qkv = qkv.reshape(B, T, H + 2 * K, D).transpose(0, 2, 1, 3)  # (B, H + 2K, T, D)
+    v = qkv[:, H + K:]  # (B, K, T, D)
+    if layer.q_norm is None:
+        qk = rope(config, qkv[:, :H + K], offset, freqs)  # queries and keys rotated by one kernel
+        q, k = qk[:, :H], qk[:, H:]  # (B, H, T, D), (B, K, T, D)
+    else:
+        q = rope(config, mx.fast.rms_norm(qkv[:, :H], layer.q_norm, config.rms_norm_eps), offset, freqs)
+        k = rope(config, mx.fast.rms_norm(qkv[:, H:H + K], layer.k_norm, config.rms_norm_eps), offset, freqs)
+
+    written, out = None, None
+    if cache is None:
+        keys, values = k, v
+    else:
+        if cache.run is not None:  # (N * bs, K, 1, D) each
+            written = (kv.write_run(cache.keys, k, cache.run), kv.write_run(cache.values, v, cache.run))
+        else:
+            written = (kv.write(cache.keys, k, cache.slots), kv.write(cache.values, v, cache.slots))
+        if fast and x.ndim == 2 and layer.q_norm is None and kernels.serves_attention(D, H // K, x.dtype):
+            out = kernels.decode_attention(qk, *written, cache.table, mask, H)  # (B, H * D)
+            return reduce(config, linear(layer.o, out, fast)), written
+        if cache.fresh:
+            keys, values = k, v  # (B, K, T, D): nothing to read from the pool
+        elif (T == 1 or not cache.wraps) and mx.default_device() == mx.cpu:
+            out = paged_attention(q, *written, cache.table, cache.block_size, mask, D**-0.5)  # (B, H, T, D)
+        elif T == 1 or not cache.wraps:
+            keys, values = (kv.gather(w, cache.table, cache.block_size) for w in written)  # (B, K, S, D)
+        else:
+            keys = mx.concatenate([kv.gather(cache.keys, cache.table, cache.block_size), k], axis=2)  # (B, K, S + T, D)
+            values = mx.concatenate([kv.gather(cache.values, cache.table, cache.block_size), v], axis=2)
+    if out is None and not fused_masked_attention() and (
+            T == 1 or B * H * T * keys.shape[2] <= grouped_max_scores(q.dtype)):
+        out = grouped_attention(q, keys, values, mask, D**-0.5)
+    elif out is None:
+        # Metal's kernels take a bool mask as it is.
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5,
+                                                   mask=mask[:, None] if fused_masked_attention() else bias)
+    out = out.reshape(B, H * D) if x.ndim == 2 else out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
+    return reduce(config, linear(layer.o, out, fast)), written
+
+
+# Off Metal, attention up to this many scores runs as `grouped_attention`: on CUDA a one-token step
+# has no fused masked kernel (MLX 0.32 falls back to matmuls that copy every key once per query
+# head), and cuDNN builds a graph per new prefill shape (42-63 ms each on an H200), which small
+# prefills of varied sizes, as continuous batching admits them (32 rows x 128 tokens: 2^24 scores),
+# would pay again and again. Above it the fused kernel, given an additive mask, is 2.2-5.5x faster
+# (1B's heads, 16 layers: 64 x 128 tokens 2.1 against 6.6 ms, 128 x 128 3.3 against 11.8, 8 x 2,048
+# 20 against 109; benchmarks/attention_paths.py), so a shape repeated a few times repays its build.
+# cuDNN serves 16-bit types only: float32 would run MLX's unfused fallback, no faster, and a batch
+# whose chunk crossed the limit would attend by other arithmetic than its rows alone (greedy
+# batched == alone is checked in float32). So float32, and the CPU, where both paths took the same
+# time (1 x 1,536 tokens of SmolLM2's heads) and the fused one peaked 13% higher, keep 2^26.
+GROUPED_MAX_SCORES = 1 << 24
+WIDE_GROUPED_MAX_SCORES = 1 << 26
+
+
+def grouped_max_scores(dtype: mx.Dtype) -> int:
+    """Scores up to which attention over `dtype` runs as `grouped_attention` here (off Metal)."""
+    fused = mx.default_device() != mx.cpu and dtype in (mx.float16, mx.bfloat16)
+    return GROUPED_MAX_SCORES if fused else WIDE_GROUPED_MAX_SCORES
+
+
+def fused_masked_attention() -> bool:
+    """Whether MLX has fused kernels for attention under a mask at every query length (Metal)."""
+    return mx.default_device() == mx.gpu and mx.metal.is_available()
+
+
+def additive_mask(mask: mx.array, dtype: mx.Dtype) -> mx.array:
+    """mask (B, T, S) bool -> (B, 1, T, S) `dtype`: 0 where visible, -inf where not. MLX's CUDA
+    attention takes no bool mask: given one, it broadcasts it over the query heads and then makes
+    it additive, (B, H, T, S) per call (128 x 128 tokens of the 1B: 134 MB a layer)."""
+    return mx.where(mask[:, None], mx.array(0, dtype), mx.array(-mx.inf, dtype))
+
+
+def grouped_attention(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float) -> mx.array:
+    """q (B, H, T, D), keys/values (B, K, S, D), mask (B, T, S) bool -> (B, H, T, D).
+
+    The H / K query heads that share a key head form one matrix, so each key is read once per
+    key head, never copied per query head."""
+    B, H, T, D = q.shape
+    K, S = keys.shape[1], keys.shape[2]
+    G = H // K
+    scores = (q.reshape(B, K, G * T, D) @ keys.swapaxes(-1, -2)).reshape(B, K, G, T, S)
+    # Scaling here rather than q lets compilation fuse it with the mask: one kernel fewer.
+    scores = mx.where(mask[:, None, None], scores * scale, mx.array(-mx.inf, scores.dtype))
+    probs = mx.softmax(scores, axis=-1, precise=True).reshape(B, K, G * T, S)
+    return (probs @ values).reshape(B, H, T, D)
+
+
+def paged_attention(q: mx.array, keys: mx.array, values: mx.array, table: mx.array, block_size: int,
+                    mask: mx.array, scale: float) -> mx.array:
+    """q (B, H, T, D), keys/values pools (N * bs, K, 1, D), table (B, W), mask (B, T, S = W * bs) bool
+    -> (B, H, T, D): `grouped_attention` over each row's slots, read through its table.
+
+    Each row's keys are taken from the pool straight into the (B, K, S, D) layout the products
+    read, one index per (row, key head, slot): one copy, where gathering the blocks and then
+    transposing them made two."""
+    B, H, T, D = q.shape
+    K, W = keys.shape[1], table.shape[1]
+    slot = (table[:, :, None] * block_size + mx.arange(block_size, dtype=mx.int32)).reshape(B, 1, W * block_size)
+    index = slot * K + mx.arange(K, dtype=mx.int32)[None, :, None]  # (B, K, S): rows of the pool's (N bs K, D) view
+    return grouped_attention(q, keys.reshape(-1, D)[index], values.reshape(-1, D)[index], mask, scale)
+
+
+def layer_masks(config: ModelConfig, positions: mx.array, key_pos: mx.array,
+                mask: mx.array | None, slotted: bool = False) -> dict[int | None, mx.array]:
+    """One (B, T, S) mask per distinct layer window, built once per forward pass. `slotted`:
+    key_pos are what the row's slots hold (`masks.causal`)."""
+    base = masks.causal(positions, key_pos, slotted) if mask is None else mask
+    windowed = {w: base if w is None else base & masks.window(positions, key_pos, w) for w in set(config.layer_windows)}
+    # A given mask may hide every key from a real query; one made from positions never does.
+    if mask is None:
+        return {w: masks.padding_sees_all(m, positions) for w, m in windowed.items()}
+    return {w: masks.never_empty(m) for w, m in windowed.items()}
+
+
+def mlp(config: ModelConfig, layer: Layer, x: mx.array, fast: bool = False) -> mx.array:
+    gate, up = mx.split(linear(layer.gate_up, x, fast), 2, axis=-1)  # (B, T, I) each
+    return reduce(config, linear(layer.down, silu(gate) * up, fast))
+
+
+def reduce(config: ModelConfig, x: mx.array) -> mx.array:
+    """The output of a map split by its inputs across the tensor group (o, down: `mlxfun.shard`):
+    each rank holds a partial sum, so every rank adds them all. Without a group, x itself."""
+    return x if config.tensor_group is None else mx.distributed.all_sum(x, group=config.tensor_group)
+
+
+def silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
+
+
+# `hidden(launch=...)` hands over the graph after this many layers. Building a layer's graph takes
+# the host about 0.1 ms (16 layers of the 1B: 1.64 ms on this project's CPU), where the 1B's layer
+# over 4,096 prompt tokens keeps an H200 busy about 1.7 ms (27 ms for 16): two layers launched
+# first keep the device ahead of the host building the rest.
+LAUNCH_LAYERS = 2
+
+
+def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
+           mask: mx.array | None = None, cache: kv.KVCache | None = None, *, slots: mx.array | None = None,
+           run: mx.array | None = None, wraps: bool = True, fresh: bool = False, fast: bool = False, check: bool = True,
+           launch: Callable[[list[mx.array]], None] | None = None):
+    """tokens (B, T), positions (B, T) -> (final hidden states (B, T, E), new cache or None).
+
+    With a cache, each token's keys and values are written at the slot its position maps to through
+    the row's table (`cache.slots`; `slots` (B, T) overrides it), and the row reads its keys through
+    the table. `run` (1,) promises that those slots are the run [run, run + B * T) in row-major
+    order, every position real (`kv.run_start` checks it on the host): the writes are then slice
+    updates (`kv.write_run`), a copy rather than a scatter. `mask` (B, T, S) is the padding/causal
+    visibility over those keys (see `attention` for their order); None derives it from positions
+    (`masks.causal`). Layer windows are applied on top. `wraps=False` promises that the write
+    overwrites no slot the chunk's own queries see (no ring wraps within it), so it attends after
+    writing (S = W * bs) instead of over the slots before the write followed by the chunk (S = W *
+    bs + T). `fresh` promises that the rows hold no keys before this chunk (a prompt's first chunk):
+    it attends over itself alone (S = T), reading nothing from the pool, and still writes it.
+    `fast`: on CUDA, run mlxfun's kernels where they apply (`kernels`: one-token attention; `qmv`:
+    few-row 4-bit products). They have no gradients: the decode and prefill steps of `mlxfun.engine.step`
+    set it, and everything else (scoring, `mx.grad`) runs MLX ops, the same math. `check`: raise
+    InputError, before any work, if the tokens do not fit the cache (`cache.check_write`; it reads
+    the positions, so the scheduler, which knows them on the host, turns it off). `launch` is called
+    once, after the first LAUNCH_LAYERS layers, with [their hidden state]: a caller whose device is
+    idle starts it (`mx.async_eval`) while the host builds the rest of the graph. Their writes wait
+    for the caller's launch of the whole (where nothing else holds the pool: written in place). Only
+    where attention reads no write (`fresh`, or a chunk that `wraps`), and not while tracing (a
+    compiled function has nothing to launch).
+    """
+    if tokens.ndim != 2 or positions.shape != tokens.shape:
+        raise InputError(f"tokens and positions must both be (B, T), got {tokens.shape} and {positions.shape}")
+    if cache is not None and check:
+        kv.check_write(cache, positions, full_attention=config.max_window is None)
+    step = cache is not None and tokens.shape[1] == 1  # one token per row: (B, E) activations
+    h = embed(params.embed, tokens[:, 0] if step else tokens, config.hidden_size)
+    slotted = False  # key_pos are what the rows' slots hold, their own or not (the masks check)
+    if cache is None:
+        key_pos = positions  # (B, T)
+    else:
+        bs = kv.block_size(cache)
+        slots = kv.slots(cache.table, positions, bs) if slots is None else slots  # (B, T)
+        held = (kv.write_positions(cache.positions, slots, positions) if run is None
+                else kv.write_positions_run(cache.positions, run, positions))  # (N, bs)
+        if fresh:
+            key_pos = positions  # (B, T)
+        elif tokens.shape[1] == 1 or not wraps:
+            key_pos, slotted = kv.held_positions(held, cache.table), True  # (B, S)
+        else:
+            key_pos = mx.concatenate([kv.gather_positions(cache.positions, cache.table), positions], axis=1)
+    layer_mask = layer_masks(config, positions, key_pos, mask, slotted)
+    # Additive forms for MLX's fused attention, built once per pass (lazily: unused, never run).
+    layer_bias = {w: additive_mask(m, h.dtype) for w, m in layer_mask.items()}
+    unread = cache is not None and (fresh or (wraps and tokens.shape[1] > 1))  # attention reads no write
+    # Else the first layers' output needs their writes (or nothing is left to build after them).
+    launch = launch if unread and len(params.layers) > LAUNCH_LAYERS else None
+    offset, freqs = positions[:, 0], rope_freqs(config)  # (B,) RoPE starts here in each row
+    new_keys, new_values = [], []
+    for i, layer in enumerate(params.layers):
+        layer_cache = None if cache is None else LayerCache(cache.keys[i], cache.values[i], cache.table, bs, slots,
+                                                            wraps, fresh, run)
+        w = config.layer_windows[i]
+        a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
+                               offset, freqs, layer_mask[w], layer_bias[w], layer_cache, fast)
+        if unread and (launch is None or i >= LAUNCH_LAYERS):
+            # Nothing read the writes, so MLX would run them after the last layer, every layer's
+            # keys and values (and the projections they are views of) alive until then: 5 GB of
+            # an 8B admission of 8,192 tokens on an H200. The layer's output waits for them. (Not
+            # the layers launched early: their writes wait for the final launch, as every write
+            # did before, once the caller has let go of the pool. A write launched while the
+            # caller holds it is not in place: a 2-layer model whose writes all went out that way
+            # peaked at 2.2 pools on this CPU, against 1.2.)
+            a = mx.depends(a, list(written))
+        h = h + a
+        h = h + mlp(config, layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps), fast)
+        if written is not None:
+            new_keys.append(written[0])
+            new_values.append(written[1])
+        if launch is not None and i + 1 == LAUNCH_LAYERS:
+            launch([h])
+    h = mx.fast.rms_norm(h, params.norm, config.rms_norm_eps)
+    h = h[:, None] if step else h  # (B, T, E)
+    if cache is None:
+        return h, None
+    return h, kv.KVCache(tuple(new_keys), tuple(new_values), held, cache.table)
+
+
+def step_attention_kernel(config: ModelConfig, params: Params) -> bool:
+    """Whether a one-token step's attention runs mlxfun's kernel (`attention`, with `fast`): CUDA,
+    and a head layout the kernel serves."""
+    return bool(params.layers) and params.layers[0].q_norm is None and \
+        kernels.serves_attention(config.head_dim, config.num_heads // config.num_kv_heads, params.norm.dtype)
+
+
+def logits(params: Params, h: mx.array, fast: bool = False) -> mx.array:
+    """h (..., E) -> logits (..., V)."""
+    return linear(params.embed if params.lm_head is None else params.lm_head, h, fast)
+
+
+def forward(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
+            mask: mx.array | None = None, cache: kv.KVCache | None = None):
+    """tokens (B, T), positions (B, T) -> (logits (B, T, V), new cache or None)."""
+    h, cache = hidden(config, params, tokens, positions, mask, cache)
+    return logits(params, h), cache

@@ -1,0 +1,247 @@
+"""Checkpoint tensors <-> parameter trees: the one place that knows checkpoint names.
+
+Both checkpoint kinds are first brought to Hugging Face names (`model.layers.3.self_attn.q_proj.weight`,
+with `.scales`/`.biases` beside a quantized `.weight`), then `build_params` assembles `Params`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+
+from mlxfun.errors import ModelError
+from mlxfun.model.config import ModelConfig
+from mlxfun.model.llama import Dense, Layer, Linear, Params, Quantized, dequantize, quant_shape
+
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Tensors some checkpoints carry that the decoder recomputes.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def _unpermute_rows(w: mx.array, heads: int) -> mx.array:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs back to half-split)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_to_hf(config: ModelConfig, tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Rename GGUF tensors to Hugging Face names. llama.cpp permutes a llama's q/k rows for
+    interleaved RoPE; un-permuting them (weight, scales, biases alike) keeps one RoPE layout."""
+    out = {}
+    for name, value in tensors.items():
+        stem, _, kind = name.rpartition(".")
+        parts = stem.split(".")
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER:
+            hf = f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}"
+            if parts[2] in ("attn_q", "attn_k") and config.model_type == "llama":
+                heads = config.num_heads if parts[2] == "attn_q" else config.num_kv_heads
+                value = _unpermute_rows(value, heads)
+        elif stem in _GGUF_TOP:
+            hf = _GGUF_TOP[stem]
+        else:
+            raise ModelError(f"unexpected GGUF tensor {name!r}")
+        out[f"{hf}.{kind}"] = value
+    return out
+
+
+def _linear(t: dict, name: str, out_features: int, in_features: int, bias: bool) -> Linear:
+    weight = _take(t, f"{name}.weight")
+    b = _take(t, f"{name}.bias") if bias else None
+    if f"{name}.scales" in t:
+        q = Quantized(weight, _take(t, f"{name}.scales"), _take(t, f"{name}.biases"), b)
+        group_size, bits = quant_shape(q, in_features)
+        ok = (weight.ndim == q.scales.ndim == 2 and q.biases.shape == q.scales.shape
+              and weight.shape[0] == q.scales.shape[0] == out_features and bits in (2, 3, 4, 5, 6, 8)
+              and group_size in (32, 64, 128) and group_size * q.scales.shape[-1] == in_features
+              and weight.shape[-1] * 32 == in_features * bits)
+        if not ok:
+            raise ModelError(f"{name}: quantized shapes {weight.shape}/{q.scales.shape}/{q.biases.shape} "
+                             f"(weight/scales/biases) do not fit a ({out_features}, {in_features}) matrix")
+        return q
+    if weight.shape != (out_features, in_features):
+        raise ModelError(f"{name}.weight has shape {weight.shape}, expected {(out_features, in_features)}")
+    return Dense(weight, b)
+
+
+def _vector(t: dict, name: str, size: int) -> mx.array:
+    v = _take(t, name)
+    if v.shape != (size,):
+        raise ModelError(f"{name} has shape {v.shape}, expected {(size,)}")
+    return v
+
+
+def _take(t: dict, name: str) -> mx.array:
+    if name not in t:
+        raise ModelError(f"checkpoint lacks tensor {name!r}")
+    return t.pop(name)
+
+
+def _fuse(parts: list[Linear], in_features: int) -> Linear:
+    """Concatenate linear maps along their outputs (q/k/v, gate/up) into one matmul."""
+    bias = None if parts[0].bias is None else mx.concatenate([p.bias for p in parts])
+    if all(isinstance(p, Quantized) for p in parts) and len({quant_shape(p, in_features) for p in parts}) == 1:
+        return Quantized(*(mx.concatenate([getattr(p, f) for p in parts]) for f in ("weight", "scales", "biases")),
+                         bias)
+    weights = [dequantize(p, in_features) if isinstance(p, Quantized) else p.weight for p in parts]
+    return Dense(mx.concatenate(weights), bias)
+
+
+def build_params(config: ModelConfig, tensors: dict[str, mx.array]) -> Params:
+    """Assemble Params from Hugging Face-named tensors; every tensor must be used exactly once."""
+    t = {k: v for k, v in tensors.items() if not _IGNORED.match(k)}
+    E, I, D = config.hidden_size, config.intermediate_size, config.head_dim
+    H, K = config.num_heads, config.num_kv_heads
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}"
+        qkv = [_linear(t, f"{p}.self_attn.{n}_proj", rows, E, config.attention_bias)
+               for n, rows in (("q", H * D), ("k", K * D), ("v", K * D))]
+        gate_up = [_linear(t, f"{p}.mlp.{n}_proj", I, E, False) for n in ("gate", "up")]
+        layers.append(Layer(
+            attn_norm=_vector(t, f"{p}.input_layernorm.weight", E),
+            qkv=_fuse(qkv, E),
+            o=_linear(t, f"{p}.self_attn.o_proj", E, H * D, False),
+            mlp_norm=_vector(t, f"{p}.post_attention_layernorm.weight", E),
+            gate_up=_fuse(gate_up, E),
+            down=_linear(t, f"{p}.mlp.down_proj", E, I, False),
+            q_norm=_vector(t, f"{p}.self_attn.q_norm.weight", D) if config.qk_norm else None,
+            k_norm=_vector(t, f"{p}.self_attn.k_norm.weight", D) if config.qk_norm else None,
+        ))
+    embed = _linear(t, "model.embed_tokens", config.vocab_size, E, False)
+    lm_head = None
+    if "lm_head.weight" in t or not config.tie_word_embeddings:
+        lm_head = _linear(t, "lm_head", config.vocab_size, E, False)
+    params = Params(embed, tuple(layers), _vector(t, "model.norm.weight", E), lm_head)
+    if t:
+        names = sorted(t)
+        raise ModelError(f"unexpected tensors in checkpoint: {', '.join(names[:8])}"
+                         + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+    return params
+
+
+def _split(p: Linear, sizes: list[int]) -> list[Linear]:
+    cuts = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+    bias = [None] * len(sizes) if p.bias is None else mx.split(p.bias, cuts)
+    if isinstance(p, Quantized):
+        w, s, b = (mx.split(getattr(p, f), cuts) for f in ("weight", "scales", "biases"))
+        return [Quantized(*args) for args in zip(w, s, b, bias)]
+    return [Dense(w, b) for w, b in zip(mx.split(p.weight, cuts), bias)]
+
+
+def _put(out: dict, name: str, p: Linear) -> None:
+    out[f"{name}.weight"] = p.weight
+    if isinstance(p, Quantized):
+        out[f"{name}.scales"], out[f"{name}.biases"] = p.scales, p.biases
+    if p.bias is not None:
+        out[f"{name}.bias"] = p.bias
+
+
+def params_to_hf(config: ModelConfig, params: Params) -> dict[str, mx.array]:
+    """Hugging Face-named tensors for Params (inverse of `build_params`)."""
+    H, K, D, I = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
+    out = {}
+    for i, layer in enumerate(params.layers):
+        p = f"model.layers.{i}"
+        out[f"{p}.input_layernorm.weight"] = layer.attn_norm
+        out[f"{p}.post_attention_layernorm.weight"] = layer.mlp_norm
+        for n, part in zip("qkv", _split(layer.qkv, [H * D, K * D, K * D])):
+            _put(out, f"{p}.self_attn.{n}_proj", part)
+        _put(out, f"{p}.self_attn.o_proj", layer.o)
+        for n, part in zip(("gate", "up"), _split(layer.gate_up, [I, I])):
+            _put(out, f"{p}.mlp.{n}_proj", part)
+        _put(out, f"{p}.mlp.down_proj", layer.down)
+        if layer.q_norm is not None:
+            out[f"{p}.self_attn.q_norm.weight"] = layer.q_norm
+            out[f"{p}.self_attn.k_norm.weight"] = layer.k_norm
+    _put(out, "model.embed_tokens", params.embed)
+    out["model.norm.weight"] = params.norm
+    if params.lm_head is not None:
+        _put(out, "lm_head", params.lm_head)
+    return out
+
+
+def map_linears(config: ModelConfig, params: Params, fn) -> Params:
+    """Params with `fn(linear, in_features) -> Linear` applied to every linear map and the embedding."""
+    E = config.hidden_size
+    layers = tuple(layer._replace(
+        qkv=fn(layer.qkv, E), o=fn(layer.o, config.num_heads * config.head_dim),
+        gate_up=fn(layer.gate_up, E), down=fn(layer.down, config.intermediate_size),
+    ) for layer in params.layers)
+    lm_head = None if params.lm_head is None else fn(params.lm_head, E)
+    return params._replace(embed=fn(params.embed, E), layers=layers, lm_head=lm_head)
+
+
+def with_transposed(config: ModelConfig, params: Params) -> Params:
+    """Params whose dense maps carry `weight_t`, their weight transposed: a view evaluated here,
+    sharing the weight's memory, so that products read it without a transpose node in the graph
+    (`llama.linear`). Params without dense maps come back as they are."""
+    viewed = []
+
+    def view(p: Linear, in_features: int) -> Linear:
+        if not isinstance(p, Dense) or p.weight_t is not None:
+            return p
+        viewed.append(p)
+        return p._replace(weight_t=p.weight.T)
+
+    out = map_linears(config, params, view)
+    if not viewed:
+        return params
+    mx.eval(out)
+    return out
+
+
+def compute_dtype(params: Params) -> mx.Dtype:
+    """The activation dtype: that of the embedding table (its scales when quantized)."""
+    e = params.embed
+    return e.scales.dtype if isinstance(e, Quantized) else e.weight.dtype
+
+
+def cast(config: ModelConfig, params: Params, dtype: mx.Dtype | None) -> Params:
+    """Params in `dtype` (quantized maps dequantized); None keeps the weights and aligns the
+    norms and biases with the activation dtype."""
+    if dtype is not None:
+        def dense(p: Linear, in_features: int) -> Linear:
+            if isinstance(p, Quantized):
+                # Dequantize in float32: in the scales' own float16 every weight would be rounded.
+                p = p._replace(scales=p.scales.astype(mx.float32), biases=p.biases.astype(mx.float32))
+            w = dequantize(p, in_features) if isinstance(p, Quantized) else p.weight
+            return Dense(w.astype(dtype), None if p.bias is None else p.bias.astype(dtype))
+
+        params = map_linears(config, params, dense)
+    target = dtype or compute_dtype(params)
+
+    def vec(v):
+        return None if v is None else v.astype(target)
+
+    def small(p: Linear, in_features: int) -> Linear:
+        return p._replace(bias=vec(p.bias))
+
+    params = map_linears(config, params, small)
+    layers = tuple(layer._replace(attn_norm=vec(layer.attn_norm), mlp_norm=vec(layer.mlp_norm),
+                                  q_norm=vec(layer.q_norm), k_norm=vec(layer.k_norm)) for layer in params.layers)
+    return params._replace(layers=layers, norm=vec(params.norm))
+
+
+def quantize(config: ModelConfig, params: Params, bits: int = 4, group_size: int = 64) -> Params:
+    """Params with every dense linear map (and the embedding) affine-quantized by MLX."""
+    def q(p: Linear, in_features: int) -> Linear:
+        if isinstance(p, Quantized):
+            return p
+        w, s, b = mx.quantize(p.weight, group_size=group_size, bits=bits)
+        return Quantized(w, s, b, p.bias)
+
+    return map_linears(config, params, q)

@@ -1,0 +1,423 @@
+"""`mlxfun serve`: an OpenAI-compatible HTTP server on the continuous-batching engine.
+
+POST /v1/chat/completions and /v1/completions (server-sent events with `"stream": true`),
+GET /v1/models, /health and /metrics (Prometheus). Both endpoints take `response_format`
+(mlxfun.features.structured); chat takes `tools` and `tool_choice` (mlxfun.serve.tools), its answers carry
+`tool_calls` (streamed as deltas). The HTTP layer only translates: pydantic
+schemas in (`mlxfun.serve.openai_api`), `options.requests` for every check (errors name the request
+field), the engine on a thread of its own (`mlxfun.serve.serving`), OpenAI JSON out. Each of `n`
+choices is its own row; with a `seed`, choice i samples with seed + i. A seeded request is
+batched like any other (its tokens depend on its seed, never on its neighbours).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import AsyncIterator, NamedTuple
+
+try:
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi import Request as HTTPRequest
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+except ImportError as e:  # pragma: no cover
+    raise ImportError(f'mlxfun serve needs its extra: pip install "mlxfun[server]" ({e})') from None
+
+from mlxfun.cli.main import add_generation_flags, add_model_flags, flag_message, generation_config
+from mlxfun.engine.core import Engine, engine_for
+from mlxfun.engine.options import GenerationConfig, Request, requests
+from mlxfun.engine.records import Record
+from mlxfun.errors import InputError, MlxfunError, check_positive_int
+from mlxfun.model.load import Model
+from mlxfun.serve import openai_api as api
+from mlxfun.serve import tools
+from mlxfun.serve.openai_api import ChatRequest, Common, CompletionRequest
+from mlxfun.serve.serving import Bridge, Busy, EngineFailed, finished, metrics_text
+
+# Rows decoded together when neither --rows nor --batch-size is given (mlx-lm's server decodes 32).
+DEFAULT_ROWS = 32
+
+
+class Served(NamedTuple):
+    model: Model
+    bridge: Bridge
+    defaults: GenerationConfig  # the command's generation flags; request fields override them
+    name: str  # the model id clients see
+    created: int
+
+
+# ---- requests -> engine Requests ----
+
+
+def request_config(defaults: GenerationConfig, body: Common, chat: bool) -> GenerationConfig:
+    """The defaults with every field the request sets; logprobs in mlxfun's terms (None, 0 or n)."""
+    given = body.model_fields_set
+    fields = {name: getattr(body, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
+                                                     "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                                     "seed", "stop", "ignore_eos", "response_format")
+              if getattr(body, name) is not None}
+    if chat:
+        if body.max_completion_tokens is not None:
+            fields["max_tokens"] = body.max_completion_tokens
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InputError("top_logprobs needs logprobs: true")
+        if "logprobs" in given:
+            fields["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
+    elif "logprobs" in given:
+        fields["logprobs"] = body.logprobs
+    return dataclasses.replace(defaults, **fields, chat=False)
+
+
+def prompts_of(body: Common) -> list:
+    """A completion request's prompts."""
+    p = body.prompt
+    if isinstance(p, str):
+        return [p]
+    return [p] if p and isinstance(p[0], int) else list(p)
+
+
+def chat_plan(model: Model, body: ChatRequest, config: GenerationConfig) -> tuple[tools.Plan, GenerationConfig]:
+    """The conversation through the template with the request's tools, and the config with the
+    grammar that tool_choice "required" or a named function asks for."""
+    choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, api.NamedToolChoice) else body.tool_choice
+    plan = tools.prepare(model.tokenizer, model.config.vocab_size, [m.as_dict() for m in body.messages],
+                         None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools],
+                         choice, body.parallel_tool_calls)
+    if plan.response_format is None:
+        return plan, config
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        raise InputError("tool_choice: a required tool call is the answer's format; it cannot be combined with "
+                         "response_format")
+    return plan, dataclasses.replace(config, response_format=plan.response_format)
+
+
+def build(model: Model, prompts: list, config: GenerationConfig, n: int, explicit_max: bool) -> list[Request]:
+    """n Requests per prompt (choice j of a seeded request samples with seed + j), all checked."""
+    check_positive_int("n", n)
+    if config.seed is not None and n > 1:  # an int: the request's (strict) or the --seed flag's
+        config = dataclasses.replace(config, seed=[config.seed + j for _ in prompts for j in range(n)])
+    reqs = requests(model, [p for p in prompts for _ in range(n)], config)
+    context = model.config.max_position_embeddings
+    for r in reqs:
+        if explicit_max and len(r.prompt) + r.max_tokens > context:
+            raise InputError(f"max_tokens is {r.max_tokens} and the prompt has {len(r.prompt)} tokens; the model's "
+                             f"context is {context} tokens (at most {context - len(r.prompt)} can be generated)")
+    return reqs
+
+
+# ---- responses ----
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _json_error(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    """Returns when the client goes away (the body has been read, so only a disconnect is left)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _records(served: Served, ids: list[int], q: asyncio.Queue, http: HTTPRequest) -> dict[int, Record] | None:
+    """Every request's closing Record, or None when the client disconnects first (its rows are freed)."""
+    records: dict[int, Record] = {}
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+        while len(records) < len(ids):
+            get = asyncio.ensure_future(q.get())
+            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                return None
+            event, record = get.result()
+            if isinstance(event, EngineFailed):
+                raise event
+            if record is not None:
+                records[event.index] = record
+        return records
+    finally:
+        gone.cancel()
+        for rid in ids:
+            if rid not in records:
+                served.bridge.cancel(rid)
+
+
+def _whole(served: Served, chat: bool, body: Common, reqs: list[Request], ids: list[int],
+           records: dict[int, Record], fmt: tools.Format | None) -> dict:
+    tk = served.model.tokenizer
+    choices, completion = [], 0
+    for i, rid in enumerate(ids):
+        record = records[rid]
+        tokens, lps, top = finished(record)
+        completion += len(tokens)
+        text, reason = record.row.text.final_text, record.finish_reason
+        if chat:
+            lp = api.chat_logprobs(tk, tokens, lps, top) if reqs[i].logprobs >= 0 else None
+            content, calls = tools.parse(fmt, text) if fmt is not None else (text, [])
+            choices.append(api.chat_message_choice(i, content, "tool_calls" if calls and reason == "stop" else reason,
+                                                   lp, calls))
+        else:
+            lp = api.completion_logprobs(tk, tokens, lps, top) if reqs[i].logprobs >= 0 else None
+            choices.append(api.completion_choice(i, text, reason, lp))
+    out = api.envelope(api.new_id("chatcmpl" if chat else "cmpl"), api.now(), served.name,
+                   "chat.completion" if chat else "text_completion", choices)
+    out["usage"] = api.usage(sum(len(r.prompt) for r in reqs[:: body.n]), completion,
+                         sum(records[rid].cached_tokens for rid in ids[:: body.n]))
+    return out
+
+
+async def _stream(served: Served, chat: bool, body: Common, reqs: list[Request], ids: list[int],
+                  q: asyncio.Queue, fmt: tools.Format | None) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per token with text (or tool-call pieces, or logprobs), the
+    finish reasons, then usage when asked (`stream_options.include_usage`) and [DONE]. Leaving
+    early (the client went away: Starlette cancels this generator) frees the rows."""
+    tk = served.model.tokenizer
+    rid_, created, kind = api.new_id("chatcmpl" if chat else "cmpl"), api.now(), "chat.completion.chunk" if chat \
+        else "text_completion"
+    choice = {rid: i for i, rid in enumerate(ids)}
+    open_, offsets, counts = set(ids), [0] * len(ids), {"completion": 0, "cached": 0}
+    parsers = [tools.Parser(fmt) if fmt is not None else None for _ in ids]
+    want_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    def chunk(choices: list[dict]) -> str:
+        out = api.envelope(rid_, created, served.name, kind, choices)
+        if want_usage:
+            out["usage"] = None
+        return _sse(out)
+
+    def render(event, record: Record | None) -> str:
+        """One token's chunk ("" when it brings neither text nor logprobs nor the end)."""
+        i = choice[event.index]
+        lp = None
+        if event.logprob is not None:
+            top = [event.top_logprobs] if event.top_logprobs else None
+            lp = api.chat_logprobs(tk, [event.token], [event.logprob], top) if chat else \
+                api.completion_logprobs(tk, [event.token], [event.logprob], top, offsets[i])
+        offsets[i] += len(event.text)
+        if record is not None:
+            open_.discard(event.index)
+            counts["completion"] += len(record.row.token_ids)
+            counts["cached"] += record.cached_tokens if i % body.n == 0 else 0
+        reason = event.finish_reason
+        if chat and parsers[i] is not None:
+            delta = api.chat_delta(parsers[i].feed(event.text) + (parsers[i].close() if reason else []))
+            reason = "tool_calls" if parsers[i].calls and reason == "stop" else reason
+        else:
+            delta = {"content": event.text} if event.text else {}
+        if not (delta or lp or reason):
+            return ""
+        if chat:
+            return chunk([api.chat_delta_choice(i, delta, reason, lp)])
+        return chunk([api.completion_choice(i, event.text, event.finish_reason, lp)])
+
+    try:
+        if chat:
+            yield chunk([api.chat_delta_choice(i, {"role": "assistant", "content": ""}, None, None)
+                         for i in range(len(ids))])
+        while open_:
+            items = [await q.get()]
+            while not q.empty():  # tokens that arrived while the last write went out: one write, a chunk each
+                items.append(q.get_nowait())
+            out = []
+            for event, record in items:
+                if isinstance(event, EngineFailed):
+                    yield "".join(out) + _sse(api.error(str(event), None, "server_error"))
+                    return
+                out.append(render(event, record))
+            if any(out):
+                yield "".join(out)
+        if want_usage:
+            last = api.envelope(rid_, created, served.name, kind, [])
+            last["usage"] = api.usage(sum(len(r.prompt) for r in reqs[:: body.n]), counts["completion"],
+                                      counts["cached"])
+            yield _sse(last)
+        yield _sse("[DONE]")
+    finally:
+        for rid in open_:
+            served.bridge.cancel(rid)
+
+
+async def complete(served: Served, body: Common, chat: bool, http: HTTPRequest):
+    """One request of either endpoint: check, submit, then stream or wait for the whole answer."""
+    bad = body.unsupported()
+    if bad is not None:
+        return _json_error(400, api.error(bad[1], bad[0]))
+    fmt = None
+    try:
+        config = request_config(served.defaults, body, chat)
+        explicit = body.max_tokens is not None or (chat and body.max_completion_tokens is not None)
+        if chat:
+            plan, config = chat_plan(served.model, body, config)
+            prompts, fmt = [plan.prompt], plan.format
+        else:
+            prompts = prompts_of(body)
+        reqs = build(served.model, prompts, config, body.n, explicit)
+    except InputError as e:
+        return _json_error(400, api.field_error(str(e), chat, body))
+    try:
+        ids, q = served.bridge.submit(reqs)
+    except Busy as e:
+        return _json_error(429, api.error(str(e), None, "rate_limit_error"), {"Retry-After": "1"})
+    except InputError as e:  # the KV cache could never fit beside nothing: too large for this server
+        param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+        return _json_error(413, api.error(f"{param}: {e}", param))
+    if body.stream:
+        return StreamingResponse(_stream(served, chat, body, reqs, ids, q, fmt), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        records = await _records(served, ids, q, http)
+    except EngineFailed as e:
+        return _json_error(500, api.error(str(e), None, "server_error"))
+    if records is None:
+        return JSONResponse({}, status_code=499)  # nobody reads it
+    return JSONResponse(_whole(served, chat, body, reqs, ids, records, fmt))
+
+
+# ---- the app ----
+
+
+def make_app(served: Served, shutdown_timeout: float = 30.0) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if not served.bridge.alive:
+            served.bridge.start()
+        yield
+        # Uvicorn has stopped accepting and waited up to its grace period for running requests.
+        await asyncio.to_thread(served.bridge.stop, shutdown_timeout)
+
+    app = FastAPI(title="mlxfun", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError):
+        return JSONResponse(api.schema_error(list(exc.errors())), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, exc: HTTPException):
+        return JSONResponse(api.error(str(exc.detail), None, "not_found_error" if exc.status_code == 404
+                                  else "invalid_request_error"), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(_, exc: Exception):
+        return JSONResponse(api.error(f"internal error: {type(exc).__name__}: {exc}", None, "server_error"),
+                            status_code=500)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, http: HTTPRequest):
+        return await complete(served, body, True, http)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        return await complete(served, body, False, http)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created,
+                                            "owned_by": "mlxfun"}]}
+
+    @app.get("/health")
+    async def health():
+        ok = served.bridge.alive
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        bridge = served.bridge
+        return PlainTextResponse(metrics_text(bridge.engine, bridge.tokens_per_second()),
+                                 media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+# ---- the command ----
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mlxfun serve", description="An OpenAI-compatible HTTP server (chat and text "
+                                "completions, streamed or not) on mlxfun's continuous-batching engine")
+    add_model_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
+    p.add_argument("--rows", type=int, default=None, dest="rows",
+                   help=f"rows decoded together; more requests queue (default: {DEFAULT_ROWS}; same as --batch-size)")
+    p.add_argument("--max-queued", type=int, default=1024,
+                   help="requests waiting for a row before new ones get 429 (default: 1024)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients see (default: the file's name)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests may finish after Ctrl-C / SIGTERM before they are cut (default: 30)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add_generation_flags(p)
+    return p.parse_args(argv)
+
+
+def _uvicorn_server(app: FastAPI, args: argparse.Namespace) -> uvicorn.Server:
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # Uvicorn raises a caught signal again after its graceful shutdown (exit 130 / 143); a
+            # server stopped on purpose and cleanly exits 0. A second Ctrl-C still forces the exit.
+            def stop(sig, _frame):
+                self.force_exit = self.should_exit and sig == signal.SIGINT
+                self.should_exit = True
+
+            previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                 timeout_graceful_shutdown=args.shutdown_timeout))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    import mlx.core as mx
+
+    from mlxfun.model.load import load
+
+    rows = args.rows or args.batch_size or DEFAULT_ROWS
+    loaded: list[Model] = []
+
+    def make_engine() -> Engine:
+        # Runs on the engine thread: the model's arrays are made there too (MLX streams are per thread).
+        # The flags' scheduler options too: the prefix cache, a prompt cache, a draft model.
+        if not loaded:
+            loaded.append(load(args.model, dtype=args.dtype))
+            mx.eval(loaded[0].params)
+        return engine_for(loaded[0], rows, defaults)
+
+    bridge = Bridge(make_engine, args.max_queued)
+    try:
+        check_positive_int("batch_size", rows)
+        check_positive_int("max_queued", args.max_queued)
+        defaults = generation_config(args)
+        bridge.start()
+        model = bridge.engine.model
+        requests(model, [[0]], dataclasses.replace(defaults, max_tokens=1))  # the flags, checked now
+    except (MlxfunError, OSError) as e:
+        print(f"mlxfun: error: {flag_message(str(e))}", file=sys.stderr)
+        bridge.stop()
+        return 2
+    served = Served(model, bridge, defaults, args.served_model_name or Path(model.source).name or "mlxfun", api.now())
+    server = _uvicorn_server(make_app(served, args.shutdown_timeout), args)
+    server.run()
+    bridge.stop(args.shutdown_timeout)  # already stopped at the app's shutdown, unless uvicorn failed to start
+    return 0 if server.started else 1  # not started: the socket failed (logged)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The engine on a thread of its own, for the HTTP server (no HTTP here).
+
+One thread owns the engine and MLX's decode loop (`Engine.serve`). The event loop submits and
+cancels through the engine's thread-safe inbox (`Bridge.submit`, `Bridge.cancel`); each Event is
+handed to its HTTP request's asyncio queue with `call_soon_threadsafe`, and a request's closing
+event carries its Record, released (`Engine.take`) on the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from mlxfun.engine import sampling
+from mlxfun.engine.core import Engine
+from mlxfun.engine.events import Event
+from mlxfun.engine.options import Request
+from mlxfun.engine.records import Record
+from mlxfun.errors import MlxfunError
+
+log = logging.getLogger("mlxfun.serve")
+
+# Seconds over which /metrics reports generated tokens/s.
+RATE_WINDOW = 10.0
+
+
+class Busy(MlxfunError):
+    """The queue is full: the client should retry later (HTTP 429)."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised while a request was in it; the request ends with this error (HTTP 500)."""
+
+
+class Bridge:
+    """`submit` requests from the event loop; read (Event, Record | None) items from the returned
+    asyncio queue: the Record comes with each request's closing event. An engine error ends every
+    request in flight with an `EngineFailed` item and a fresh engine takes over."""
+
+    def __init__(self, make_engine: Callable[[], Engine], max_queued: int):
+        self._make_engine = make_engine
+        self.max_queued = max_queued
+        self.engine: Engine | None = None
+        self._lock = threading.Lock()  # guards _targets and the engine swap after a failure
+        self._targets: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._samples: deque[tuple[float, int]] = deque(maxlen=256)  # (time, generated tokens so far)
+        self._thread = threading.Thread(target=self._run, name="mlxfun-engine", daemon=True)
+
+    # ---- the event loop's side ----
+
+    def start(self) -> None:
+        """Build the engine on its thread (so every MLX array it makes lives there) and run it."""
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            raise self._start_error
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._targets)
+
+    def submit(self, requests: list[Request]) -> tuple[list[int], asyncio.Queue]:
+        """Queue the requests together (all or none); their events share one asyncio queue.
+        Raises Busy when the rows and the queue are full, InputError when one could never fit."""
+        # MLX streams are per thread: the engine thread gets settings copied from host memory, never
+        # arrays computed here (`options.requests` slices them lazily).
+        requests = [dataclasses.replace(r, settings=sampling.Settings(*(mx.array(np.array(f)) for f in r.settings)))
+                    for r in requests]
+        loop, q = asyncio.get_running_loop(), asyncio.Queue()
+        with self._lock:
+            if not self.alive:
+                raise Busy("the server is shutting down")
+            if len(self._targets) + len(requests) > self.engine.rows + self.max_queued:
+                raise Busy(f"{len(self._targets)} requests in flight; the server takes {self.engine.rows} rows "
+                           f"and {self.max_queued} queued")
+            ids = []
+            try:
+                for r in requests:
+                    ids.append(self.engine.submit(r))
+                    self._targets[ids[-1]] = (loop, q)
+            except Exception:
+                for rid in ids:
+                    self._targets.pop(rid, None)
+                    self.engine.cancel(rid)
+                raise
+        return ids, q
+
+    def cancel(self, rid: int) -> None:
+        """Free the request's row within one decode step (its closing event still arrives, unread)."""
+        with self._lock:
+            if self._targets.pop(rid, None) is not None:
+                self.engine.cancel(rid)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel every request still in flight, let the engine thread finish, and wait for it."""
+        with self._lock:
+            self._stop.set()
+            for rid in list(self._targets):
+                self.engine.cancel(rid)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def tokens_per_second(self) -> float:
+        """Generated tokens/s over the last RATE_WINDOW seconds."""
+        if self.engine is None or not self._samples:
+            return 0.0
+        now, total = time.perf_counter(), self.engine.stats.generation_tokens
+        samples = self._samples.copy()  # atomic, unlike iterating a deque the engine thread appends to
+        then = next((s for s in reversed(samples) if s[0] <= now - RATE_WINDOW), samples[0])
+        return (total - then[1]) / (now - then[0]) if now > then[0] else 0.0
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            # MLX leaves a thread's streams to the interpreter's teardown, which aborted the server
+            # now and then at exit ("terminate called without an active exception"): free them here.
+            mx.clear_streams()
+
+    def _serve(self) -> None:
+        try:
+            self.engine = self._make_engine()
+        except BaseException as e:  # reported by start()
+            self._start_error = e
+            return
+        finally:
+            self._ready.set()
+        while True:
+            try:
+                for event in self.engine.serve(self._stop):
+                    self._dispatch(event)
+                return
+            except Exception as e:  # a bug or a device error: no request may wait forever for it
+                log.exception("the engine failed; requests in flight end with an error, a fresh engine starts")
+                self._fail_all(e)
+
+    def _dispatch(self, event: Event) -> None:
+        record = self.engine.take(event.index) if event.finish_reason is not None else None
+        with self._lock:
+            target = self._targets.get(event.index) if record is None else self._targets.pop(event.index, None)
+        if target is not None:
+            _put(target, (event, record))
+        now = time.perf_counter()
+        if not self._samples or now - self._samples[-1][0] >= 0.25:
+            self._samples.append((now, self.engine.stats.generation_tokens))
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            targets, self._targets = self._targets, {}
+            self.engine = self._make_engine()
+        for target in dict.fromkeys(targets.values()):  # one item per request's queue
+            _put(target, (EngineFailed(f"the engine failed: {type(error).__name__}: {error}"), None))
+
+
+def _put(target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item) -> None:
+    loop, q = target
+    try:
+        loop.call_soon_threadsafe(q.put_nowait, item)
+    except RuntimeError:  # the loop has closed: nobody is waiting
+        pass
+
+
+def metrics_text(engine: Engine, tokens_per_second: float) -> str:
+    """The engine's counters, gauges and latency percentiles in Prometheus' text format."""
+    s = engine.stats
+    lines = []
+
+    def family(name: str, kind: str, help_: str) -> str:
+        lines.extend([f"# HELP mlxfun_{name} {help_}", f"# TYPE mlxfun_{name} {kind}"])
+        return f"mlxfun_{name}"
+
+    for name, kind, help_, value in (
+            ("requests_running", "gauge", "Requests holding a row.", s.running),
+            ("requests_queued", "gauge", "Requests waiting for a row.", s.queued),
+            ("requests_finished_total", "counter", "Requests finished (any reason).", s.requests),
+            ("rows", "gauge", "Rows decoded together at most.", s.rows),
+            ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", s.prompt_tokens),
+            ("generation_tokens_total", "counter", "Tokens generated.", s.generation_tokens),
+            ("generation_tokens_per_second", "gauge", f"Tokens generated per second over the last {RATE_WINDOW:g} s.",
+             f"{tokens_per_second:.3f}"),
+            ("kv_cache_bytes", "gauge", "Bytes of the KV cache now.", s.kv_bytes),
+            ("kv_cache_capacity_tokens", "gauge", "KV cache slots per row now.", s.capacity)):
+        lines.append(f"{family(name, kind, help_)} {value}")
+    for name, window, help_ in (
+            ("time_to_first_token_seconds", s.ttft, "Time to first token over the last requests (a window)."),
+            ("inter_token_latency_seconds", s.itl, "Time between a request's tokens over the last tokens (a window).")):
+        values = sorted(window.copy())  # deque.copy is atomic; iterating one another thread appends to is not
+        full = family(name, "summary", help_)
+        for q in (0.5, 0.9, 0.99):
+            v = values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+            lines.append(f'{full}{{quantile="{q}"}} {v:.6f}')
+        lines += [f"{full}_sum {sum(values):.6f}", f"{full}_count {len(values)}"]
+    return "\n".join(lines) + "\n"
+
+
+def finished(record: Record) -> tuple[list[int], list[float], list | None]:
+    """A closed request's generated ids and, when asked, their logprobs and top logprobs (trimmed to the ids)."""
+    row = record.row
+    ids = row.token_ids
+    return ids, row.logprobs[: len(ids)], row.top[: len(ids)] if row.top_n > 0 else None
