@@ -14,6 +14,7 @@
 #   ab-static    this tree against the package in $AB_REF (default .ab/ref), alternating processes:
 #                1B bf16 batch 1/8/32/128 (ABBA), 8B bf16 (AB); ratios by benchmarks/ab_compare.py
 #   ab-continuous  the same for --continuous 32 (1B, ABBA)
+#   ab-profile   benchmarks/host_profile.py (1B, 128 rows) for this tree and $AB_REF: host time by function
 #   ab-1B        the 1B part of ab-static only, in the order $AB_ORDER (default "ref ours ours ref"),
 #                at batch sizes $AB_BATCHES (default 1,8,32,128)
 set -u
@@ -57,6 +58,12 @@ for suite in "$@"; do
       for who in ref ours ours ref; do
         dir=$AB_REF; [ $who = ours ] && dir=$here
         bench_at "$dir" 200 --shape 1B --continuous 32 --prompts 256 --json "$OUT/ab-continuous-1B-$who-$RANDOM.json" | tail -4
+      done ;;
+    ab-profile)
+      for who in ours ref; do
+        dir=$AB_REF; [ $who = ours ] && dir=$here
+        (cd "$dir" && PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout 200 python3 "$here/benchmarks/host_profile.py" \
+          --shape 1B --batch 128 --label $who) | tee "$OUT/ab-profile-$who.txt" | grep -v "^$" | head -30
       done ;;
     *) echo "unknown suite $suite"; exit 2 ;;
   esac
