@@ -30,7 +30,6 @@ from __future__ import annotations
 import threading
 import time
 from functools import partial
-from pathlib import Path
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import mlx.core as mx
@@ -52,7 +51,7 @@ from mlxfun.engine.strategy import WeightStrategy, default_strategy, memory_limi
 from mlxfun.errors import InputError, check_bool, check_positive_int
 from mlxfun.features import speculative
 from mlxfun.features.constraints import Constraints
-from mlxfun.features.speculation import Speculation
+from mlxfun.features.speculation import Speculation, drafter_for
 from mlxfun.features.speculative import Verdict
 from mlxfun.model import cache as kv
 from mlxfun.model.config import ModelConfig
@@ -468,24 +467,6 @@ class Engine:
                 runner.compact(*plan)
         self.stats.record_memory(self.scheduler, self.runner.state is not None, self.block_bytes)
 
-
-
-def drafter_for(draft, engine: Engine) -> speculative.Drafter | None:
-    """The drafter for a `draft` option: None, "prompt-lookup", a draft Model (or what
-    `mlxfun.load` loads one from: a path or repo id), or a Drafter."""
-    from mlxfun.features.drafting import DraftModel
-
-    if draft is None or isinstance(draft, speculative.Drafter):
-        return draft
-    if isinstance(draft, str) and draft == "prompt-lookup":
-        return speculative.LookupDrafter()
-    if isinstance(draft, (str, Path)):
-        from mlxfun.model.load import load
-
-        draft = load(draft)
-    if isinstance(draft, Model):
-        return DraftModel(draft, engine)
-    raise InputError(f"draft_model must be a Model, a path or 'prompt-lookup', got {draft!r:.60}")
 
 
 def engine_for(model: Model, rows: int, config: GenerationConfig, kv_memory: int | None = None) -> Engine:

@@ -12,14 +12,18 @@ verification itself is array code in `speculative.py`; drafters are in `speculat
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
 from mlxfun.engine.events import Event
+from mlxfun.errors import InputError
 from mlxfun.features import speculative
+from mlxfun.features.drafting import DraftModel
 from mlxfun.features.speculative import Verdict
+from mlxfun.model.load import Model, load
 
 if TYPE_CHECKING:
     from mlxfun.engine.core import Engine
@@ -198,3 +202,17 @@ class Speculation:
                     engine.release(r, record)
                     break
         return events, given / rows if rows else 0.0
+
+
+def drafter_for(draft, engine: Engine) -> speculative.Drafter | None:
+    """The drafter for a `draft` option: None, "prompt-lookup", a draft Model (or what
+    `mlxfun.load` loads one from: a path or repo id), or a Drafter."""
+    if draft is None or isinstance(draft, speculative.Drafter):
+        return draft
+    if isinstance(draft, str) and draft == "prompt-lookup":
+        return speculative.LookupDrafter()
+    if isinstance(draft, (str, Path)):
+        draft = load(draft)
+    if isinstance(draft, Model):
+        return DraftModel(draft, engine)
+    raise InputError(f"draft_model must be a Model, a path or 'prompt-lookup', got {draft!r:.60}")
