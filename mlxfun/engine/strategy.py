@@ -1,7 +1,7 @@
 """Which weights a batch multiplies by: the quantized kernels, or a dense copy of the weights.
 
 A dense matmul reads the weights once for all rows, while MLX's quantized matmul stops scaling
-with the number of rows (measurements in round2-main:benchmarks/README.md). So a batch of at least `dense_from`
+with the number of rows (measurements in 7fbc90b:benchmarks/README.md). So a batch of at least `dense_from`
 rows runs on a dense copy of quantized weights, made once per batch in the activation dtype, when
 it fits in memory; and a prefill of at least `prompt_dense_from` prompt tokens per chunk runs on
 a dense copy made for it and dropped after (`params_for_prompts`), while the batch decodes on the
@@ -31,7 +31,7 @@ class WeightStrategy:
     prompt_dense_min_weights: int = 1 << 22  # ... for models whose MLP maps (E x I) have at least this many weights
 
 
-# Measured (round2-main:benchmarks/README.md). On an H200 (MLX 0.32.4, CUDA) MLX's 4-bit kernels run slower
+# Measured (7fbc90b:benchmarks/README.md). On an H200 (MLX 0.32.4, CUDA) MLX's 4-bit kernels run slower
 # than bf16 at every batch size (8B: 118 vs 152 tok/s at batch 1, 1166 vs 2668 at 32), so batches
 # of more than `qmv.MAX_ROWS` rows run a dense copy. Up to that, decode steps run mlxfun's
 # 4-bit product (`qmv.product`): 8B 4-bit 269 tok/s against the copy's 203 at batch 1, 1760 vs

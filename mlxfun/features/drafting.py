@@ -104,7 +104,7 @@ class DraftModel(Drafter):
         The draft pool takes the engine's size, which admission reserved for every position its
         rows may reach (the draft's rows hold the same positions): grown as rounds went, each
         new size traced the round and the catch-up anew, 35-45 ms of a switch back to
-        speculation (8B with a 1B drafter, H200; round2-main:benchmarks/README.md)."""
+        speculation (8B with a 1B drafter, H200; 7fbc90b:benchmarks/README.md)."""
         for r in rows:
             self.draft_pos[r] = 0
         if self.pool.size < engine.scheduler.pool.size:
@@ -202,7 +202,7 @@ class DraftModel(Drafter):
 
 # The share of a target's decode step that is per-layer work independent of the weights' size (the
 # host's launch of each layer's kernels) on a GPU. A 1B-shaped draft step cost about a third of an
-# 8B target's on an H200 (round2-main:benchmarks/README.md, ninth session: launch-bound), where its weight
+# 8B target's on an H200 (7fbc90b:benchmarks/README.md, ninth session: launch-bound), where its weight
 # bytes are 0.155 of the 8B's and its layers half; with this share the model below gives 0.33.
 # Priced by bytes alone, the rule expected a 1B drafter's first measure to lose 4.5 decode steps
 # and ran it in 256-token runs at batch 32, where it lost about 8% (eleventh session).

@@ -257,7 +257,7 @@ TRY_ROUNDS = 3
 # decode steps measured before the first comparison. On an H200 one decode
 # step's time right after verify rounds ran up to 1.8x the steady one (8B, batch 32: 12.3 ms
 # against 7): a rule that compared one such step with one verify round chose to speculate and
-# lost 0.5-0.7x (round2-main:benchmarks/README.md, the rule's trace). Decode steps cost nothing to measure
+# lost 0.5-0.7x (7fbc90b:benchmarks/README.md, the rule's trace). Decode steps cost nothing to measure
 # beyond not speculating meanwhile.
 WINDOW = 8
 MIN_DECODES = 3
@@ -265,14 +265,14 @@ MIN_DECODES = 3
 # much more before the rule turns it back on: each return drains the pipeline and feeds the draft
 # model the plain tokens (15-35 ms on an H200 at batch 32, 2-5 decode steps of an 8B target),
 # and near break-even the measured rates differ by more than their gap, so the rule went back
-# and forth five times in 64 tokens (round2-main:benchmarks/README.md, tenth session).
+# and forth five times in 64 tokens (7fbc90b:benchmarks/README.md, tenth session).
 ENTER = 1.1
 # A costly drafter's measuring costs device time: each of its rounds takes at least `least` decode
 # steps (`Drafter.least`), and a switch to it and back drains the pipeline and feeds the draft model
 # the plain tokens. So its first measure, and each later try, runs only where its expected loss is at
 # most BUDGET of the decode steps it is spread over (the work ahead; and the interval to the next
 # try): an 8B target with a 1B drafter on an H200 lost 10-30% of a 64-token run to measuring alone,
-# its first rounds 35-50 ms each at batch 32 against 8 ms a decode step (round2-main:benchmarks/README.md,
+# its first rounds 35-50 ms each at batch 32 against 8 ms a decode step (7fbc90b:benchmarks/README.md,
 # tenth session). A free drafter (prompt lookup) measures at no cost and is never held back.
 BUDGET = 0.03
 # The first measure also pays the draft model's catch-up: the prompts it has not seen (8B with a 1B
@@ -357,7 +357,7 @@ class Policy:
         lowest cost: `Drafter.least`), so one that gave no more tokens per row than that (by
         `margin`) lost, whatever it cost. Then speculation stops at once instead of after two
         timed rounds (the first is a warm-up), each of which costs a draft model a few decode
-        steps (round2-main:benchmarks/README.md, 8B with a 1B drafter). Before any measure, the speculating
+        steps (7fbc90b:benchmarks/README.md, 8B with a 1B drafter). Before any measure, the speculating
         rate becomes 0 (a bound the next timed round replaces) and the next try comes after
         twice the base interval; in a try of speculation, the try ends and counts as lost."""
         if tokens_per_row > self.margin * least:
@@ -480,7 +480,7 @@ def headroom(rows: int, k: int) -> float:
 def may_pay(rows: int, k: int) -> bool:
     """Whether verification can beat decoding here at all, before measuring (probing costs rounds).
     On the CPU with MLX's bundled reference BLAS every verified position costs what a decode step
-    does (products are row by row: round2-main:benchmarks/README.md), so k + 1 positions cost k + 1 steps and
+    does (products are row by row: 7fbc90b:benchmarks/README.md), so k + 1 positions cost k + 1 steps and
     speculation never pays. Elsewhere a step reading the weights once serves a few rows almost for
     free; past about 256 rows x positions it is bound by compute, and verifying costs ~k + 1 steps."""
     if mx.default_device() == mx.cpu:

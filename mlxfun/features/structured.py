@@ -8,7 +8,7 @@ Schema), `{"type": "choice", "choice": [...]}` (one of these strings) or `{"type
 
 llguidance (the `structured` extra) compiles it for a tokenizer; its masks walk the tokenizer's
 token trie against an Earley parser, tens of microseconds per row and token on SmolLM2's 49152
-tokens (round2-main:benchmarks/README.md). A `Constraint` is compiled once per (tokenizer, response_format)
+tokens (7fbc90b:benchmarks/README.md). A `Constraint` is compiled once per (tokenizer, response_format)
 (up to MATCHER_FAMILIES times apart, as its rows need them, so that parallel fills do not queue
 on one lexer) and shared;
 each request gets its own `Matcher`, which the engine advances by every token its row
@@ -290,7 +290,7 @@ MASK_THREADS = 4  # llguidance's threads for a batch's masks, at most
 # batch 32: 2 to 12 threads within the spread). Each constraint is compiled up to this many times apart
 # and its rows spread over them (each family builds its own lexer states, so more costs more work
 # in all). 1B shape, batch 32, a JSON schema on every row, H200 host, alternating in one process:
-# 1.106x a free step from one start, 1.055x from four (round2-main:benchmarks/README.md, seventeenth session).
+# 1.106x a free step from one start, 1.055x from four (7fbc90b:benchmarks/README.md, seventeenth session).
 MATCHER_FAMILIES = 4
 
 

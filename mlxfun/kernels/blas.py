@@ -3,7 +3,7 @@
 MLX's Linux CPU wheel bundles the reference BLAS, whose float32 product costs the same per row at
 any batch size. An optimised BLAS loaded into the process before MLX takes over its BLAS calls
 (measured with Debian's OpenBLAS on 2 cores: 2.6x at one row, 10-20x at 8 to 128; SmolLM2 4-bit
-decodes 1.8-5.3x mlx-lm's speed as a dense copy; round2-main:benchmarks/README.md). It must be loaded before
+decodes 1.8-5.3x mlx-lm's speed as a dense copy; 7fbc90b:benchmarks/README.md). It must be loaded before
 `mlx.core` is imported, so it is chosen by the environment, not by an argument:
 
     MLXFUN_BLAS=openblas python -m mlxfun generate ...      # Debian/Ubuntu libopenblas0-pthread

@@ -5,7 +5,7 @@ cuBLASLt, which at few rows reads the weights no faster, and costs the host more
 builds the matmul's descriptors and asks cuBLASLt for a heuristic at every call, and captures it
 into its CUDA graph. A verify pass of speculative decoding (k + 1 rows per sequence) and decode
 steps of 2 to 8 rows are host-bound on an H200 (8B bf16, batch 1: queueing a verify round took
-6.3-10.4 ms of host time against 6.0 ms of GPU time, round2-main:benchmarks/README.md). `product` reads each
+6.3-10.4 ms of host time against 6.0 ms of GPU time, 7fbc90b:benchmarks/README.md). `product` reads each
 weight once for all rows, as one custom kernel; tensor cores take the rows 8 at a time, so its
 time hardly depends on how many there are.
 
@@ -13,7 +13,7 @@ On by default wherever mlxfun's kernels run (`fast`, as the steps of `mlxfun.eng
 for 2 to 8 rows; `MLXFUN_DENSE_KERNEL=0` when mlxfun is imported turns it off, and a number up to
 32 sets the most rows it takes (an environment setting, like `MLXFUN_BLAS`, so that a benchmark
 compares them in two processes; past 8 rows, tiles of 8 share each read of W, not yet timed).
-Measured on an H200 (round2-main:benchmarks/2026-12-02-h200-s7-*): 8B speculative decoding at batch 1
+Measured on an H200 (7fbc90b:benchmarks/2026-12-02-h200-s7-*): 8B speculative decoding at batch 1
 (oracle, alpha 0.7, k = 4) 2.25x plain, where the CUDA-core kernel it replaced gave 1.75-1.96x;
 per map at 5 rows, 0.6-1.0x the time of that kernel and 0.4-1.1x cuBLAS's (slower on the 8B
 gate/up map and the heads).
@@ -152,7 +152,7 @@ def grid(out_features: int, launch: Launch) -> tuple[int, int]:
 
 # The fastest launch per (OUT, IN) at 5 rows, the maps of the 8B and 1B shapes timed on an H200
 # with each product waiting for the one before, as in the decoder (`kernels_check.py --time-dmv`,
-# 10 launches, 50 products each; round2-main:benchmarks/2026-12-02-h200-s7-dmv-mma-tune-chained.json). Timed
+# 10 launches, 50 products each; 7fbc90b:benchmarks/2026-12-02-h200-s7-dmv-mma-tune-chained.json). Timed
 # side by side instead, the picks were launches of few warps, and a verify round took twice as long.
 TUNED = {(6144, 4096): (16, 1), (4096, 4096): (16, 1), (28672, 4096): (8, 2), (4096, 14336): (16, 1),
          (128256, 4096): (4, 1), (3072, 2048): (8, 1), (2048, 2048): (4, 1), (16384, 2048): (4, 1),

@@ -3,7 +3,7 @@
 MLX's CUDA arrays live in managed memory, so a kernel that reads an array the host has just
 written first migrates its pages to the device: on an H200, 0.16 ms for one row's mask (6 KB)
 and 0.6 ms for 32 rows', against 0.05 ms for the same read of a device-resident array
-(round2-main:benchmarks/README.md, twelfth session). A constrained decode step uploads fresh masks every
+(7fbc90b:benchmarks/README.md, twelfth session). A constrained decode step uploads fresh masks every
 step, and its sampling waits for them. A `HostArray` is one MLX array whose pages are advised to
 stay on the host and to be mapped for the device (cudaMemAdvise), written in place through a
 NumPy view: the device reads it over the link, without migrating anything. On the CPU the array's

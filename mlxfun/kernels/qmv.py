@@ -277,7 +277,7 @@ _MMA = compact(r"""
     }
 """)
 
-# The fastest of six launches on an H200 at 1 and 8 rows (round2-main:benchmarks/README.md, fourth pass).
+# The fastest of six launches on an H200 at 1 and 8 rows (7fbc90b:benchmarks/README.md, fourth pass).
 MMA_WARPS = 16  # KW: warps per block, sharing the inputs
 MMA_IN_FLIGHT = 1  # U: 128-input blocks a warp loads at once
 

@@ -85,7 +85,7 @@ def slots(table: mx.array, positions: mx.array, block_size: int) -> mx.array:
 def write(buf: mx.array, new: mx.array, slots: mx.array) -> mx.array:
     """buf (N * bs, H, 1, D) with new (B, H, T, D) written at flat slots (B, T). (Written as uint32
     words, two 16-bit values a word, the writes alone took 6.6 against 9.9 ms for the 8B's 8,192
-    tokens on an H200, but whole admissions read prompts up to 19% slower: round2-main:benchmarks/README.md,
+    tokens on an H200, but whole admissions read prompts up to 19% slower: 7fbc90b:benchmarks/README.md,
     seventeenth session.)"""
     B, H, T, D = new.shape
     if T == 1:  # (B, H, 1, D): B slots' worth as it is
