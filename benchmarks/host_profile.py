@@ -19,7 +19,7 @@ import mlx.core as mx
 try:
     from mlxfun.bench.models import SHAPES, random_model
     from mlxfun.engine.core import Engine
-except ImportError:  # the package before its layout in folders (tag 7fbc90b)
+except ImportError:  # the package before its layout in folders (commit 7fbc90b)
     from mlxfun.bench import SHAPES, random_model
     from mlxfun.engine import Engine
 
