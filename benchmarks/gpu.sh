@@ -11,7 +11,9 @@
 #   speculative  mlxfun bench --speculative --rule-only (1B target, 135M draft)
 #   structured   mlxfun bench --structured: a JSON schema on every row vs free rows (1B)
 #   serve        benchmarks/serve_load.py: mlxfun serve under 32 streaming clients (1B)
-#   ab-static    this tree against the package in $AB_REF (default .ab/ref), alternating processes:
+#   ab-static    this tree against the package in $AB_REF (default .ab/ref, made here by
+#                `echo /.ab/ >> .git/info/exclude; mkdir -p .ab/ref; git archive REV mlxfun | tar -x -C .ab/ref`
+#                and carried with the device tool's `carry: [".gpu-b", ".ab"]`), alternating processes:
 #                1B bf16 batch 1/8/32/128 (ABBA), 8B bf16 (AB); ratios by benchmarks/ab_compare.py
 #   ab-continuous  the same for --continuous 32 (1B, ABBA)
 #   ab-profile   benchmarks/host_profile.py (1B, 128 rows) for this tree and $AB_REF: host time by function
