@@ -74,11 +74,11 @@ class Constraints:
         structured.fill_masks([_mask_matcher(requests.get(o) if o is not None else None) for o in owners], out)
         return values
 
-    def _buffer(self, rows: int, mapped: bool = True) -> np.ndarray:
+    def _buffer(self, rows: int) -> np.ndarray:
         """The host side of the masks' array (`mapped.HostArray`: on a GPU the device reads it in
         place); the worker fills it after reading the tokens of the step that read it last."""
         if self._masks is None or self._masks.host.shape[0] != rows:
-            self._masks = HostArray((rows, self.words), np.uint32, 0xFFFFFFFF, mapped)
+            self._masks = HostArray((rows, self.words), np.uint32, 0xFFFFFFFF)
         return self._masks.host
 
 

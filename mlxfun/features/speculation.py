@@ -134,8 +134,7 @@ class Speculation:
         The host's positions lag the device by that round (at most k + 1 tokens), so blocks are
         allocated up to `round_end`."""
         live = engine.scheduler.live_rows()
-        for r in live:
-            engine.scheduler.pages.ensure(r, engine.scheduler.pos[r], self.round_end(engine, r))
+        engine.scheduler.blocks_through(live, [self.round_end(engine, r) for r in live])  # (no ring here)
         engine.sync()
         drafts, valid, q = self.drafter.draft(engine, engine.runner.state, self.k)
         out = self._queue(engine, live, drafts, valid, q)
