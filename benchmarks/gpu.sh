@@ -10,7 +10,13 @@
 #   prefix       mlxfun bench --prefix: 256 requests sharing a 2,000-token prefix, cache off vs on (1B)
 #   speculative  mlxfun bench --speculative --rule-only (1B target, 135M draft)
 #   structured   mlxfun bench --structured: a JSON schema on every row vs free rows (1B)
-#   serve        benchmarks/serve_load.py: mlxfun serve under 32 streaming clients (1B)
+#   serve        benchmarks/serve_load.py (1B): 32 and 128 streaming clients, greedy, then seeded top-p at 32,
+#                against offline generate (same prompts) and mlx_lm.server. Needs the server's wheels, made here by
+#                `echo /.whl/ >> .git/info/exclude` and `pip download --no-deps --only-binary=:all:
+#                --python-version 3.12 --platform manylinux2014_x86_64 -d .whl fastapi starlette uvicorn pydantic
+#                pydantic-core typing-inspection annotated-types openai jiter sniffio distro [mlx-lm]`
+#                (versions as in this venv), carried as ".whl"
+#   sampling     benchmarks/sampling_search.py: top-k/top-p by threshold search against $AB_REF's sort (128K vocab)
 #   ab-static    this tree against the package in $AB_REF (default .ab/ref, made here by
 #                `echo /.ab/ >> .git/info/exclude; mkdir -p .ab/ref; git archive REV mlxfun | tar -x -C .ab/ref`
 #                and carried with the device tool's `carry: [".gpu-b", ".ab"]`), alternating processes:
@@ -43,8 +49,16 @@ for suite in "$@"; do
     prefix) bench 300 --shape 1B --prefix --prompts 256 --rows 256 --json "$OUT/prefix-1B.json" ;;
     speculative) bench 400 --shape 1B --speculative --rule-only --draft-shape 135M --json "$OUT/speculative-1B.json" ;;
     structured) bench 300 --shape 1B --structured --batch-sizes 1,8,32 --json "$OUT/structured-1B.json" ;;
-    serve) timeout 420 python3 benchmarks/serve_load.py --shape 1B --clients 32 --requests 128 \
-             --json "$OUT/serve-1B.json" ;;
+    serve)
+      # The server's extra and the openai client (and mlx-lm, side by side) as wheels in .whl/ (see above).
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+      lm=(); python3 -c "import mlx_lm" 2>/dev/null && lm=(--mlx-lm --mlx-lm-python python3)
+      timeout 420 python3 benchmarks/serve_load.py --shape 1B --clients 32,128 --requests 128 --modes greedy \
+        --offline "${lm[@]}" --json "$OUT/serve-1B.json"
+      timeout 300 python3 benchmarks/serve_load.py --shape 1B --clients 32 --requests 64 --modes seeded \
+        --offline "${lm[@]}" --json "$OUT/serve-1B-seeded.json" ;;
+    sampling) timeout 200 python3 benchmarks/sampling_search.py --ref "$AB_REF" --json "$OUT/sampling.json" ;;
     ab-static|ab-1B)
       static=(--batch-sizes "${AB_BATCHES:-1,8,32,128}" --prompt-tokens 128 --dtypes bfloat16)
       for who in ${AB_ORDER:-ref ours ours ref}; do

@@ -7,7 +7,10 @@ the R requests one after another, the next as soon as the last has ended (a clos
 Reported: aggregate generated tok/s (usage.completion_tokens over the time
 from the first request to the last token), time to first token p50 / p99, and inter-token
 latency p50 / p99 (gaps between a stream's chunks with text). `--modes greedy,seeded`: seeded
-requests sample at temperature 0.7 with a seed each (mlx-lm's server runs those one at a time).
+requests sample at temperature 0.8 with top-p 0.9 and a seed each (mlx-lm's server runs those
+one at a time). `--offline` times `mlxfun.generate(batch_size=rows)` on the same prompts in the
+same run (the engine alone); each server's first sampled request after /health answers is
+timed against a warm one.
 
 The model is saved once with `mlxfun.save` into a temporary folder that both servers load:
 the default model (its 4-bit weights), `--model`, or a random-weight Llama shape (`--shape 1B`,
@@ -40,6 +43,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# How a seeded request samples (mlx-lm's server runs seeded requests one at a time).
+SEEDED = {"temperature": 0.8, "top_p": 0.9}
+# A shape so small that host work dominates (`--shape tiny`: the CPU check of the serving path).
+TINY = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+            head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048)
 
 
 # ---- the client side (also run in worker processes) ----
@@ -49,9 +57,9 @@ async def one_stream(client, url_model: str, prompt: str, start: float, gen_toke
     """One streaming request sent at wall-clock `start`; chunk times in wall-clock seconds."""
     await asyncio.sleep(max(0.0, start - time.time()))
     body = dict(model=url_model, prompt=prompt, max_tokens=gen_tokens, stream=True,
-                stream_options={"include_usage": True}, temperature=0.0 if seed is None else 0.7)
+                stream_options={"include_usage": True}, temperature=0.0 if seed is None else SEEDED["temperature"])
     if seed is not None:
-        body["seed"] = seed
+        body.update(seed=seed, top_p=SEEDED["top_p"])
     sent, times, usage, error = time.time(), [], None, None
     try:
         async with client.completions.with_streaming_response.create(**body) as response:
@@ -203,7 +211,12 @@ def build_model(args):
 
     if args.shape is None:
         return mlxfun.load(args.model)
-    config = SHAPES[args.shape]
+    if args.shape == "tiny":
+        from mlxfun.model.config import ModelConfig
+
+        config = ModelConfig(**TINY)
+    else:
+        config = SHAPES[args.shape]
     dtype = DTYPES[args.dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")]
     return Model(config, random_params(config, dtype), word_tokenizer(config.vocab_size), f"random {args.shape}")
 
@@ -217,6 +230,8 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
     print(f"{name}: up in {time.perf_counter() - t:.1f} s ({n} clients, {procs} client processes)", flush=True)
     out = []
     try:
+        # The first sampled request after /health answers, against one after the load (warm).
+        cold = first_sampled_ttft(server.url + "/v1", prompts[-1], 8)
         for mode in modes:
             requests = args.requests or n
             warm = prompts[len(prompts) // 2:][:n]  # other prompts: nothing of the measured ones is cached
@@ -224,13 +239,42 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
             results, cpu = drive(server.url + "/v1", prompts[:requests], n, args.arrival, args.gen_tokens,
                                  mode == "seeded", procs)
             row = dict(server=name, mode=mode, rows=args.rows or n, clients=n, **summarize(results, cpu))
+            row["first_sampled_ttft"], row["warm_sampled_ttft"] = cold, first_sampled_ttft(server.url + "/v1",
+                                                                                            prompts[-2], 8)
             out.append(row)
             print(f"  {name} {mode} {n} clients: {row['tok_s']:.1f} tok/s, TTFT p50/p99 {row['ttft_p50']:.3f}/"
                   f"{row['ttft_p99']:.3f} s, ITL p50/p99 {row['itl_p50']:.4f}/{row['itl_p99']:.4f} s, "
-                  f"{row['tokens']} tokens, {row['failed']} failed", flush=True)
+                  f"{row['tokens']} tokens, {row['failed']} failed; a sampled request alone: TTFT "
+                  f"{row['first_sampled_ttft']:.3f} s first, {row['warm_sampled_ttft']:.3f} s warm", flush=True)
     finally:
         server.stop()
     return out
+
+
+def offline_run(model, prompts: list[str], n: int, args, mode: str) -> dict:
+    """`mlxfun.generate(batch_size=rows)` on the requests a load run sends: generated tok/s over its
+    wall time, after a warm-up on other prompts (the same as the servers get)."""
+    import mlxfun
+
+    rows, requests = args.rows or n, args.requests or n
+    sampling = dict(temperature=SEEDED["temperature"], top_p=SEEDED["top_p"],
+                    seed=[1000 + i for i in range(requests)]) if mode == "seeded" else {}
+    warm = prompts[len(prompts) // 2:][:n]
+    mlxfun.generate(model, warm, max_tokens=4, batch_size=rows,
+                    **({**sampling, "seed": sampling["seed"][:len(warm)]} if sampling else {}))
+    t = time.perf_counter()
+    out = mlxfun.generate(model, prompts[:requests], max_tokens=args.gen_tokens, batch_size=rows, **sampling)
+    seconds = time.perf_counter() - t
+    tokens = sum(len(ids) for ids in out.token_ids)
+    print(f"  offline generate {mode} {requests} prompts, {rows} rows: {tokens / seconds:.1f} tok/s", flush=True)
+    return dict(mode=mode, clients=n, rows=rows, requests=requests, tokens=tokens, seconds=seconds,
+                tok_s=tokens / seconds)
+
+
+def first_sampled_ttft(base_url: str, prompt: str, gen_tokens: int) -> float:
+    """TTFT of one seeded request sent alone."""
+    result = asyncio.run(run_clients(base_url, [[(prompt, time.time(), gen_tokens, 7)]]))[0]
+    return result["times"][0] - result["sent"] if result["times"] else float("nan")
 
 
 def best_runs(runs: list[dict]) -> list[dict]:
@@ -263,7 +307,8 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: the default model)")
-    p.add_argument("--shape", choices=("135M", "1B", "8B"), default=None, help="random-weight Llama shape instead")
+    p.add_argument("--shape", choices=("tiny", "135M", "1B", "8B"), default=None,
+                   help="random-weight Llama shape instead (tiny: 1 layer, 64 wide, where host work dominates)")
     p.add_argument("--dtype", default=None, help="dtype of random weights (default: bfloat16 on a GPU, else float32)")
     p.add_argument("--clients", default="8,32,128", help="comma-separated concurrent clients (default: 8,32,128)")
     p.add_argument("--requests", type=int, default=None, help="requests in all (default: one per client)")
@@ -279,6 +324,8 @@ def main(argv=None) -> int:
     p.add_argument("--mlx-lm-args", default="", help="extra arguments for mlx_lm.server, space-separated")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per server and client count, the servers' order alternating; the best is kept")
+    p.add_argument("--offline", action="store_true",
+                   help="also time mlxfun.generate(batch_size=rows) on the same prompts (the engine alone)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",")]
@@ -299,6 +346,7 @@ def main(argv=None) -> int:
     model = build_model(args)
     # the second half warms up
     prompts = make_prompts(model, 2 * max(clients + [args.requests or 0]), args.prompt_tokens)
+    offline = [offline_run(model, prompts, n, args, mode) for n in clients for mode in modes] if args.offline else []
     rows, runs = [], []
     with tempfile.TemporaryDirectory(prefix="mlxfun-serve-load-") as tmp:
         folder = save(model, Path(tmp) / "model")
@@ -320,9 +368,16 @@ def main(argv=None) -> int:
             print(f"some requests failed; the servers' log: {log.read_text()[-3000:]}")
     print()
     print(table(rows))
+    for o in offline:
+        served = next((r for r in rows if r["server"] == "mlxfun" and r["mode"] == o["mode"]
+                       and r["clients"] == o["clients"]), None)
+        if served:
+            o["served_ratio"] = served["tok_s"] / o["tok_s"]
+            print(f"served / offline generate(batch_size={o['rows']}), {o['mode']}, {o['clients']} clients: "
+                  f"{served['tok_s']:.1f} / {o['tok_s']:.1f} tok/s = {o['served_ratio']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "rows": rows, "runs": runs},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "rows": rows, "runs": runs,
+                                               "offline": offline}, indent=2))
         print(f"results written to {args.json}")
     return 0
 

@@ -124,6 +124,19 @@ def test_penalised_frequencies():
     assert_matches(observed, reference(penalised), reference(logits))
 
 
+def test_top_k_then_top_p_frequencies_at_a_real_vocabulary():
+    # A head of 50 above a heavy tail (2% of the mass): top-k 50 keeps the head, and top-p, on the
+    # head renormalised, stops at its 16th token; top-p first would keep past the head (then top-k 50).
+    rng = np.random.default_rng(8)
+    logits = np.concatenate([5 - 0.04 * np.arange(50), rng.normal(1, 0.3, 49152 - 50)])
+    rng.shuffle(logits)
+    head = np.sort(reference(logits, top_k=50))[::-1][:50]
+    top_p = float(head[:15].sum() + head[15] / 2)  # halfway through the 16th: a clear boundary
+    right, wrong = reference(logits, top_k=50, top_p=top_p), reference(logits, top_k=50, top_p=top_p, order="pk")
+    assert ((right > 0).sum(), (wrong > 0).sum()) == (16, 50)
+    assert_matches(draw(logits, n=300, top_k=50, top_p=top_p), right, wrong)
+
+
 # ---- exact supports ----
 
 
@@ -179,22 +192,139 @@ def test_filtered_logits_are_scaled():
     assert np.array(masked).tolist() == [[-np.inf, 1.0, 2.0]]
 
 
-def test_without_sort_same_tokens_when_no_row_needs_it():
+def test_without_search_same_tokens_when_no_row_needs_it():
     rng = np.random.default_rng(6)
     logits = mx.array(rng.normal(0, 2, (6, 64)).astype(np.float32))
     counts = mx.array(rng.integers(0, 2, (6, 64)), mx.int32)
     settings = S.make_settings(6, temperature=[0.0, 0.5, 1.0, 1.0, 2.0, 0.0], min_p=[0, 0, 0.1, 0.3, 0, 0],
                                top_k=[0, 0, 0, 0, 0, 3], top_p=[1, 1, 1, 1, 1, 0.5], presence_penalty=0.5, seed=3)
-    assert not S.needs_sort(settings)  # the greedy row's top-k and top-p do not count
-    assert S.needs_sort(S.make_settings(2, temperature=1.0, top_k=[0, 3]))
-    assert S.needs_sort(S.make_settings(2, temperature=[0.0, 1.0], top_p=0.9))
+    assert not S.needs_search(settings)  # the greedy row's top-k and top-p do not count
+    assert S.needs_search(S.make_settings(2, temperature=1.0, top_k=[0, 3])) == S.Search.TOP_K
+    assert S.needs_search(S.make_settings(2, temperature=[0.0, 1.0], top_p=0.9)) == S.Search.TOP_P
     for t in range(10):
         step = mx.full((6,), t, mx.int32)
-        assert S.sample(logits, settings, step, counts, sort=False).tolist() == \
+        assert S.sample(logits, settings, step, counts, search=S.Search.NONE).tolist() == \
             S.sample(logits, settings, step, counts).tolist()
     sampled = S.Settings(*(a[1:5] for a in settings))
-    assert np.array_equal(np.array(S.filter_logits(logits[1:5], sampled, sort=False)),
+    assert np.array_equal(np.array(S.filter_logits(logits[1:5], sampled, search=S.Search.NONE)),
                           np.array(S.filter_logits(logits[1:5], sampled)))
+
+
+def test_any_search_is_the_union():
+    assert S.any_search([S.Search.TOP_K, S.Search.NONE, S.Search.TOP_P]) == S.Search.ALL
+    assert S.any_search([S.Search.TOP_P, S.Search.TOP_P]) == S.Search.TOP_P
+    assert S.any_search([]) == S.Search.NONE
+
+
+# ---- the threshold search against a sort, at real vocabulary sizes ----
+
+
+def kept_by_sort(x: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, float]:
+    """x (V,) scaled logits -> the (V,) support of top-k then top-p, by a float64 sort of the
+    documented definitions, and how far top_p is from the mass on either side of its boundary."""
+    x = np.asarray(x, np.float64)
+    keep = np.ones(x.shape, bool)
+    if top_k:
+        keep &= x >= np.sort(x)[::-1][min(top_k, x.size) - 1]
+    room = np.inf
+    if top_p < 1:
+        p = np.where(keep, np.exp(x - x.max()), 0.0)
+        p /= p.sum()
+        cumulative = np.cumsum(np.sort(p[keep])[::-1])
+        last = np.sort(x[keep])[::-1][int(np.argmax(cumulative >= top_p))]  # the prefix reaching top_p ends here
+        keep &= x >= last
+        above = p[x > last].sum()
+        room = min(p[x >= last].sum() - top_p, top_p - above if above else np.inf)
+    return keep, room
+
+
+def boundary_rows(vocab: int, rng: np.random.Generator) -> tuple[np.ndarray, dict]:
+    """(9, V) float32 logits and their settings: ties at the top-k and top-p boundaries, top_k 1, V and
+    beyond, top_p near 0 and 1, rows with a filter off, a greedy row."""
+    smooth = rng.normal(0, 5, vocab)
+    grid = np.round(rng.normal(0, 6, vocab)) / 4  # quarter steps: hundreds of ties at each boundary
+    tied_kth = rng.normal(0, 2, vocab)
+    order = np.argsort(-tied_kth)
+    tied_kth[order[35:45]] = tied_kth[order[39]]  # the 36th to 45th largest tie with the 40th
+    two_max = rng.normal(0, 1, vocab)
+    two_max[[7, vocab - 1]] = two_max.max() + 1
+    # A head, then a plateau at -3 and one at -9 holding under 0.1% of the mass: top-p 0.999 ends in -3.
+    half = vocab - vocab // 2
+    plateaus = np.concatenate([rng.normal(2, 1, 1000), np.full(vocab - half - 1000, -3.0), np.full(half, -9.0)])
+    rng.shuffle(plateaus)
+    logits = np.stack([smooth, grid, tied_kth, two_max, plateaus, smooth, grid, rng.normal(0, 4, vocab), grid])
+    settings = dict(temperature=[0.7, 1.0, 1.3, 1.0, 1.0, 0.5, 1.3, 1.1, 0.0],
+                    top_k=[50, 1000, 40, 1, vocab, 10**9, 0, 0, 3],
+                    top_p=[0.9, 0.6, 1.0, 0.5, 0.999, 1e-6, 1.0, 0.7, 0.8])
+    return logits.astype(np.float32), settings
+
+
+@pytest.mark.parametrize("vocab", [49152, 128256])
+def test_search_keeps_what_a_sort_keeps(vocab):
+    logits, kw = boundary_rows(vocab, np.random.default_rng(vocab))
+    settings = S.make_settings(len(logits), **kw)
+    kept = np.isfinite(np.array(S.filter_logits(mx.array(logits), settings)))  # (B, V)
+    sizes = []
+    for i, (t, k, p) in enumerate(zip(kw["temperature"], kw["top_k"], kw["top_p"])):
+        x = logits[i] / np.float32(t) if t > 0 else logits[i]  # float32, as the sampler scales
+        expected, room = kept_by_sort(x, k, p)
+        assert room > 1e-4, f"row {i}: the data leaves float32 sums no room"
+        assert np.array_equal(kept[i], expected), f"row {i}"
+        sizes.append(int(expected.sum()))
+    half = vocab - vocab // 2
+    assert sizes[2:7] == [45, 2, vocab - half, 1, vocab]  # ties kept; top-p 0.999 stops above -9
+    assert sizes[0] < 50 and sizes[1] < 1000 and 1 < sizes[7] < vocab  # top-p binds: after top-k, alone
+
+
+def test_each_search_alone_equals_both():
+    logits, kw = boundary_rows(4096, np.random.default_rng(9))
+    x = mx.array(logits)
+    only_k = S.make_settings(len(logits), temperature=kw["temperature"], top_k=kw["top_k"])
+    only_p = S.make_settings(len(logits), temperature=kw["temperature"], top_p=kw["top_p"])
+    for settings, search in [(only_k, S.Search.TOP_K), (only_p, S.Search.TOP_P)]:
+        assert S.needs_search(settings) == search
+        assert np.array_equal(np.array(S.filter_logits(x, settings, search=search)),
+                              np.array(S.filter_logits(x, settings)))
+
+
+@pytest.mark.parametrize("vocab", [49152, 128256])
+def test_top_logprobs_equal_a_sort(vocab):
+    logits, _ = boundary_rows(vocab, np.random.default_rng(vocab + 1))
+    logp = S.logprobs(mx.array(logits))
+    lp = np.array(logp)  # (B, V)
+    by_value_then_id = np.lexsort((np.broadcast_to(np.arange(vocab), lp.shape), -lp), axis=-1)  # (B, V)
+    for n in (1, 7, 20):
+        ids, values = S.top_logprobs(logp, n)
+        assert ids.shape == values.shape == (len(logits), n) and ids.dtype == mx.int32
+        assert np.array_equal(np.array(ids), by_value_then_id[:, :n]), n
+        assert np.array_equal(np.array(values), np.take_along_axis(lp, by_value_then_id[:, :n], -1))
+    ids, _ = S.top_logprobs(logp, 1)
+    assert np.array(ids)[3, 0] == 7  # two equal maxima: the lower id
+
+
+def test_top_logprobs_ties_and_whole_vocabulary():
+    logp = mx.array([[0.5] * 7, [1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.0]])
+    ids, values = S.top_logprobs(logp, 3)
+    assert ids.tolist() == [[0, 1, 2], [1, 3, 2]] and values.tolist() == [[0.5] * 3, [3.0, 3.0, 2.0]]
+    ids, _ = S.top_logprobs(logp, 7)
+    assert ids.tolist() == [list(range(7)), [1, 3, 2, 4, 5, 0, 6]]
+
+
+def test_no_sort_in_the_sampling_graph(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a sort in the sampling graph")
+
+    for name in ("sort", "argsort", "argpartition", "partition", "topk"):
+        monkeypatch.setattr(mx, name, refuse)
+
+    def step(logits, settings, steps):
+        ids, values = S.top_logprobs(S.logprobs(logits), 5)
+        return S.sample(logits, settings, steps), ids, values
+
+    logits = mx.array(np.random.default_rng(10).normal(0, 2, (3, 1000)).astype(np.float32))
+    settings = S.make_settings(3, temperature=1.0, top_k=[0, 20, 50], top_p=[0.9, 1.0, 0.5], min_p=0.01)
+    assert S.needs_search(settings) == S.Search.ALL
+    mx.eval(mx.compile(step)(logits, settings, mx.zeros((3,), mx.int32)))
 
 
 # ---- greedy ----

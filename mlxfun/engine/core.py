@@ -18,6 +18,10 @@ Threads. One thread runs the engine: it calls `events`, `serve` or `step` (and `
 start of each step, so a cancelled request leaves its row within one step. `stats` may be read
 from any thread (a snapshot that may be one step old).
 
+Fixed shapes (`fixed_shapes=True`, a server's engine): one KV pool size for the engine's life,
+every row decoded, the table widths of `paging.ladder` and the modes of `records.fixed_modes`,
+so `warmup.warm_up` compiles every step at start and none on the request path.
+
 Memory. Every request gets exactly one closing event (its finish reason: "stop", "length" or
 "cancelled"); its record then waits in `requests` until `take` releases it. The pool grows as rows
 need blocks and is compacted when long requests have left; the prefix cache keeps at most
@@ -41,12 +45,12 @@ from mlxfun.engine.events import Event
 from mlxfun.engine.inbox import Inbox
 from mlxfun.engine.options import GenerationConfig, Request, make_request
 from mlxfun.engine.outputs import hand_out
-from mlxfun.engine.paging import MIN_BLOCKS, MIN_BLOCKS_CPU, Pages, pool_size
-from mlxfun.engine.records import EngineStats, Record, mode_for, request_mode
+from mlxfun.engine.paging import MIN_BLOCKS, MIN_BLOCKS_CPU, Pages, ladder, pool_size
+from mlxfun.engine.records import EngineStats, Record, fixed_mode, mode_for, request_mode
 from mlxfun.engine.rows import Row
 from mlxfun.engine.runner import Runner
 from mlxfun.engine.scheduler import Scheduler
-from mlxfun.engine.step import Mode, StepOut, Steps, compiled_steps
+from mlxfun.engine.step import Mode, StepCache, StepOut, Steps, compiled_steps
 from mlxfun.engine.strategy import WeightStrategy, default_strategy, memory_limit
 from mlxfun.errors import InputError, check_bool, check_positive_int
 from mlxfun.features import speculative
@@ -83,11 +87,17 @@ class Engine:
                  strategy: WeightStrategy | None = None, kv_memory: int | None = None, prefix_cache: bool = True,
                  prefix_cache_bytes: int | None = None, block_size: int = kv.BLOCK, draft=None,
                  num_draft_tokens: int = 4, policy: speculative.Policy | None = None,
-                 shrink_rows: bool | None = None, steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps):
+                 shrink_rows: bool | None = None, steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps,
+                 fixed_shapes: bool = False):
         _check_options(rows, prefill_step, block_size, max_kv_size, admit_min, pad_multiple, kv_memory,
                        prefix_cache, prefix_cache_bytes, num_draft_tokens)
         # With max_kv_size every query sees at most that many positions: rows become rings.
         self.model, self.config, self.rows = model, model.config.with_max_kv_size(max_kv_size), rows
+        check_bool("fixed_shapes", fixed_shapes)
+        self.fixed = fixed_shapes
+        if fixed_shapes and steps is compiled_steps:
+            steps = StepCache()
+        self.step_cache = steps if isinstance(steps, StepCache) else None  # counts traces
         strategy = strategy or default_strategy()
         on_gpu = mx.default_device() == mx.gpu
         # Chunk lengths rounded up on a GPU, so attention kernels are built for few shapes.
@@ -100,7 +110,15 @@ class Engine:
         max_blocks = max(2, self.kv_memory // self.block_bytes)
         cached = (self.kv_memory // 8 if prefix_cache_bytes is None else prefix_cache_bytes) // self.block_bytes
         pool = Pool(1, block_size, cached if prefix_cache else 0)
-        pages = Pages(rows, pool, self.config.max_window, max_blocks, MIN_BLOCKS if on_gpu else MIN_BLOCKS_CPU)
+        context = self.config.max_position_embeddings
+        pages = Pages(rows, pool, self.config.max_window, max_blocks, MIN_BLOCKS if on_gpu else MIN_BLOCKS_CPU,
+                      ladder(context, block_size) if fixed_shapes else None)
+        if fixed_shapes:
+            # One pool size for the engine's life (each size compiles the steps anew): the budget,
+            # or what every row at full context could hold and an eighth more for the prefix cache.
+            full = rows * pages.blocks_for(context, min(prefill_step, context))
+            max_blocks = min(max_blocks, 2 + full + full // 8)
+            pages.max_blocks = pages.least = max_blocks
         # On a GPU a prefill of a few prompts costs about what one of many does (kernel launches), so
         # new requests wait until a quarter of the rows are free (H200, 256 prompts through 64 rows of
         # an 8B: 1.45 / 1.32x static batches; at one row 1.08 / 1.12x). On the CPU every token costs,
@@ -110,8 +128,9 @@ class Engine:
         self.scheduler = Scheduler(rows, pool, pages, max_blocks=max_blocks,
                                    context=self.config.max_position_embeddings, prefill_step=prefill_step,
                                    admit_min=admit_min or (max(1, rows // 4) if on_gpu else 1),
-                                   shrink_rows=not on_gpu if shrink_rows is None else shrink_rows,
-                                   spill=0 if draft is None else 2 * (num_draft_tokens + 1))
+                                   shrink_rows=not (on_gpu or fixed_shapes) if shrink_rows is None else shrink_rows,
+                                   spill=0 if draft is None else 2 * (num_draft_tokens + 1),
+                                   preempt=fixed_shapes and draft is None)
         self.stats = EngineStats(rows=rows)
         self.constraints = Constraints(self.config.vocab_size)
         drafter = drafter_for(draft, self)
@@ -167,25 +186,44 @@ class Engine:
     def events(self) -> Iterator[Event]:
         """Run until every submitted request has finished, yielding each Event as it is produced
         (index = request id)."""
-        t0, prompt0 = time.perf_counter(), self.stats.prompt_time
-        while True:
-            for event in self.step():
-                if event.finish_reason is None and event.index in self.inbox.cancelling:
-                    continue  # cancelled after this step ran
-                yield event
-            if self.idle:
-                break
-        self.stats.generation_time += time.perf_counter() - t0 - (self.stats.prompt_time - prompt0)
-        self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        cancelling = self.inbox.cancelling
+        for events in self._rounds():
+            for event in events:
+                # A token of a request cancelled after its step ran (even by this loop's consumer,
+                # between two events of one step) is dropped.
+                if event.finish_reason is not None or event.index not in cancelling:
+                    yield event
 
     def serve(self, stop: threading.Event, poll: float = 0.05) -> Iterator[Event]:
         """Run until `stop` is set and every request has finished, waiting for work when idle."""
+        for events in self.rounds(stop, poll):
+            yield from events
+
+    def rounds(self, stop: threading.Event, poll: float = 0.05) -> Iterator[list[Event]]:
+        """`serve`, one list of events per step (a server hands them to its clients at once)."""
         while not (stop.is_set() and self.idle):
             if self.idle:
                 self.inbox.wake.wait(poll)
                 self.inbox.wake.clear()
                 continue
-            yield from self.events()
+            cancelling = self.inbox.cancelling
+            for events in self._rounds():
+                # A token of a request cancelled after its step ran is dropped.
+                events = [e for e in events if e.finish_reason is not None or e.index not in cancelling]
+                if events:
+                    yield events
+
+    def _rounds(self) -> Iterator[list[Event]]:
+        """Each step's events until every submitted request has finished."""
+        t0, prompt0 = time.perf_counter(), self.stats.prompt_time
+        while True:
+            events = self.step()
+            if events:
+                yield events
+            if self.idle:
+                break
+        self.stats.generation_time += time.perf_counter() - t0 - (self.stats.prompt_time - prompt0)
+        self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
     @property
     def idle(self) -> bool:
@@ -254,9 +292,9 @@ class Engine:
             # the reservation (`sync`), after the prompts' activations are freed, so the peak holds
             # one or the other (made at the reservation, a 1B's 128 x 128-token batch peaked 0.54 GB higher).
             bs = sched.pool.block_size
-            prompts = sum(-(-len(r.request.prompt) // bs) for r in records)
+            prompts = sum(-(-len(r.prompt) // bs) for r in records)
             self._new_state(min(pool_size(1 + prompts, sched.max_blocks, sched.pages.least), sched.pool.size))
-        params = self.runner.prompt_params([len(r.request.prompt) for r in records])
+        params = self.runner.prompt_params([len(r.prompt) for r in records])
         outs = []
         for wave in sched.waves(records):
             if outs and not busy:
@@ -264,11 +302,11 @@ class Engine:
             outs += self._prefill(params, wave, free, wait=not busy)
         self._inflight += outs
         self._restack()
-        self.stats.prompt_tokens += sum(len(r.request.prompt) for r in records)
+        self.stats.prompt_tokens += sum(len(r.prompt) for r in records)
         if not busy:
             mx.eval([o[0] for o in outs], self.runner.state)
             self.stats.prompt_time += time.perf_counter() - t0
-            self.stats.timed_prompt_tokens += sum(len(r.request.prompt) - r.cached_tokens for r in records)
+            self.stats.timed_prompt_tokens += sum(len(r.prompt) - r.cached_tokens for r in records)
         return events
 
     def _prefill(self, params, records: list[Record], free: list[int], wait: bool = False
@@ -281,7 +319,7 @@ class Engine:
         starts = [(r, sched.cached_prefix(r)) for r in records]
         self.stats.cached_tokens += sum(r.cached_tokens for r in records)
         outs = []
-        lengths = [len(r.request.prompt) - r.cached_tokens for r, _ in starts]
+        lengths = [len(r.prompt) - r.cached_tokens for r, _ in starts]
         for n, group in enumerate(prefill.plan_groups(lengths, self.runner.prefill_step,
                                                       prefill.group_tokens(self.config.hidden_size))):
             # Waited for after this group's host work: on an H200 that work left the device idle
@@ -293,12 +331,13 @@ class Engine:
             if self.speculation is not None:
                 self.speculation.drafter.admitted(self, rows)
             chains = [partial(r.prompt_chain, bs) for r in chosen] if sched.pool.max_cached > 0 else None
-            h = self.runner.prefill(params, sched.pages, rows, [r.request.prompt for r in chosen],
+            h = self.runner.prefill(params, sched.pages, rows, [r.prompt for r in chosen],
                                     [r.cached_tokens for r in chosen], chains, previous)
-            mode = mode_for(chosen)
+            mode = self._mode(chosen)
             out = self.runner.first_tokens(params, h, rows, mode, [r.request.settings for r in chosen],
                                            [r.matcher for r in chosen] if mode.masked else None,
-                                           [len(r.request.prompt) for r in chosen])
+                                           [len(r.prompt) for r in chosen],
+                                           [r.row.text.tokens for r in chosen] if sched.preempt else None)
             outs.append((out, [r.id for r in chosen]))
         return outs
 
@@ -359,7 +398,7 @@ class Engine:
         owners = tuple(self.scheduler.owner)
         if self._roster_of is None or self._roster_of.owners != owners:
             live = [r for r, o in enumerate(owners) if o is not None]
-            mode = mode_for([self.requests[owners[r]] for r in live])
+            mode = self._mode([self.requests[owners[r]] for r in live])
             self._roster_of = Roster(owners, live, mode, self.runner.steps_for(mode))
         return self._roster_of
 
@@ -390,8 +429,20 @@ class Engine:
 
     # ---- internals ----
 
+    def _mode(self, records: Sequence[Record]) -> Mode:
+        mode = mode_for(records)
+        return fixed_mode(mode) if self.fixed else mode
+
     def _prepare_step(self) -> Roster:
-        """Blocks for each live row's next position, the device state caught up -> the roster."""
+        """Blocks for each live row's next position (rows preempted for them where the pool is
+        full), the device state caught up -> the roster."""
+        sched = self.scheduler
+        if sched.preempt:
+            for row in sched.victims(sched.live_rows()):
+                record = self.requests[sched.owner[row]]
+                self.release(row, record)
+                sched.requeue(record)
+                self.stats.preemptions += 1
         roster = self.roster()
         self.scheduler.blocks_for_step(roster.live)
         self.sync()
@@ -452,7 +503,7 @@ class Engine:
         """Drop the pool when idle and nothing is cached; compact it once long requests have left."""
         sched, runner = self.scheduler, self.runner
         live = sched.live_count()
-        if runner.state is not None and not live and sched.pool.cached == 0 and self.idle:
+        if runner.state is not None and not live and sched.pool.cached == 0 and self.idle and not self.fixed:
             runner.drop()
             sched.forget_pool()
         elif runner.state is not None:
@@ -466,12 +517,14 @@ class Engine:
 
 
 
-def engine_for(model: Model, rows: int, config: GenerationConfig, kv_memory: int | None = None) -> Engine:
+def engine_for(model: Model, rows: int, config: GenerationConfig, kv_memory: int | None = None,
+               fixed_shapes: bool = False) -> Engine:
     """The engine a GenerationConfig's scheduler options describe (generate, the command line).
-    `kv_memory`: the KV budget, when ranks must agree on it (mlxfun.parallel.distributed)."""
+    `kv_memory`: the KV budget, when ranks must agree on it (mlxfun.parallel.distributed) or a
+    server sets it; `fixed_shapes`: a server's engine (see `Engine`)."""
     engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size,
                     prefix_cache=config.prefix_cache, draft=config.draft_model,
-                    num_draft_tokens=config.num_draft_tokens, kv_memory=kv_memory)
+                    num_draft_tokens=config.num_draft_tokens, kv_memory=kv_memory, fixed_shapes=fixed_shapes)
     if config.prompt_cache is not None:
         engine.add_prompt_cache(config.prompt_cache)
     return engine

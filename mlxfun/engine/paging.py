@@ -36,10 +36,23 @@ def pool_size(blocks: int, max_blocks: int, least: int = MIN_BLOCKS) -> int:
     return min(1 + size, max_blocks)
 
 
+def ladder(context: int, block_size: int, factor: int = 4) -> list[int]:
+    """Table widths (columns) for a fixed-shape engine: the first bucket, then `factor` times
+    wider up to the context. Few widths, so a server compiles each at start; a row's attention
+    reads at most `factor` times the slots it needs."""
+    widths = [kv.columns_for(1, None, block_size)]
+    full = kv.columns_for(context, None, block_size)
+    while widths[-1] < full:
+        widths.append(min(widths[-1] * factor, full))
+    return widths
+
+
 class Pages:
-    def __init__(self, rows: int, pool: Pool, window: int | None, max_blocks: int, least: int = MIN_BLOCKS):
+    def __init__(self, rows: int, pool: Pool, window: int | None, max_blocks: int, least: int = MIN_BLOCKS,
+                 widths: list[int] | None = None):
         self.pool, self.bs, self.window, self.max_blocks = pool, pool.block_size, window, max_blocks
         self.least = least  # the least pool's blocks (`pool_size`)
+        self.widths = widths  # the table widths allowed (`ladder`); None: every bucket
         self.ring = None if window is None else kv.ring_columns(window, self.bs)
         self.held: list[dict[int, int]] = [{} for _ in range(rows)]
         self.table = np.zeros((rows, self.ring or kv.columns_for(1, None, self.bs)), np.int32)
@@ -65,6 +78,8 @@ class Pages:
             return
         last = max((max(h) for h in self.held if h), default=0)
         width = kv.columns_for((last + 1) * self.bs, None, self.bs)
+        if self.widths is not None:
+            width = next((w for w in self.widths if w >= width), width)
         if width != self.width:
             self.table = np.zeros((len(self.held), width), np.int32)
             for r in range(len(self.held)):

@@ -40,11 +40,19 @@ class Record:
     error: str | None = None  # why a constrained row had to end early (an error of the grammar engine)
     complete: bool = False  # nothing but EOS may follow in its constraint (as of the last token matched)
     keys: list | None = None  # its prompt's block keys (`blocks.chain`), once a prefix cache needs them
+    preemptions: int = 0  # times its row was taken back to make room (it then resumed from `prompt`)
+
+    @property
+    def prompt(self) -> Sequence[int]:
+        """The tokens its admission prefills: the request's prompt and, after a preemption, the
+        tokens it has generated (recomputed, mostly found in the prefix cache)."""
+        generated = self.row.text.tokens
+        return self.request.prompt if not generated else [*self.request.prompt, *generated]
 
     def prompt_chain(self, block_size: int) -> list:
-        """The prompt's `blocks.chain`, computed once (admission looks it up several times)."""
+        """The `blocks.chain` of `prompt`, computed once per admission (looked up several times)."""
         if self.keys is None:
-            self.keys = chain(self.request.prompt, block_size)
+            self.keys = chain(self.prompt, block_size)
         return self.keys
 
     @property
@@ -83,6 +91,7 @@ class EngineStats(Stats):
     ttft: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # recent times to first token, s
     itl: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # recent gaps between a row's tokens, s
     timed_prompt_tokens: int = 0  # the prompt tokens of the admissions `prompt_time` counts
+    preemptions: int = 0  # rows taken back from their requests to make room in a full KV pool
 
     def record_memory(self, scheduler, on: bool, block_bytes: int) -> None:
         """The KV pool's sizes after a step (`on`: the device state exists)."""
@@ -114,11 +123,32 @@ class EngineStats(Stats):
 def mode_for(requests: Sequence[Record]) -> Mode:
     """The least a step must compute for these requests (each Mode compiles once)."""
     return Mode(sample=any(r.mode.sample for r in requests), penalties=any(r.mode.penalties for r in requests),
-                sort=any(r.mode.sort for r in requests), top_logprobs=max(r.mode.top_logprobs for r in requests),
+                search=sampling.any_search(r.mode.search for r in requests),
+                top_logprobs=max(r.mode.top_logprobs for r in requests),
                 masked=any(r.mode.masked for r in requests))
+
+
+# Top logprobs a fixed-shape engine computes for every request that asks for any (OpenAI's most is 20).
+TOP_LOGPROBS_FIXED = 20
+
+
+def fixed_mode(mode: Mode) -> Mode:
+    """The mode a fixed-shape engine (a server) runs for `mode`, one of few, so all compile at
+    start (`Engine.warm_up`): a sampled step also runs penalties and the top-k / top-p search
+    (settings that leave them off change nothing), and logprobs come with 20 top ones (each row
+    keeps the ones it asked for)."""
+    top = -1 if mode.top_logprobs < 0 else max(mode.top_logprobs, TOP_LOGPROBS_FIXED)
+    search = sampling.Search.ALL if mode.sample else sampling.Search.NONE
+    return Mode(sample=mode.sample, penalties=mode.sample, search=search, top_logprobs=top, masked=mode.masked)
+
+
+def fixed_modes(masks: bool) -> list[Mode]:
+    """Every mode `fixed_mode` gives (`masks`: structured output is available)."""
+    return [fixed_mode(Mode(sample=s, top_logprobs=t, masked=m)) for m in ((False, True) if masks else (False,))
+            for s in (False, True) for t in (-1, TOP_LOGPROBS_FIXED)]
 
 
 def request_mode(request: Request) -> Mode:
     s = request.settings
-    return Mode(sample=not sampling.all_greedy(s), penalties=sampling.needs_counts(s), sort=sampling.needs_sort(s),
+    return Mode(sample=not sampling.all_greedy(s), penalties=sampling.needs_counts(s), search=sampling.needs_search(s),
                 top_logprobs=request.logprobs, masked=request.constraint is not None)

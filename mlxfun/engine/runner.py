@@ -173,24 +173,34 @@ class Runner:
         return cache
 
     def first_tokens(self, params, h: mx.array, rows: list[int], mode: Mode, settings: list[sampling.Settings],
-                     matchers: list | None, lengths: list[int]) -> StepOut:
-        """Each admitted row's first token from its last hidden state, merged into the state at
+                     matchers: list | None, lengths: list[int], generated: list[list[int]] | None = None) -> StepOut:
+        """Each admitted row's next token from its last hidden state, merged into the state at
         `rows`. Not compiled: group sizes vary, and each new shape would trace and build kernels
-        again. `matchers`: the rows' constraints (structured output), when any row has one."""
-        mode = mode._replace(penalties=False)  # nothing generated yet: counts are zero
+        again. `matchers`: the rows' constraints (structured output), when any row has one.
+        `generated`: the tokens each row's request had generated before (a preempted request
+        resumes): its sampler's counter and penalty counts go on from them."""
+        vocab = self.config.vocab_size
+        done = np.array([len(g) for g in generated] if generated else [0] * len(rows), np.int32)  # (G,)
+        counts = None
+        if generated and any(done):
+            counts = mx.array(np.stack([np.bincount(np.asarray(g, np.int64), minlength=vocab)[:vocab]
+                                        for g in generated]).astype(np.int32))  # (G, V)
+        if counts is None or not mode.penalties:
+            mode = mode._replace(penalties=False)  # nothing generated yet: counts are zero
         mask = None
         if matchers is not None:
-            words = structured.words(self.config.vocab_size)
-            mask = mx.array(structured.fill_masks(matchers, np.ones((len(rows), words), np.uint32)))
-        out = first_token(self.config, mode, params, h, _stack(settings), mx.zeros((len(rows),), mx.int32), None, mask)
+            mask = mx.array(structured.fill_masks(matchers, np.ones((len(rows), structured.words(vocab)), np.uint32)))
+        steps = mx.array(done)
+        out = first_token(self.config, mode, params, h, _stack(settings), steps,
+                          counts if mode.penalties else None, mask)
         s = self.state
         check_rows(rows, s.tokens.shape[0], "admitted")
         r = mx.array(rows, dtype=mx.int32)
-        fresh = sampling.update_counts(mx.zeros((len(rows), s.counts.shape[1]), mx.int32), out.tokens)
+        before = mx.zeros((len(rows), s.counts.shape[1]), mx.int32) if counts is None else counts
         self.state = s._replace(tokens=kv.updated(s.tokens, r, out.tokens),
                                 positions=kv.updated(s.positions, r, mx.array(lengths, mx.int32)),
-                                steps=kv.updated(s.steps, r, mx.ones((len(rows),), mx.int32)),
-                                counts=kv.updated(s.counts, r, fresh))
+                                steps=kv.updated(s.steps, r, steps + 1),
+                                counts=kv.updated(s.counts, r, sampling.update_counts(before, out.tokens)))
         return out
 
 

@@ -16,23 +16,35 @@ their values. One call applies, in this order:
 3. top-k: keep every token whose logit is >= the k-th largest (ties at the boundary kept);
 4. top-p, on the distribution renormalised after top-k: keep the smallest prefix of the sorted
    distribution whose mass reaches top_p (cumulative >= top_p), and every token tied with its
-   smallest probability;
+   smallest probability; that is, keep logit >= v for the largest logit v such that the tokens
+   with logit >= v hold at least top_p of the mass;
 5. min-p: keep p >= min_p * p_max (in log space: logit >= max logit + log(min_p)); the ratio
    to the max is the same before or after renormalisation;
 6. Gumbel-max: the argmax of the kept logits plus Gumbel noise, an exact categorical sample.
 
 Each filter is a threshold on the temperature-scaled logit, so the kept set is
-`logit >= max(thresholds)`. The noise is a counter-based hash of (seed, step, token id), no
-global random state: a row's tokens depend on its logits, settings, seed and step only, never
-on its neighbours, its place in the batch or the batch size.
+`logit >= max(thresholds)`. Top-k and top-p find theirs without a sort (a sort over a large
+vocabulary is slow on some backends, and compiles for long on first use): each bisects the
+float32 values through their order-preserving uint32 keys, 32 halvings of one (B, V) compare and
+sum each (an integer count for top-k, a float32 probability mass for top-p, as the cumulative
+sum of a sort was), so about 32 (B, V) reductions per filter used, exact whatever the settings.
+A step runs only the searches some row needs (`needs_search`); `top_logprobs` finds its n-th
+largest value the same way.
+
+The noise is a counter-based hash of (seed, step, token id), no global random state: a row's
+tokens depend on its logits, settings, seed and step only, never on its neighbours, its place in
+the batch or the batch size.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import math
 import numbers
+import operator
 import secrets
-from typing import NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -130,10 +142,26 @@ def needs_counts(settings: Settings) -> bool:
                 or np.any(np.array(settings.frequency_penalty) != 0))
 
 
-def needs_sort(settings: Settings) -> bool:
-    """Host-side, once per generation: whether any sampled row uses top-k or top-p (the sort)."""
+class Search(enum.IntFlag):
+    """The threshold searches a sampling step runs: a static choice, each its own compiled graph."""
+
+    NONE = 0
+    TOP_K = 1
+    TOP_P = 2
+    ALL = 3
+
+
+def needs_search(settings: Settings) -> Search:
+    """Host-side, once per generation: the searches some sampled row uses (greedy rows need none)."""
     sampled = np.array(settings.temperature) > 0
-    return bool(np.any(sampled & ((np.array(settings.top_k) > 0) | (np.array(settings.top_p) < 1))))
+    top_k = bool(np.any(sampled & (np.array(settings.top_k) > 0)))
+    top_p = bool(np.any(sampled & (np.array(settings.top_p) < 1)))
+    return (Search.TOP_K if top_k else Search.NONE) | (Search.TOP_P if top_p else Search.NONE)
+
+
+def any_search(searches: Iterable[Search]) -> Search:
+    """The searches that any of several requests needs, for a step that serves them all."""
+    return functools.reduce(operator.or_, searches, Search.NONE)
 
 
 def all_greedy(settings: Settings) -> bool:
@@ -187,33 +215,87 @@ def _scale(logits: mx.array, temperature: mx.array) -> mx.array:
     return logits / t[:, None]  # (B, V)
 
 
-def _threshold(x: mx.array, settings: Settings, sort: bool) -> mx.array:
+# ---- exact thresholds by bisection over the float32 order ----
+
+# The key of -inf: no key of a number is below it (only NaNs'), so it starts every search.
+_LOWEST = 0x007FFFFF
+
+
+def _key(x: mx.array) -> mx.array:
+    """float32 -> uint32 in the same order (-0 just below +0): sign bit set for the non-negative,
+    every bit flipped for the negative."""
+    b = x.view(mx.uint32)
+    return mx.where(b >= 0x80000000, ~b, b | 0x80000000)
+
+
+def _value(key: mx.array) -> mx.array:
+    """The inverse of `_key`: uint32 -> float32."""
+    return mx.where(key >= 0x80000000, key & 0x7FFFFFFF, ~key).view(mx.float32)
+
+
+def _largest(lo: mx.array, hi: mx.array, ok: Callable[[mx.array], mx.array]) -> mx.array:
+    """The largest key t in [lo, hi] (B, 1) uint32 with ok(t), for ok true at lo and true up to
+    some key, false above it. 32 halvings narrow any uint32 range to one key; the count is fixed
+    (one graph for every setting), so a narrower start would save no pass."""
+    for _ in range(32):
+        d = hi - lo  # (B, 1)
+        mid = lo + (d >> 1) + (d & 1)  # (B, 1) the upper middle, so lo moves even when d = 1; no overflow
+        good = (d == 0) | ok(mid)  # (B, 1) a found key stays found, even were ok(lo) to round false
+        lo = mx.where(good, mid, lo)  # (B, 1)
+        hi = mx.where(good, hi, mid - 1)  # (B, 1)
+    return lo
+
+
+def _nth_largest(x: mx.array, n: mx.array) -> mx.array:
+    """x (B, V) float32, n (B, 1) int32 in [1, V] -> (B, 1) uint32: the key of the n-th largest value,
+    the largest t with count(x >= t) >= n."""
+    lo = mx.full(n.shape, _LOWEST, mx.uint32)  # (B, 1): count(x >= -inf) = V >= n
+    hi = _key(mx.max(x, axis=-1, keepdims=True))  # (B, 1)
+    return _largest(lo, hi, lambda t: mx.sum(x >= _value(t), axis=-1, keepdims=True) >= n)
+
+
+def _top_k(x: mx.array, top_k: mx.array) -> mx.array:
+    """x (B, V) -> (B, 1) uint32: the key of the k-th largest logit (of the smallest, k = 0 or > V)."""
+    vocab = x.shape[-1]
+    k = mx.where(top_k > 0, mx.minimum(top_k, vocab), vocab)  # (B,)
+    return _nth_largest(x, k[:, None])
+
+
+def _top_p(x: mx.array, top: mx.array, top_p: mx.array, floor: mx.array) -> mx.array:
+    """x (B, V), its max top (B, 1), top_p (B,), floor (B, 1) uint32 (the key of top-k's cut, or of
+    -inf) -> (B, 1) uint32: the largest t >= floor with mass(x >= t) >= top_p * mass(x >= floor), the
+    smallest logit of the sorted prefix reaching top_p of the distribution renormalised after top-k."""
+    e = mx.exp(x - top)  # (B, V) unnormalised probabilities
+
+    def mass(t: mx.array) -> mx.array:
+        return mx.sum(mx.where(x >= _value(t), e, 0.0), axis=-1, keepdims=True)  # (B, 1)
+
+    # The same `mass` at floor on both sides, so ok(floor) holds exactly (top_p <= 1).
+    target = top_p[:, None] * mass(floor)  # (B, 1)
+    return _largest(floor, _key(top), lambda t: mass(t) >= target)
+
+
+def _threshold(x: mx.array, settings: Settings, search: Search) -> mx.array:
     """x (B, V) scaled logits -> (B, 1): the smallest logit kept by top-k, top-p and min-p."""
     top = mx.max(x, axis=-1, keepdims=True)  # (B, 1)
     by_min_p = top + mx.log(settings.min_p[:, None])  # (B, 1), -inf when min_p = 0
-    if not sort:
-        return by_min_p
-    vocab = x.shape[-1]
-    desc = -mx.sort(-x, axis=-1)  # (B, V) descending, the one sort
-    k = mx.clip(settings.top_k, 1, vocab) - 1  # (B,)
-    kth = mx.take_along_axis(desc, k[:, None], axis=-1)  # (B, 1)
-    by_k = mx.where(settings.top_k[:, None] > 0, kth, -mx.inf)  # (B, 1)
-
-    probs = mx.softmax(mx.where(desc >= by_k, desc, -mx.inf), axis=-1)  # (B, V) renormalised after top-k
-    before = mx.cumsum(probs, axis=-1, inclusive=False)  # (B, V) mass strictly before each
-    n = mx.sum(before < settings.top_p[:, None], axis=-1)  # (B,) >= 1: prefix reaching top_p
-    last = mx.take_along_axis(desc, (n - 1)[:, None].astype(mx.int32), axis=-1)  # (B, 1)
-    # A prefix running into the top-k cut gives -inf; the max below keeps top-k's threshold.
-    by_p = mx.where(settings.top_p[:, None] < 1, last, -mx.inf)  # (B, 1)
+    off = mx.array(-mx.inf, mx.float32)
+    by_k = by_p = off
+    floor = mx.full(top.shape, _LOWEST, mx.uint32)  # (B, 1) top-p's search starts at top-k's cut
+    if search & Search.TOP_K:
+        floor = _top_k(x, settings.top_k)  # (B, 1)
+        by_k = mx.where(settings.top_k[:, None] > 0, _value(floor), off)  # (B, 1)
+    if search & Search.TOP_P:
+        by_p = mx.where(settings.top_p[:, None] < 1, _value(_top_p(x, top, settings.top_p, floor)), off)  # (B, 1)
     return mx.maximum(mx.maximum(by_k, by_p), by_min_p)  # (B, 1)
 
 
-def filter_logits(logits: mx.array, settings: Settings, *, sort: bool = True) -> mx.array:
+def filter_logits(logits: mx.array, settings: Settings, *, search: Search = Search.ALL) -> mx.array:
     """(B, V) temperature-scaled logits, -inf outside the kept support (steps 2-5; no penalties).
     Rows with temperature 0 are filtered unscaled; `sample` takes their argmax instead.
-    `sort=False` skips top-k and top-p (the sort): only for settings where `needs_sort` is False."""
+    `search` may leave out top-k or top-p only where no row uses it (see `needs_search`)."""
     x = _scale(logits, settings.temperature)  # (B, V)
-    return mx.where(x >= _threshold(x, settings, sort), x, -mx.inf)  # (B, V)
+    return mx.where(x >= _threshold(x, settings, search), x, -mx.inf)  # (B, V)
 
 
 def unpack_mask(mask: mx.array, vocab: int) -> mx.array:
@@ -242,19 +324,19 @@ def greedy(logits: mx.array) -> mx.array:
 
 
 def sample(logits: mx.array, settings: Settings, step: mx.array, counts: mx.array | None = None, *,
-           sort: bool = True, mask: mx.array | None = None) -> mx.array:
+           search: Search = Search.ALL, mask: mx.array | None = None) -> mx.array:
     """logits (B, V), step (B,) int32 (the row's own token counter, so its noise is fresh each
     step), counts (B, V) int32 or None for no penalties, mask (B, W) uint32 or None -> tokens (B,) int32.
 
-    `counts` and `sort` are static choices, made once per generation with `needs_counts` and
-    `needs_sort`: leaving out what no row uses saves a (B, V) pass, or the sort (most of the cost).
+    `counts` and `search` are static choices, made once per generation with `needs_counts` and
+    `needs_search`: leaving out what no row uses saves a (B, V) pass, or a search's 32 (most of the cost).
     Every row of a `mask` must allow at least one token."""
     x = logits.astype(mx.float32)  # (B, V)
     if mask is not None:
         x = apply_mask(x, mask)  # (B, V)
     if counts is not None:
         x = penalize(x, settings, counts)  # (B, V)
-    noisy = filter_logits(x, settings, sort=sort) + gumbel(settings.seed, step, x.shape[-1])  # (B, V)
+    noisy = filter_logits(x, settings, search=search) + gumbel(settings.seed, step, x.shape[-1])  # (B, V)
     return mx.where(settings.temperature > 0, greedy(noisy), greedy(x))  # (B,)
 
 
@@ -275,12 +357,29 @@ def logprobs(logits: mx.array) -> mx.array:
 
 
 def top_logprobs(logp: mx.array, n: int) -> tuple[mx.array, mx.array]:
-    """logp (B, V) -> ids (B, n) int32 and values (B, n), most likely first."""
-    part = mx.argpartition(-logp, kth=n - 1, axis=-1)[:, :n]  # (B, n) unordered
-    vals = mx.take_along_axis(logp, part, axis=-1)  # (B, n)
-    order = mx.argsort(-vals, axis=-1)  # (B, n)
-    ids = mx.take_along_axis(part, order, axis=-1).astype(mx.int32)  # (B, n)
-    return ids, mx.take_along_axis(vals, order, axis=-1)
+    """logp (B, V), 1 <= n <= V -> ids (B, n) int32 and values (B, n), most likely first, the lower
+    id first among equal values. No sort: the n-th largest by bisection, then a gather of n."""
+    vocab = logp.shape[-1]
+    nth = _value(_nth_largest(logp, mx.full((logp.shape[0], 1), n, mx.int32)))  # (B, 1)
+    above = logp > nth  # (B, V) fewer than n
+    tied = logp == nth  # (B, V) with `above`, at least n: keep the first few in id order
+    room = n - mx.sum(above, axis=-1, keepdims=True)  # (B, 1) >= 1
+    chosen = above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= room))  # (B, V) n per row
+    slot = mx.where(chosen, mx.cumsum(chosen.astype(mx.int32), axis=-1) - 1, n)  # (B, V) id order; n: dropped
+    every = mx.broadcast_to(mx.arange(vocab, dtype=mx.int32), logp.shape)  # (B, V)
+    ids = mx.put_along_axis(mx.zeros((logp.shape[0], n + 1), mx.int32), slot, every, axis=-1)[:, :n]  # (B, n)
+    return _by_value(ids, mx.take_along_axis(logp, ids, axis=-1))
+
+
+def _by_value(ids: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    """ids (B, n) ascending, values (B, n) -> both most likely first, the lower id first in a tie:
+    each one's rank is the count of those before it in that order, an (n, n) comparison per row."""
+    n = ids.shape[-1]
+    first = mx.arange(n)[:, None] < mx.arange(n)[None, :]  # (n, n) j before i by id
+    v_i, v_j = values[:, None, :], values[:, :, None]  # (B, 1, n), (B, n, 1)
+    rank = mx.sum((v_j > v_i) | ((v_j == v_i) & first[None]), axis=1)  # (B, n)
+    at = mx.argmax(rank[:, None, :] == mx.arange(n)[None, :, None], axis=-1)  # (B, n) which one has rank r
+    return mx.take_along_axis(ids, at, axis=-1), mx.take_along_axis(values, at, axis=-1)
 
 
 def chosen_logprob(logp: mx.array, tokens: mx.array) -> mx.array:

@@ -7,6 +7,10 @@ and tells it what ran; the runner (`runner.py`) does the device side of the same
 
 Each admitted request reserves the blocks it may come to need (`blocks_needed`), so a request
 admitted never waits for memory; one that fits alone but not beside the live rows waits for them.
+With `preempt` (a server's fixed pool) a request is admitted by the blocks its prompt holds, not
+by what it might come to hold; when a step finds the pool full, the newest row is taken back
+(`preempt`): its blocks go to the prefix cache and the pool, and its request waits at the head of
+the queue to resume from its prompt and the tokens it generated (as vLLM recomputes).
 """
 
 from __future__ import annotations
@@ -30,16 +34,20 @@ class Scheduler:
     write past it (speculative decoding)."""
 
     def __init__(self, rows: int, pool: Pool, pages: Pages, *, max_blocks: int, context: int, prefill_step: int,
-                 admit_min: int, shrink_rows: bool, spill: int = 0):
+                 admit_min: int, shrink_rows: bool, spill: int = 0, preempt: bool = False):
         self.rows, self.pool, self.pages, self.max_blocks = rows, pool, pages, max_blocks
         self.context, self.prefill_step = context, prefill_step
         self.admit_min, self.shrink_rows = admit_min, shrink_rows
         self.spill = spill
+        self.preempt = preempt
+        self.admitted = 0  # admissions so far: `since[row]` orders the rows, newest last
+        self.since: list[int] = []
         self.requests: dict[int, Record] = {}
         self.pending: deque[int] = deque()
         self.owner: list[int | None] = [None] * self.width(0)
         self.pos = [-1] * len(self.owner)
         self.need = [0] * len(self.owner)
+        self.since = [0] * len(self.owner)
         self.vacated: list[int] = []  # rows released since the last step: their device positions go to -1
 
     # ---- rows ----
@@ -62,7 +70,7 @@ class Scheduler:
 
     def resize_rows(self, width: int) -> None:
         """The per-row lists at `width` rows, every row empty (no state yet)."""
-        self.owner, self.pos, self.need = [None] * width, [-1] * width, [0] * width
+        self.owner, self.pos, self.need, self.since = [None] * width, [-1] * width, [0] * width, [0] * width
         self.vacated = []  # rows of a state that is gone: a new state's rows start at -1
 
     def set_width(self, width: int) -> list[int] | None:
@@ -75,6 +83,7 @@ class Scheduler:
         self.owner = [self.owner[r] for r in keep] + [None] * empty
         self.pos = [self.pos[r] for r in keep] + [-1] * empty
         self.need = [self.need[r] for r in keep] + [0] * empty
+        self.since = [self.since[r] for r in keep] + [0] * empty
         self.pages.reorder(keep)
         self.vacated = []  # the new empty rows start at -1 on the device
         return keep
@@ -139,14 +148,22 @@ class Scheduler:
         room = self.rows - self.live_count()
         if not room or (self.live_count() and room < min(self.admit_min, len(self.pending))):
             return []
+        for rid in [rid for rid in self.pending if self.requests[rid].finish_reason is not None]:
+            self.pending.remove(rid)  # preempted with its last token in flight: that token ended it
         committed = self.pool.used + self.outstanding()
         out = []
         for rid in list(self.pending)[:room]:
             record = self.requests[rid]
-            need = self.blocks_needed(record.request)
-            if (out or self.live_count()) and committed + need > self.max_blocks:
-                break  # the first request alone was checked by submit
-            committed += need
+            if self.preempt:  # the prompt's blocks, and room for each row's next step
+                need = self.pages.blocks_for(len(record.prompt))
+                if committed + need + self.live_count() + len(out) + 1 > self.max_blocks - 1:
+                    break
+                committed += need
+            else:
+                need = self.blocks_needed(record.request)
+                if (out or self.live_count()) and committed + need > self.max_blocks:
+                    break  # the first request alone was checked by submit
+                committed += need
             out.append(record)
         for record in out:
             self.pending.remove(record.id)
@@ -159,12 +176,12 @@ class Scheduler:
             return [records]
         bs = self.pool.block_size
         if not self.pool.nodes:  # nothing cached: rows share a prefix only if their first blocks are equal
-            firsts = [tuple(r.request.prompt[:bs]) for r in records if len(r.request.prompt) > bs]
+            firsts = [tuple(r.prompt[:bs]) for r in records if len(r.prompt) > bs]
             if len(set(firsts)) == len(firsts):
                 return [records]  # no digests needed yet
         first, second, seen = [], [], set()
         for r in records:
-            prompt = r.request.prompt
+            prompt = r.prompt
             limit = (len(prompt) - 1) // bs
             known = r.prompt_chain(bs)
             keys = [k for k, _ in known[:limit]]
@@ -180,7 +197,7 @@ class Scheduler:
         """The blocks of the longest prefix of the request's prompt the cache holds (at least its
         last prompt token is left to compute: its hidden state gives the first token); sets
         `record.cached_tokens`."""
-        prompt, bs = record.request.prompt, self.pool.block_size
+        prompt, bs = record.prompt, self.pool.block_size
         blocks = self.pool.match(prompt, (len(prompt) - 1) // bs, record.prompt_chain(bs) if self.pool.nodes else ())
         record.cached_tokens = len(blocks) * bs
         return blocks
@@ -190,8 +207,10 @@ class Scheduler:
         for row, r, held in zip(rows, records, blocks):
             if row in self.vacated:  # refilled before its position went to -1
                 self.vacated.remove(row)
-            self.owner[row], self.pos[row] = r.id, len(r.request.prompt)
-            self.need[row] = self.blocks_needed(r.request)
+            self.owner[row], self.pos[row] = r.id, len(r.prompt)
+            self.need[row] = 0 if self.preempt else self.blocks_needed(r.request)
+            self.admitted += 1
+            self.since[row] = self.admitted
             self.pages.attach(row, held)
 
     def release(self, row: int, record: Record) -> None:
@@ -205,6 +224,26 @@ class Scheduler:
         self.pages.release(row)
         self.owner[row], self.pos[row], self.need[row] = None, -1, 0
         self.vacated.append(row)
+
+    def victims(self, live: list[int]) -> list[int]:
+        """Rows to take back, newest first, so that every other live row gets the block its next
+        step enters (a fixed pool, `preempt`); the oldest row always stays."""
+        bs, pos, held = self.pool.block_size, self.pos, self.pages.held
+        entering = {r for r in live if pos[r] // bs not in held[r]}
+        free, out = self.pool.available(), []
+        for r in sorted(live, key=lambda r: self.since[r], reverse=True)[:-1]:
+            if len(entering) <= free:
+                break
+            out.append(r)
+            entering.discard(r)
+            free += sum(1 for b in held[r].values() if self.pool.refs[b] == 1)  # blocks only it holds
+        return out
+
+    def requeue(self, record: Record) -> None:
+        """A preempted request (its row released) waits at the head of the queue to resume."""
+        record.preemptions += 1
+        record.keys = None  # its prompt now ends with its tokens so far
+        self.pending.appendleft(record.id)
 
     # ---- blocks for the next step ----
 

@@ -31,7 +31,7 @@ class Mode(NamedTuple):
 
     sample: bool = False  # False: greedy argmax for every row
     penalties: bool = False  # track per-row token counts for repetition/presence/frequency penalties
-    sort: bool = True  # some sampled row uses top-k or top-p (a sort over the vocabulary)
+    search: sampling.Search = sampling.Search.ALL  # the threshold searches (top-k, top-p) some sampled row uses
     top_logprobs: int = -1  # -1: no logprobs; 0: the chosen token's; n: and the n most likely
     masked: bool = False  # some row is constrained: sampling applies a (B, V/32) token bitmask (split step)
 
@@ -66,7 +66,7 @@ def choose(mode: Mode, logits: mx.array, settings: sampling.Settings, steps: mx.
     mode asks for them. Logprobs are the model's, before the mask (as before penalties)."""
     logits = logits.astype(mx.float32)
     if mode.sample:
-        tokens = sampling.sample(logits, settings, steps, counts, sort=mode.sort, mask=mask)
+        tokens = sampling.sample(logits, settings, steps, counts, search=mode.search, mask=mask)
     else:
         tokens = sampling.greedy(logits if mask is None else sampling.apply_mask(logits, mask))
     if mode.top_logprobs < 0:
@@ -148,7 +148,7 @@ def verify_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeSt
     positions = mx.where(live[:, None], state.positions[:, None] + mx.arange(k + 1)[None], -1)  # (B, k + 1)
     h, cache = verify_hidden(config, params, tokens, positions, state.cache,
                              llama.step_attention_kernel(config, params))  # (B, k + 1, E)
-    out = speculative.verdict(mode.sample, mode.sort, mode.top_logprobs, llama.logits(params, h, fast=True), drafts,
+    out = speculative.verdict(mode.sample, mode.search, mode.top_logprobs, llama.logits(params, h, fast=True), drafts,
                               valid, draft_probs, settings, state.steps)
     last = mx.take_along_axis(out.tokens, (out.count - 1)[:, None], axis=1)[:, 0]  # (B,)
     new_positions = mx.where(live, state.positions + out.count, state.positions)
@@ -178,10 +178,10 @@ class Steps(NamedTuple):
 
 def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | None = None,
                compile_prefill: int = 0) -> Steps:
-    """Fresh compiled steps. `on_trace` runs each time a decode step (the fused one, or either half
-    of the split one) is traced (profiling, tests). Prefill chunks of at most `compile_prefill`
-    tokens (rows x length) run compiled too, traced per chunk shape and pool size (see
-    PREFILL_COMPILED_TOKENS)."""
+    """Fresh compiled steps. `on_trace` runs each time a compiled step (decode, either half of the
+    split one, verify, a compiled prefill chunk) is traced (profiling, tests, a server's count).
+    Prefill chunks of at most `compile_prefill` tokens (rows x length) run compiled too, traced per
+    chunk shape and pool size (see PREFILL_COMPILED_TOKENS)."""
 
     def traced():
         if on_trace is not None:
@@ -193,6 +193,7 @@ def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | N
 
     @mx.compile
     def compiled_prefill(params, tokens, positions, cache, slots, last, wraps=True, fresh=False, run=None):
+        traced()
         return prefill_chunk(config, params, tokens, positions, cache, slots, last, wraps, fresh, run)
 
     def prefill(params, tokens, positions, cache, slots, last, wraps=True, fresh=False, run=None, launch=None):
@@ -202,6 +203,7 @@ def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | N
         return prefill_chunk(config, params, tokens, positions, cache, slots, last, wraps, fresh, run, launch)
 
     def verify(params, state, drafts, valid, draft_probs, settings):
+        traced()
         return verify_step(config, mode, params, state, drafts, valid, draft_probs, settings)
 
     def forward(params, state):
@@ -234,3 +236,23 @@ PREFILL_COMPILED_TOKENS = 2048
 @lru_cache(maxsize=32)
 def compiled_steps(config: ModelConfig, mode: Mode) -> Steps:
     return make_steps(config, mode, compile_prefill=PREFILL_COMPILED_TOKENS if mx.default_device() == mx.gpu else 0)
+
+
+class StepCache:
+    """Compiled steps of one engine, per (config, mode), counting their traces: a server checks
+    that nothing traces after its warm-up (`Engine.warm_up`), and reports the count in /metrics.
+    Prefill runs uncompiled by default: its chunk shapes follow the prompts that arrive."""
+
+    def __init__(self, compile_prefill: int = 0):
+        self.compile_prefill = compile_prefill
+        self.traces = 0
+        self._made: dict[tuple[ModelConfig, Mode], Steps] = {}
+
+    def _traced(self) -> None:
+        self.traces += 1
+
+    def __call__(self, config: ModelConfig, mode: Mode) -> Steps:
+        steps = self._made.get((config, mode))
+        if steps is None:
+            steps = self._made[config, mode] = make_steps(config, mode, self._traced, self.compile_prefill)
+        return steps

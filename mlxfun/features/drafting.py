@@ -34,8 +34,8 @@ from mlxfun.model.load import Model
 DRAFT_SALT = 0x68E31DA4
 
 
-def draft_round(config: ModelConfig, k: int, sample: bool, sort: bool, params: llama.Params, cache: kv.KVCache,
-                tokens: mx.array, positions: mx.array, settings: sampling.Settings, steps: mx.array):
+def draft_round(config: ModelConfig, k: int, sample: bool, search: sampling.Search, params: llama.Params,
+                cache: kv.KVCache, tokens: mx.array, positions: mx.array, settings: sampling.Settings, steps: mx.array):
     """tokens (B,) at positions (B,) (-1: no row) -> drafts (B, k), q (B, k, V) or None, cache.
     k + 1 one-token steps, each feeding the last token (the row's, then its drafts); the last
     only writes the k-th draft's KV (a verdict may keep every draft)."""
@@ -48,7 +48,7 @@ def draft_round(config: ModelConfig, k: int, sample: bool, sort: bool, params: l
             break
         logits = llama.logits(params, h[:, -1], fast=True).astype(mx.float32)  # (B, V)
         if sample:
-            x = sampling.filter_logits(logits, settings, sort=sort)  # (B, V)
+            x = sampling.filter_logits(logits, settings, search=search)  # (B, V)
             seed = settings.seed ^ DRAFT_SALT
             drawn = sampling.greedy(x + sampling.gumbel(seed, steps + i, x.shape[-1]))
             tokens = mx.where(settings.temperature > 0, drawn, sampling.greedy(logits))
@@ -61,9 +61,9 @@ def draft_round(config: ModelConfig, k: int, sample: bool, sort: bool, params: l
 
 
 @lru_cache(maxsize=16)
-def compiled_round(config: ModelConfig, k: int, sample: bool, sort: bool):
+def compiled_round(config: ModelConfig, k: int, sample: bool, search: sampling.Search):
     def run(params, cache, tokens, positions, settings, steps):
-        return draft_round(config, k, sample, sort, params, cache, tokens, positions, settings, steps)
+        return draft_round(config, k, sample, search, params, cache, tokens, positions, settings, steps)
 
     return mx.compile(run)
 
@@ -187,7 +187,7 @@ class DraftModel(Drafter):
             self.cache = self.cache._replace(table=mx.array(self.pages.table[:B]))
             self.pages.dirty = False
         mode = _mode([engine.requests[engine.scheduler.owner[r]] for r in rows])
-        drafts, q, self.cache = compiled_round(self.config, k, mode.sample, mode.sort)(
+        drafts, q, self.cache = compiled_round(self.config, k, mode.sample, mode.search)(
             self.model.params, self.cache, state.tokens, state.positions, engine.runner.settings, state.steps)
         return drafts, valid, q
 
@@ -228,7 +228,7 @@ def _step_bytes(params: llama.Params) -> int:
 
 
 def _mode(records) -> Mode:
-    return Mode(sample=any(r.mode.sample for r in records), sort=any(r.mode.sort for r in records))
+    return Mode(sample=any(r.mode.sample for r in records), search=sampling.any_search(r.mode.search for r in records))
 
 
 def _history(engine, row: int) -> list[int]:

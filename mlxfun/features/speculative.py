@@ -58,13 +58,13 @@ def greedy_verdict(logits: mx.array, drafts: mx.array, valid: mx.array) -> tuple
 
 
 def sampled_verdict(logits: mx.array, drafts: mx.array, valid: mx.array, draft_probs: mx.array | None,
-                    settings: sampling.Settings, steps: mx.array, sort: bool) -> tuple[mx.array, mx.array]:
+                    settings: sampling.Settings, steps: mx.array, search: sampling.Search) -> tuple[mx.array, mx.array]:
     """Rejection sampling for every row (temperature-0 rows are handled by `greedy_verdict`).
     draft_probs (B, k, V) is q; None: deterministic drafts (q is one-hot on the draft)."""
     B, K1, V = logits.shape
     k = K1 - 1
     rows = sampling.Settings(*(mx.repeat(f, K1) for f in settings))  # one row of settings per position
-    p = mx.softmax(sampling.filter_logits(logits.reshape(B * K1, V).astype(mx.float32), rows, sort=sort),
+    p = mx.softmax(sampling.filter_logits(logits.reshape(B * K1, V).astype(mx.float32), rows, search=search),
                    axis=-1).reshape(B, K1, V)  # (B, k + 1, V) the target distribution
     hot = (mx.arange(V)[None, None, :] == drafts[:, :, None]) & valid[:, :, None]  # (B, k, V)
     q = hot.astype(mx.float32) if draft_probs is None else mx.where(valid[:, :, None], draft_probs, 0.0)
@@ -83,13 +83,13 @@ def sampled_verdict(logits: mx.array, drafts: mx.array, valid: mx.array, draft_p
     return mx.where(place < (count - 1)[:, None], padded, token[:, None]), count
 
 
-def verdict(sample: bool, sort: bool, top_logprobs: int, logits: mx.array, drafts: mx.array, valid: mx.array,
-            draft_probs: mx.array | None, settings: sampling.Settings, steps: mx.array) -> Verdict:
+def verdict(sample: bool, search: sampling.Search, top_logprobs: int, logits: mx.array, drafts: mx.array,
+            valid: mx.array, draft_probs: mx.array | None, settings: sampling.Settings, steps: mx.array) -> Verdict:
     """logits (B, k + 1, V) of the target at each verified position -> each row's new tokens."""
     logits = logits.astype(mx.float32)
     tokens, count = greedy_verdict(logits, drafts, valid)
     if sample:
-        s_tokens, s_count = sampled_verdict(logits, drafts, valid, draft_probs, settings, steps, sort)
+        s_tokens, s_count = sampled_verdict(logits, drafts, valid, draft_probs, settings, steps, search)
         hot = (settings.temperature > 0)[:, None]
         tokens, count = mx.where(hot, s_tokens, tokens), mx.where(hot[:, 0], s_count, count)
     if top_logprobs < 0:

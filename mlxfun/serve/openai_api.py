@@ -3,6 +3,7 @@
 The schemas check only shapes and types. Every range and limit (top_p in (0, 1], max_tokens > 0,
 the context, the memory budget) is checked where `generate` checks it, in `mlxfun.engine.options` and the
 engine, and `field_error` turns those messages into OpenAI's error shape, naming the request field.
+The ranges are still stated in the OpenAPI schema (`_ranged`), so clients and fuzzers see them.
 """
 
 from __future__ import annotations
@@ -10,14 +11,45 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
+from mlxfun.engine.options import ROLES
 from mlxfun.model.tokenizer import Tokenizer
 from mlxfun.serve import tools
 
 # ---- requests ----
+
+# Choices per request at most (OpenAI's limit): each is a row, and all are built before any is queued.
+MAX_N = 128
+
+
+def _whole(v: Any) -> Any:
+    """1.0 as 1: JSON Schema counts it an integer, and so do clients that write every number as a
+    float. 1.5, 1e300 (past 2**53 a float is no exact integer), true and "1" stay as they are, for
+    strict validation to refuse."""
+    return int(v) if isinstance(v, float) and v.is_integer() and abs(v) <= 2**53 else v
+
+
+Int = Annotated[int, BeforeValidator(_whole)]
+
+
+def _ranged(kind: type, **bounds: Any) -> Any:
+    """`kind` whose OpenAPI schema states the range that `options.requests` checks. Only the schema:
+    pydantic checks the type, so an out-of-range value gets generate's message, naming the option."""
+    return Annotated[Int if kind is int else kind, WithJsonSchema({"type": "integer" if kind is int else "number",
+                                                                   **bounds})]
+
+
+PositiveInt = _ranged(int, minimum=1)
+NonNegativeInt = _ranged(int, minimum=0)
+NonNegative = _ranged(float, minimum=0)
+Positive = _ranged(float, exclusiveMinimum=0)
+Fraction = _ranged(float, minimum=0, maximum=1)
+TopP = _ranged(float, exclusiveMinimum=0, maximum=1)
+Seed = _ranged(int, minimum=0, maximum=2**32 - 1)
+Choices = _ranged(int, minimum=1, maximum=MAX_N)
 
 
 class StreamOptions(BaseModel):
@@ -32,17 +64,17 @@ class Common(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: NonNegative | None = None
+    top_p: TopP | None = None
+    top_k: NonNegativeInt | None = None  # 0: off
+    min_p: Fraction | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
+    repetition_penalty: Positive | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: Choices = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -75,11 +107,29 @@ class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = None  # None: an assistant message's tool_calls say it all
 
     def as_dict(self) -> dict:
         content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
         return {**(self.model_extra or {}), "role": self.role, "content": content}
+
+
+_PART = {"type": "object", "required": ["type", "text"],
+         "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_TEXT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _PART}]}
+_CALL = {"type": "object", "required": ["type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name", "arguments"],
+        "properties": {"name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text"}}}}}
+# A message's schema by role, as OpenAI's: content is required but for an assistant message, which
+# may carry tool_calls instead. Only the schema: the roles and the content are checked by
+# options.check_messages and tools.conversation, whose messages name the message.
+ChatMessage = Annotated[Message, WithJsonSchema({"title": "Message", "anyOf": [
+    {"type": "object", "required": ["role", "content"],
+     "properties": {"role": {"enum": [r for r in ROLES if r != "assistant"]}, "content": _TEXT}},
+    {"type": "object", "required": ["role"], "properties": {
+        "role": {"const": "assistant"}, "content": {"anyOf": [*_TEXT["anyOf"], {"type": "null"}]},
+        "tool_calls": {"type": "array", "items": _CALL}}}]})]
 
 
 class Function(BaseModel):
@@ -108,21 +158,61 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatRequest(Common):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NonNegativeInt | None = None  # at most the vocabulary
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
 
+_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}  # each below the vocabulary size
+# One prompt (text or token ids) or several; only the schema states that lists are not empty, as
+# options.requests checks (its message names the prompt).
+Prompt = Annotated[str | list[str] | list[Int] | list[list[Int]], WithJsonSchema({"title": "Prompt", "anyOf": [
+    {"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}}, _IDS,
+    {"type": "array", "minItems": 1, "items": _IDS}]})]
+
+
 class CompletionRequest(Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: Prompt
+    logprobs: NonNegativeInt | None = None  # at most the vocabulary
 
 
 # ---- errors ----
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None  # the request field at fault; None when the body as a whole is
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body, in OpenAI's shape (for the OpenAPI schema; `error` writes them)."""
+
+    error: ErrorDetail
+
+
+def _answers(description: str) -> dict:
+    return {"model": ErrorResponse, "description": description}
+
+
+# The responses of both completion endpoints beside a JSON 200, for the OpenAPI schema.
+COMPLETION_RESPONSES: dict[int | str, dict] = {
+    200: {"description": "The completion; with `stream: true`, server-sent events of chunks, then `data: [DONE]`",
+          "content": {"text/event-stream": {"schema": {  # one event (OpenAPI 3.1 has no itemSchema)
+              "type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string", "description": "a chunk's JSON, or [DONE] at the end"}}}}}},
+    400: _answers("An invalid request: `param` names the field at fault (null when the body is not a JSON object)"),
+    413: _answers("max_tokens (or max_completion_tokens) needs more KV cache than this server has"),
+    429: _answers("The queue is full, or the server is warming up; retry after the Retry-After header's seconds"),
+    500: _answers("The engine failed while generating; a fresh engine takes the next requests"),
+    # Declared, it also keeps FastAPI from declaring the 422 it would send: our validation errors are 400s.
+    "4XX": _answers("Another client error (405: a method this path does not take), in the same shape"),
+}
 
 
 def error(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:

@@ -41,7 +41,10 @@ from mlxfun.model.load import Model
 from mlxfun.serve import openai_api as api
 from mlxfun.serve import tools
 from mlxfun.serve.openai_api import ChatRequest, Common, CompletionRequest
-from mlxfun.serve.serving import Bridge, Busy, EngineFailed, finished, metrics_text
+from mlxfun.serve.serving import Bridge, Busy, EngineFailed, NotReady, finished, metrics_text
+
+ENGINE_FAILED = "the engine failed while generating (the server's log has the details); a fresh engine takes the " \
+    "next requests"
 
 # Rows decoded together when neither --rows nor --batch-size is given (mlx-lm's server decodes 32).
 DEFAULT_ROWS = 32
@@ -103,8 +106,14 @@ def chat_plan(model: Model, body: ChatRequest, config: GenerationConfig) -> tupl
 def build(model: Model, prompts: list, config: GenerationConfig, n: int, explicit_max: bool) -> list[Request]:
     """n Requests per prompt (choice j of a seeded request samples with seed + j), all checked."""
     check_positive_int("n", n)
+    if n > api.MAX_N:
+        raise InputError(f"n must be at most {api.MAX_N}, got {n}")
     if config.seed is not None and n > 1:  # an int: the request's (strict) or the --seed flag's
-        config = dataclasses.replace(config, seed=[config.seed + j for _ in prompts for j in range(n)])
+        # Seeds wrap at 2**32 (seed 2**32 - 1's second choice samples with 0); one out of range stays
+        # as it is, for its error to show the value sent.
+        wrap = 2**32 if 0 <= config.seed < 2**32 else None
+        config = dataclasses.replace(config, seed=[(config.seed + j) % wrap if wrap else config.seed + j
+                                                   for _ in prompts for j in range(n)])
     reqs = requests(model, [p for p in prompts for _ in range(n)], config)
     context = model.config.max_position_embeddings
     for r in reqs:
@@ -233,8 +242,8 @@ async def _stream(served: Served, chat: bool, body: Common, reqs: list[Request],
                 items.append(q.get_nowait())
             out = []
             for event, record in items:
-                if isinstance(event, EngineFailed):
-                    yield "".join(out) + _sse(api.error(str(event), None, "server_error"))
+                if isinstance(event, EngineFailed):  # its text is in the server's log, not for clients
+                    yield "".join(out) + _sse(api.error(ENGINE_FAILED, None, "server_error"))
                     return
                 out.append(render(event, record))
             if any(out):
@@ -267,8 +276,15 @@ async def complete(served: Served, body: Common, chat: bool, http: HTTPRequest):
         reqs = build(served.model, prompts, config, body.n, explicit)
     except InputError as e:
         return _json_error(400, api.field_error(str(e), chat, body))
+    capacity = served.bridge.engine.rows + served.bridge.max_queued
+    if len(reqs) > capacity:  # more than the rows and the queue hold: it would never fit, so no 429 to retry
+        param = "n" if body.n > 1 else "messages" if chat else "prompt"
+        return _json_error(400, api.error(f"{param}: the request asks for {len(reqs)} choices ({len(prompts)} prompts, "
+                                          f"n={body.n}); this server takes {capacity} at once", param))
     try:
         ids, q = served.bridge.submit(reqs)
+    except NotReady as e:
+        return _json_error(503, api.error(str(e), None, "server_error"), {"Retry-After": "5"})
     except Busy as e:
         return _json_error(429, api.error(str(e), None, "rate_limit_error"), {"Retry-After": "1"})
     except InputError as e:  # the KV cache could never fit beside nothing: too large for this server
@@ -279,8 +295,8 @@ async def complete(served: Served, body: Common, chat: bool, http: HTTPRequest):
                                  headers={"Cache-Control": "no-cache"})
     try:
         records = await _records(served, ids, q, http)
-    except EngineFailed as e:
-        return _json_error(500, api.error(str(e), None, "server_error"))
+    except EngineFailed:  # its text (the engine's exception) is in the server's log, not for clients
+        return _json_error(500, api.error(ENGINE_FAILED, None, "server_error"))
     if records is None:
         return JSONResponse({}, status_code=499)  # nobody reads it
     return JSONResponse(_whole(served, chat, body, reqs, ids, records, fmt))
@@ -306,19 +322,23 @@ def make_app(served: Served, shutdown_timeout: float = 30.0) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(_, exc: HTTPException):
+        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body": not UTF-8
+            return JSONResponse(api.error(f"the body is not valid JSON: {exc.__cause__}"), status_code=400)
         return JSONResponse(api.error(str(exc.detail), None, "not_found_error" if exc.status_code == 404
                                   else "invalid_request_error"), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def internal(_, exc: Exception):
-        return JSONResponse(api.error(f"internal error: {type(exc).__name__}: {exc}", None, "server_error"),
+        # Starlette raises the exception again after this answer, so the server's log has its traceback;
+        # its text may name MLX internals, so the client gets none of it.
+        return JSONResponse(api.error("internal error (the server's log has the details)", None, "server_error"),
                             status_code=500)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=api.COMPLETION_RESPONSES)
     async def chat_completions(body: ChatRequest, http: HTTPRequest):
         return await complete(served, body, True, http)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=api.COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, http: HTTPRequest):
         return await complete(served, body, False, http)
 
@@ -327,12 +347,13 @@ def make_app(served: Served, shutdown_timeout: float = 30.0) -> FastAPI:
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created,
                                             "owned_by": "mlxfun"}]}
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "Warming up (compiling its steps) or stopping."}})
     async def health():
-        ok = served.bridge.alive
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        bridge = served.bridge
+        status = "ok" if bridge.ready else "warming up" if bridge.alive else "unavailable"
+        return JSONResponse({"status": status}, status_code=200 if bridge.ready else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         bridge = served.bridge
         return PlainTextResponse(metrics_text(bridge.engine, bridge.tokens_per_second()),
@@ -355,6 +376,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-queued", type=int, default=1024,
                    help="requests waiting for a row before new ones get 429 (default: 1024)")
     p.add_argument("--served-model-name", default=None, help="the model id clients see (default: the file's name)")
+    p.add_argument("--kv-memory", type=float, default=None, metavar="GB",
+                   help="GB of KV cache, allocated at start (default: 75%% of the GPU's memory beside the weights; "
+                        "on the CPU an eighth of the RAM), never more than every row at full context needs")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="take requests at once, without compiling every step first (tests; the first requests "
+                        "of each kind then wait for their compile)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests may finish after Ctrl-C / SIGTERM before they are cut (default: 30)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -383,6 +410,20 @@ def _uvicorn_server(app: FastAPI, args: argparse.Namespace) -> uvicorn.Server:
                                  timeout_graceful_shutdown=args.shutdown_timeout))
 
 
+def kv_memory_flag(gb: float | None) -> int | None:
+    """--kv-memory in bytes; None: the engine's budget on a GPU, an eighth of the RAM on the CPU
+    (a server allocates its whole KV pool at start)."""
+    import mlx.core as mx
+
+    from mlxfun.engine.strategy import memory_limit
+
+    if gb is None:
+        return memory_limit() // 8 if mx.default_device() == mx.cpu else None
+    if not 0 < gb < float("inf"):
+        raise InputError(f"--kv-memory must be a positive number of GB, got {gb}")
+    return int(gb * 1e9)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import mlx.core as mx
@@ -398,12 +439,13 @@ def main(argv: list[str] | None = None) -> int:
         if not loaded:
             loaded.append(load(args.model, dtype=args.dtype))
             mx.eval(loaded[0].params)
-        return engine_for(loaded[0], rows, defaults)
+        return engine_for(loaded[0], rows, defaults, kv_memory, fixed_shapes=True)
 
-    bridge = Bridge(make_engine, args.max_queued)
+    bridge = Bridge(make_engine, args.max_queued, warm=not args.no_warmup)
     try:
         check_positive_int("batch_size", rows)
         check_positive_int("max_queued", args.max_queued)
+        kv_memory = kv_memory_flag(args.kv_memory)
         defaults = generation_config(args)
         bridge.start()
         model = bridge.engine.model

@@ -1,9 +1,13 @@
 """The engine on a thread of its own, for the HTTP server (no HTTP here).
 
-One thread owns the engine and MLX's decode loop (`Engine.serve`). The event loop submits and
-cancels through the engine's thread-safe inbox (`Bridge.submit`, `Bridge.cancel`); each Event is
-handed to its HTTP request's asyncio queue with `call_soon_threadsafe`, and a request's closing
-event carries its Record, released (`Engine.take`) on the engine thread.
+One thread owns the engine and MLX's decode loop (`Engine.rounds`). The event loop submits and
+cancels through the engine's thread-safe inbox (`Bridge.submit`, `Bridge.cancel`). Each step's
+events reach the event loop in one `call_soon_threadsafe` (one wake-up per step, not per token),
+which puts each in its HTTP request's asyncio queue; a request's closing event carries its
+Record, released (`Engine.take`) on the engine thread. The engine never waits for the HTTP side.
+
+Before it takes requests the engine compiles every step it may run (`warmup.warm_up`), so none
+compiles on the request path; until then `ready` is False (/health answers 503).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -24,6 +29,7 @@ from mlxfun.engine.core import Engine
 from mlxfun.engine.events import Event
 from mlxfun.engine.options import Request
 from mlxfun.engine.records import Record
+from mlxfun.engine.warmup import Warmup, warm_up
 from mlxfun.errors import MlxfunError
 
 log = logging.getLogger("mlxfun.serve")
@@ -36,6 +42,10 @@ class Busy(MlxfunError):
     """The queue is full: the client should retry later (HTTP 429)."""
 
 
+class NotReady(Busy):
+    """The engine is still compiling its steps (HTTP 503, as /health answers meanwhile)."""
+
+
 class EngineFailed(RuntimeError):
     """The engine raised while a request was in it; the request ends with this error (HTTP 500)."""
 
@@ -45,10 +55,13 @@ class Bridge:
     asyncio queue: the Record comes with each request's closing event. An engine error ends every
     request in flight with an `EngineFailed` item and a fresh engine takes over."""
 
-    def __init__(self, make_engine: Callable[[], Engine], max_queued: int):
+    def __init__(self, make_engine: Callable[[], Engine], max_queued: int, warm: bool = True):
         self._make_engine = make_engine
         self.max_queued = max_queued
+        self.warm = warm  # compile every step before taking requests (the engine must have fixed shapes)
+        self.warmup: Warmup | None = None  # the last warm-up's cost
         self.engine: Engine | None = None
+        self._warm = threading.Event()  # set once the engine takes requests
         self._lock = threading.Lock()  # guards _targets and the engine swap after a failure
         self._targets: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -71,6 +84,14 @@ class Bridge:
         return self._thread.is_alive() and not self._stop.is_set()
 
     @property
+    def ready(self) -> bool:
+        """Alive and warmed up: requests are taken."""
+        return self.alive and self._warm.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._warm.wait(timeout)
+
+    @property
     def in_flight(self) -> int:
         return len(self._targets)
 
@@ -85,6 +106,8 @@ class Bridge:
         with self._lock:
             if not self.alive:
                 raise Busy("the server is shutting down")
+            if not self._warm.is_set():
+                raise NotReady("the server is warming up (compiling its steps); /health answers 200 once it is ready")
             if len(self._targets) + len(requests) > self.engine.rows + self.max_queued:
                 raise Busy(f"{len(self._targets)} requests in flight; the server takes {self.engine.rows} rows "
                            f"and {self.max_queued} queued")
@@ -142,37 +165,62 @@ class Bridge:
             return
         finally:
             self._ready.set()
+        self._warm_up()
         while True:
             try:
-                for event in self.engine.serve(self._stop):
-                    self._dispatch(event)
+                for events in self.engine.rounds(self._stop):
+                    self._dispatch(events)
                 return
             except Exception as e:  # a bug or a device error: no request may wait forever for it
                 log.exception("the engine failed; requests in flight end with an error, a fresh engine starts")
                 self._fail_all(e)
 
-    def _dispatch(self, event: Event) -> None:
-        record = self.engine.take(event.index) if event.finish_reason is not None else None
+    def _warm_up(self) -> None:
+        if self.warm and self.engine.fixed and not self._stop.is_set():
+            self.warmup = warm_up(self.engine)
+            w = self.warmup
+            print(f"mlxfun serve: compiled {w.variants} decode steps (table widths {w.widths[0]}-{w.widths[-1]} "
+                  f"tokens) and ran a request in {w.seconds:.1f} s; ready", file=sys.stderr, flush=True)
+        self._warm.set()
+
+    def _dispatch(self, events: list[Event]) -> None:
+        """One step's events to their requests' queues: one call into each event loop."""
+        engine = self.engine
+        records = [engine.take(e.index) if e.finish_reason is not None else None for e in events]
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
-            target = self._targets.get(event.index) if record is None else self._targets.pop(event.index, None)
-        if target is not None:
-            _put(target, (event, record))
+            for event, record in zip(events, records):
+                target = self._targets.get(event.index) if record is None else self._targets.pop(event.index, None)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], (event, record)))
+        for loop, items in by_loop.items():
+            _deliver(loop, items)
         now = time.perf_counter()
         if not self._samples or now - self._samples[-1][0] >= 0.25:
-            self._samples.append((now, self.engine.stats.generation_tokens))
+            self._samples.append((now, engine.stats.generation_tokens))
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
             targets, self._targets = self._targets, {}
+            self._warm.clear()
             self.engine = self._make_engine()
-        for target in dict.fromkeys(targets.values()):  # one item per request's queue
-            _put(target, (EngineFailed(f"the engine failed: {type(error).__name__}: {error}"), None))
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, q in dict.fromkeys(targets.values()):  # one item per request's queue
+            by_loop.setdefault(loop, []).append((q, (EngineFailed(f"the engine failed: {type(error).__name__}: "
+                                                                  f"{error}"), None)))
+        for loop, items in by_loop.items():
+            _deliver(loop, items)
+        self._warm_up()
 
 
-def _put(target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item) -> None:
-    loop, q = target
+def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, tuple]]) -> None:
+    """Put each item in its queue, on the loop's thread."""
+    def put() -> None:
+        for q, item in items:
+            q.put_nowait(item)
+
     try:
-        loop.call_soon_threadsafe(q.put_nowait, item)
+        loop.call_soon_threadsafe(put)
     except RuntimeError:  # the loop has closed: nobody is waiting
         pass
 
@@ -196,7 +244,11 @@ def metrics_text(engine: Engine, tokens_per_second: float) -> str:
             ("generation_tokens_per_second", "gauge", f"Tokens generated per second over the last {RATE_WINDOW:g} s.",
              f"{tokens_per_second:.3f}"),
             ("kv_cache_bytes", "gauge", "Bytes of the KV cache now.", s.kv_bytes),
-            ("kv_cache_capacity_tokens", "gauge", "KV cache slots per row now.", s.capacity)):
+            ("kv_cache_capacity_tokens", "gauge", "KV cache slots per row now.", s.capacity),
+            ("preemptions_total", "counter", "Rows taken back to make room in a full KV pool (their requests "
+             "resume).", s.preemptions),
+            ("step_traces_total", "counter", "Compiled steps traced (none after the warm-up).",
+             engine.step_cache.traces if engine.step_cache is not None else 0)):
         lines.append(f"{family(name, kind, help_)} {value}")
     for name, window, help_ in (
             ("time_to_first_token_seconds", s.ttft, "Time to first token over the last requests (a window)."),

@@ -123,6 +123,10 @@ def conversation(messages: list[dict]) -> list[dict]:
     out = []
     for j, m in enumerate(messages):
         calls = m.get("tool_calls")
+        if m.get("content") is None and not (m["role"] == "assistant" and calls):
+            # As OpenAI's API: templates write the content as text, and None is none.
+            raise InputError(f"messages: message {j} ({m['role']}) has no content; only an assistant message "
+                             "with tool_calls may leave it out")
         if not calls:  # templates test `'tool_calls' in message`: a null or empty list is no calls
             out.append({k: v for k, v in m.items() if k != "tool_calls"})
             continue

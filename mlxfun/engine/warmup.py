@@ -1,0 +1,103 @@
+"""A fixed-shape engine's warm-up: every compiled step it may take, traced and run once at start.
+
+A server's engine (`Engine(fixed_shapes=True)`) keeps its step shapes few: one KV pool size for
+its life, all its rows, the table widths of `paging.ladder` and the modes of
+`records.fixed_modes`. `warm_up` runs each (width, mode) decode step on the idle rows (positions
+-1: their writes go to the scratch block, their tokens are dropped), each mode's first-token
+sampling, and one short request end to end, so that nothing compiles on the request path (a 1B
+step traces in about a second on an H200; MLX's CUDA backend builds a kernel the first time it
+meets it, 26 s for the full-vocabulary sort).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+import mlx.core as mx
+
+from mlxfun.engine import sampling
+from mlxfun.engine.records import EngineStats, fixed_modes
+from mlxfun.engine.step import first_token
+from mlxfun.features import structured
+
+if TYPE_CHECKING:
+    from mlxfun.engine.core import Engine
+
+
+class Warmup(NamedTuple):
+    variants: int  # (table width, mode) decode steps compiled and run
+    widths: tuple[int, ...]  # the table widths, in tokens
+    seconds: float
+
+
+def masks_available() -> bool:
+    """Whether structured output (the llguidance extra) can constrain a row."""
+    return importlib.util.find_spec("llguidance") is not None
+
+
+def warm_up(engine: Engine) -> Warmup:
+    """Compile and run every decode step a fixed-shape, idle engine may take. Speculative verify
+    rounds are not among them: with a draft model they compile when first used."""
+    if not engine.fixed or not engine.idle:
+        raise RuntimeError("warm_up takes an idle engine made with fixed_shapes=True")
+    t0 = time.perf_counter()
+    sched, runner = engine.scheduler, engine.runner
+    sched.pages.reserve(sched.max_blocks)  # the one pool size
+    engine.ensure_state()
+    engine.sync()
+    runner.restack([None] * len(sched.owner))
+    rows, table = len(sched.owner), runner.state.cache.table
+    modes = fixed_modes(masks_available())
+    widths = sched.pages.widths or [sched.pages.width]
+    everything = mx.full((rows, structured.words(engine.config.vocab_size)), 0xFFFFFFFF, mx.uint32)
+    for i, width in enumerate(widths):
+        runner.state = runner.state._replace(cache=runner.state.cache._replace(table=mx.zeros((rows, width), mx.int32)))
+        for mode in modes:
+            steps = runner.steps_for(mode)
+            if i and mx.default_device() == mx.cpu:
+                # Traced only: MLX's CPU kernels of the first width serve every width, and a step
+                # over a wide table costs seconds there (its keys are gathered).
+                _trace(runner, steps, mode, everything)
+                continue
+            if mode.masked:
+                logits = runner.forward(steps, mode.penalties)
+                out = runner.sample(steps, logits, everything, mode.penalties)
+            else:
+                out = runner.decode(steps, mode.penalties)
+            mx.eval(out, runner.state)
+    runner.state = runner.state._replace(cache=runner.state.cache._replace(table=table))
+    _first_tokens(engine, modes)
+    # One request end to end: its prefill, first token and decode steps, through the real path.
+    engine.add([1, 2, 3], max_tokens=3, ignore_eos=True)
+    engine.add([1, 2, 3], max_tokens=3, ignore_eos=True, settings=sampling.make_settings(1, temperature=1.0,
+                                                                                           top_p=0.9, seed=0))
+    for _ in engine.events():
+        pass
+    for rid in list(engine.requests):
+        engine.take(rid)
+    engine.stats = EngineStats(rows=engine.stats.rows)  # the counters start with the first real request
+    bs = sched.pool.block_size
+    return Warmup(len(widths) * len(modes), tuple(w * bs for w in widths), time.perf_counter() - t0)
+
+
+def _trace(runner, steps, mode, everything: mx.array) -> None:
+    """Trace a step on the state's shapes; nothing runs (its lazy outputs are dropped)."""
+    state = runner.input_state(mode.penalties)
+    if mode.masked:
+        logits, state = steps.forward(runner.step_params, state)
+        steps.sample(logits, everything, state, runner.settings)
+    else:
+        steps.decode(runner.step_params, state, runner.settings)
+
+
+def _first_tokens(engine: Engine, modes) -> None:
+    """Each mode's first-token sampling (not compiled: MLX builds its kernels at first use)."""
+    runner, config = engine.runner, engine.config
+    h = mx.zeros((1, config.hidden_size), runner.dtype)
+    settings = sampling.make_settings(1, temperature=1.0, top_p=0.9, top_k=5, seed=0)
+    for mode in modes:
+        mask = mx.full((1, structured.words(config.vocab_size)), 0xFFFFFFFF, mx.uint32) if mode.masked else None
+        mx.eval(first_token(config, mode._replace(penalties=False), runner.params, h, settings,
+                            mx.zeros((1,), mx.int32), None, mask))

@@ -1,0 +1,129 @@
+"""A server compiles every step before it takes requests: /health answers 503 until the warm-up
+ends, and after it no step traces again through a mixed workload (greedy, sampled, top-p,
+logprobs, a schema, penalties, rows that cross table widths, many pools' worth of tokens).
+The app runs in this process (Starlette's TestClient) over a tiny model."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+from fastapi.testclient import TestClient
+from helpers import byte_tokenizer, tiny_config, tiny_params
+
+import mlxfun
+from mlxfun.engine.core import Engine
+from mlxfun.engine.options import GenerationConfig
+from mlxfun.engine.records import fixed_modes
+from mlxfun.engine.warmup import masks_available, warm_up
+from mlxfun.model.load import Model
+from mlxfun.serve import serving
+from mlxfun.serve.server import Served, make_app
+from mlxfun.serve.serving import Bridge
+
+ROWS = 4
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    config = tiny_config(max_position_embeddings=1024)
+    params, _ = tiny_params(config, seed=3)
+    mx.eval(params)
+    return Model(config, params, byte_tokenizer(), "tiny bytes")
+
+
+def served(model: Model, warm: bool = True) -> Served:
+    bridge = Bridge(lambda: Engine(model, ROWS, fixed_shapes=True, kv_memory=20_000_000), 64, warm=warm)
+    return Served(model, bridge, GenerationConfig(max_tokens=8), "tiny", 0)
+
+
+def metric(client: TestClient, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f"mlxfun_{name} "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def test_health_is_503_until_the_warm_up_ends(model, monkeypatch):
+    release = threading.Event()
+
+    def slow(engine):
+        assert release.wait(60)
+        return warm_up(engine)
+
+    monkeypatch.setattr(serving, "warm_up", slow)
+    s = served(model)
+    with TestClient(make_app(s)) as client:
+        health = client.get("/health")
+        assert (health.status_code, health.json()) == (503, {"status": "warming up"})
+        early = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+        assert early.status_code == 503 and "warming up" in early.json()["error"]["message"]
+        assert early.headers["retry-after"] == "5"
+        release.set()
+        assert s.bridge.wait_ready(60)
+        assert client.get("/health").status_code == 200
+        after = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "temperature": 0})
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2
+
+
+def test_no_step_traces_after_the_warm_up(model):
+    s = served(model)
+    with TestClient(make_app(s)) as client:
+        assert s.bridge.wait_ready(120)
+        engine = s.bridge.engine
+        warm = s.bridge.warmup
+        modes = len(fixed_modes(masks_available()))
+        assert warm.variants == modes * len(warm.widths) and warm.widths == (256, 1024)
+        traces = metric(client, "step_traces_total")
+        assert traces == engine.step_cache.traces >= modes
+        pool = engine.scheduler.pool.size
+        prompts = ["the quick brown fox " * (1 + i % 12) for i in range(24)]
+        bodies = []
+        for i, p in enumerate(prompts):
+            body = {"prompt": p, "max_tokens": 40 + 10 * (i % 4), "ignore_eos": True}
+            kind = i % 6
+            if kind == 1:
+                body.update(temperature=0.8, top_p=0.9, seed=i)
+            elif kind == 2:
+                body.update(logprobs=3)
+            elif kind == 3:
+                body.update(temperature=0.7, top_k=5, frequency_penalty=0.5, seed=i)
+            elif kind == 4:
+                body.update(response_format={"type": "json_object"}, max_tokens=20, ignore_eos=False)
+            elif kind == 5:
+                body.update(echo=False, logprobs=0, temperature=1.0, seed=i)
+            bodies.append(body)
+        # Long rows cross the table widths: 600 tokens of prompt and 420 generated.
+        bodies.append({"prompt": "x" * 600, "max_tokens": 420, "ignore_eos": True, "temperature": 0})
+        answers = []
+        threads = [threading.Thread(target=lambda b=b: answers.append((b, client.post("/v1/completions", json=b))))
+                   for b in bodies]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert len(answers) == len(bodies) and all(r.status_code == 200 for _, r in answers), \
+            [r.text for _, r in answers if r.status_code != 200]
+        generated = sum(r.json()["usage"]["completion_tokens"] for _, r in answers)
+        assert generated > 1200
+        assert metric(client, "step_traces_total") == traces  # nothing traced on the request path
+        assert engine.scheduler.pool.size == pool
+        # Answers are the offline ones: the server's modes compute more, never differently.
+        for body, r in answers[:8]:
+            if body.get("response_format") or body.get("logprobs") is not None:
+                continue
+            offline = mlxfun.generate(model, [body["prompt"]], max_tokens=body["max_tokens"], ignore_eos=True,
+                                      temperature=body.get("temperature", 0.0), top_p=body.get("top_p", 1.0),
+                                      top_k=body.get("top_k", 0), seed=body.get("seed"),
+                                      frequency_penalty=body.get("frequency_penalty", 0.0))
+            assert r.json()["choices"][0]["text"] == offline.texts[0], body
+
+
+def test_no_warmup_serves_at_once(model):
+    s = served(model, warm=False)
+    with TestClient(make_app(s)) as client:
+        assert client.get("/health").status_code == 200
+        assert s.bridge.warmup is None and s.bridge.engine.step_cache.traces == 0
+        r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
