@@ -296,7 +296,15 @@ def test_shutdown_finishes_what_fits_the_grace_period_then_exits_0(slow_model_di
             reasons.append(type(e).__name__)
         results[name] = (len(reasons), reasons[-1])
 
-    threads = [threading.Thread(target=read, args=("short", 24)), threading.Thread(target=read, args=("long", 8000))]
+    def whole():
+        try:
+            client.completions.create(model="x", prompt=words(9), max_tokens=8000, extra_body={"ignore_eos": True})
+            results["whole"] = "answered"
+        except openai.APIStatusError as e:
+            results["whole"] = (e.status_code, e.body.get("message") if isinstance(e.body, dict) else e.body)
+
+    threads = [threading.Thread(target=read, args=("short", 24)), threading.Thread(target=read, args=("long", 8000)),
+               threading.Thread(target=whole)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
@@ -309,7 +317,12 @@ def test_shutdown_finishes_what_fits_the_grace_period_then_exits_0(slow_model_di
     for t in threads:
         t.join(30)
     assert results["short"] == (24, "length")  # finished within the grace period
-    assert results["long"][1] != "length" and results["long"][0] < 8000  # cut at its end
+    # Cut at its end, as OpenAI clients expect: a stream's last chunk has a finish reason (then
+    # [DONE]: the client's iteration ends without an error), a whole answer is a JSON 503.
+    assert results["long"][1] == "cancelled" and results["long"][0] < 8000
+    assert results["whole"][0] == 503 and "shut down" in results["whole"][1]
+    log = (tmp_path / "log").read_text()
+    assert "Traceback" not in log and "CancelledError" not in log, log[-2000:]
     with pytest.raises(openai.APIConnectionError):
         client.completions.create(model="x", prompt="t1", max_tokens=1)
 

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import AsyncIterator, NamedTuple
 
@@ -43,6 +44,7 @@ from mlxfun.serve import tools
 from mlxfun.serve.openai_api import ChatRequest, Common, CompletionRequest
 from mlxfun.serve.serving import Bridge, Busy, EngineFailed, NotReady, finished, metrics_text
 
+SHUT_DOWN = "the server shut down before the request finished (--shutdown-timeout ran out)"
 ENGINE_FAILED = "the engine failed while generating (the server's log has the details); a fresh engine takes the " \
     "next requests"
 
@@ -299,6 +301,8 @@ async def complete(served: Served, body: Common, chat: bool, http: HTTPRequest):
         return _json_error(500, api.error(ENGINE_FAILED, None, "server_error"))
     if records is None:
         return JSONResponse({}, status_code=499)  # nobody reads it
+    if served.bridge.cut_off and any(r.finish_reason == "cancelled" for r in records.values()):
+        return _json_error(503, api.error(SHUT_DOWN, None, "server_error"))
     return JSONResponse(_whole(served, chat, body, reqs, ids, records, fmt))
 
 
@@ -389,14 +393,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _uvicorn_server(app: FastAPI, args: argparse.Namespace) -> uvicorn.Server:
+# Seconds uvicorn waits, past --shutdown-timeout, for the requests cut then to send their endings.
+CUT_GRACE = 5.0
+
+
+def _uvicorn_server(app: FastAPI, args: argparse.Namespace, bridge: Bridge) -> uvicorn.Server:
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
             # Uvicorn raises a caught signal again after its graceful shutdown (exit 130 / 143); a
             # server stopped on purpose and cleanly exits 0. A second Ctrl-C still forces the exit.
+            # Requests still running when --shutdown-timeout ends are cut by the engine (`Bridge.cut`),
+            # so each ends as OpenAI clients expect, before uvicorn would cancel its task.
             def stop(sig, _frame):
                 self.force_exit = self.should_exit and sig == signal.SIGINT
+                if not self.should_exit:
+                    timer = threading.Timer(args.shutdown_timeout, bridge.cut)
+                    timer.daemon = True
+                    timer.start()
                 self.should_exit = True
 
             previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -407,7 +421,7 @@ def _uvicorn_server(app: FastAPI, args: argparse.Namespace) -> uvicorn.Server:
                     signal.signal(sig, handler)
 
     return Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                 timeout_graceful_shutdown=args.shutdown_timeout))
+                                 timeout_graceful_shutdown=args.shutdown_timeout + CUT_GRACE))
 
 
 def kv_memory_flag(gb: float | None) -> int | None:
@@ -455,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         bridge.stop()
         return 2
     served = Served(model, bridge, defaults, args.served_model_name or Path(model.source).name or "mlxfun", api.now())
-    server = _uvicorn_server(make_app(served, args.shutdown_timeout), args)
+    server = _uvicorn_server(make_app(served, args.shutdown_timeout), args, bridge)
     server.run()
     bridge.stop(args.shutdown_timeout)  # already stopped at the app's shutdown, unless uvicorn failed to start
     return 0 if server.started else 1  # not started: the socket failed (logged)

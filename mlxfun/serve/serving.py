@@ -62,6 +62,7 @@ class Bridge:
         self.warmup: Warmup | None = None  # the last warm-up's cost
         self.engine: Engine | None = None
         self._warm = threading.Event()  # set once the engine takes requests
+        self._cut = False
         self._lock = threading.Lock()  # guards _targets and the engine swap after a failure
         self._targets: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -127,6 +128,20 @@ class Bridge:
         """Free the request's row within one decode step (its closing event still arrives, unread)."""
         with self._lock:
             if self._targets.pop(rid, None) is not None:
+                self.engine.cancel(rid)
+
+    @property
+    def cut_off(self) -> bool:
+        """Whether `cut` has ended the requests that were running."""
+        return self._cut
+
+    def cut(self) -> None:
+        """End every request in flight (a shutdown's grace period is over): each gets its closing
+        event, "cancelled", so its HTTP request can still answer its client."""
+        with self._lock:
+            self._cut = True
+            self._stop.set()
+            for rid in list(self._targets):
                 self.engine.cancel(rid)
 
     def stop(self, timeout: float = 30.0) -> None:
