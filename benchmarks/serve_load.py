@@ -347,6 +347,10 @@ def main(argv=None) -> int:
     # the second half warms up
     prompts = make_prompts(model, 2 * max(clients + [args.requests or 0]), args.prompt_tokens)
     offline = [offline_run(model, prompts, n, args, mode) for n in clients for mode in modes] if args.offline else []
+    if offline:
+        import mlx.core as mx
+
+        mx.clear_cache()  # the servers size their KV cache by the memory free when they start
     rows, runs = [], []
     with tempfile.TemporaryDirectory(prefix="mlxfun-serve-load-") as tmp:
         folder = save(model, Path(tmp) / "model")

@@ -523,3 +523,21 @@ def test_settings_shapes_and_host_helpers():
     assert S.seeds(S.make_settings(3, seed=5)) == [5, 5, 5]
     with pytest.raises(InputError, match="batch"):
         S.make_settings(0)
+
+
+@pytest.mark.parametrize("vocab", [97, 49152])
+def test_the_sorted_cut_a_gpu_takes_keeps_what_the_search_keeps(vocab):
+    """On a GPU the cuts come from one sort (`_sorted_threshold`, measured faster there): the same
+    kept sets as the search, ties at the boundaries included."""
+    rows = 6
+    x = mx.round(mx.random.normal((rows, vocab), key=mx.random.key(vocab)) * 8) / 4  # (B, V) many ties
+    settings = S.make_settings(rows, temperature=1.0, top_k=[0, 1, 5, 40, vocab + 3, 7],
+                               top_p=[0.9, 1.0, 0.5, 0.95, 0.3, 1e-6], seed=0)
+    top = mx.max(x, axis=-1, keepdims=True)
+    for search in (S.Search.TOP_K, S.Search.TOP_P, S.Search.ALL):
+        by_min_p = top + mx.log(settings.min_p[:, None])
+        sorted_cut = mx.maximum(S._sorted_threshold(x, settings, search, top), by_min_p)
+        kept_sorted = np.array(x >= sorted_cut)
+        kept_search = np.array(x >= S._threshold(x, settings, search))
+        assert (kept_sorted == kept_search).all(), search
+        assert kept_search.sum(axis=1).min() >= 1

@@ -51,7 +51,7 @@ from mlxfun.engine.rows import Row
 from mlxfun.engine.runner import Runner
 from mlxfun.engine.scheduler import Scheduler
 from mlxfun.engine.step import Mode, StepCache, StepOut, Steps, compiled_steps
-from mlxfun.engine.strategy import WeightStrategy, default_strategy, memory_limit
+from mlxfun.engine.strategy import WeightStrategy, default_strategy, free_memory, memory_limit
 from mlxfun.errors import InputError, check_bool, check_positive_int
 from mlxfun.features import speculative
 from mlxfun.features.constraints import Constraints
@@ -105,6 +105,9 @@ class Engine:
                              pad_multiple or prefill.pad_multiple())
         # Bytes the cache may take: a share of the device's memory beside what is in use now (weights).
         self.kv_memory = kv_memory or max(0, int(strategy.memory_fraction * memory_limit()) - mx.get_active_memory())
+        free = free_memory() if fixed_shapes and kv_memory is None else None
+        if free is not None:  # a pool allocated at once must fit beside other processes' memory too
+            self.kv_memory = min(self.kv_memory, int(strategy.memory_fraction * free))
         self.slot_bytes = kv.slot_bytes(self.config, self.runner.dtype)
         self.block_bytes = block_size * self.slot_bytes
         max_blocks = max(2, self.kv_memory // self.block_bytes)

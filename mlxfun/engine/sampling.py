@@ -218,6 +218,10 @@ def _scale(logits: mx.array, temperature: mx.array) -> mx.array:
 # ---- exact thresholds by bisection over the float32 order ----
 
 # The key of -inf: no key of a number is below it (only NaNs'), so it starts every search.
+# On a GPU, top-k and top-p take their cuts from a sort (`_sorted_threshold`), measured faster there
+# than the search of MLX ops; the search serves the CPU (0.89x the sort's time at 32 rows, 49K).
+SEARCH_ON_GPU = False
+
 _LOWEST = 0x007FFFFF
 
 
@@ -275,10 +279,32 @@ def _top_p(x: mx.array, top: mx.array, top_p: mx.array, floor: mx.array) -> mx.a
     return _largest(floor, _key(top), lambda t: mass(t) >= target)
 
 
+def _sorted_threshold(x: mx.array, settings: Settings, search: Search, top: mx.array) -> mx.array:
+    """`_threshold`'s top-k and top-p cuts (B, 1) from one sort of x (B, V): the same kept sets.
+    On CUDA the sort is one library kernel, where each of the search's 64 passes is a launch:
+    at 128 rows of a 128K vocabulary (H200) 1.9 ms against 5.8 for the search."""
+    vocab, off = x.shape[-1], mx.array(-mx.inf, mx.float32)
+    desc = -mx.sort(-x, axis=-1)  # (B, V) descending
+    by_k = off
+    if search & Search.TOP_K:
+        k = mx.clip(settings.top_k, 1, vocab) - 1  # (B,)
+        kth = mx.take_along_axis(desc, k[:, None], axis=-1)  # (B, 1)
+        by_k = mx.where(settings.top_k[:, None] > 0, kth, off)  # (B, 1)
+    if not search & Search.TOP_P:
+        return by_k
+    probs = mx.softmax(mx.where(desc >= by_k, desc - top, -mx.inf), axis=-1)  # (B, V) renormalised after top-k
+    before = mx.cumsum(probs, axis=-1, inclusive=False)  # (B, V) mass strictly before each
+    n = mx.sum(before < settings.top_p[:, None], axis=-1)  # (B,) >= 1: the prefix reaching top_p
+    last = mx.take_along_axis(desc, (n - 1)[:, None].astype(mx.int32), axis=-1)  # (B, 1)
+    return mx.maximum(by_k, mx.where(settings.top_p[:, None] < 1, last, off))  # (B, 1)
+
+
 def _threshold(x: mx.array, settings: Settings, search: Search) -> mx.array:
     """x (B, V) scaled logits -> (B, 1): the smallest logit kept by top-k, top-p and min-p."""
     top = mx.max(x, axis=-1, keepdims=True)  # (B, 1)
     by_min_p = top + mx.log(settings.min_p[:, None])  # (B, 1), -inf when min_p = 0
+    if search and mx.default_device() == mx.gpu and not SEARCH_ON_GPU:
+        return mx.maximum(_sorted_threshold(x, settings, search, top), by_min_p)  # (B, 1)
     off = mx.array(-mx.inf, mx.float32)
     by_k = by_p = off
     floor = mx.full(top.shape, _LOWEST, mx.uint32)  # (B, 1) top-p's search starts at top-k's cut

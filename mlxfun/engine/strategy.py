@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 
@@ -84,6 +85,14 @@ def memory_limit() -> int:
     return size or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def free_memory() -> int | None:
+    """Bytes the GPU has free now, other processes' use counted (CUDA reports it; else None)."""
+    if mx.default_device() == mx.cpu:
+        return None
+    free = mx.device_info().get("free_memory")
+    return int(free) if free else None
+
+
 def device_memory(info: dict) -> int | None:
     """A GPU's memory from `mx.device_info()`: Metal names it memory_size, CUDA total_memory."""
     size = info.get("memory_size") or info.get("total_memory")
@@ -126,3 +135,22 @@ def params_for_prompts(config: ModelConfig, params: Params, lengths: list[int], 
             not dense_fits(config, params, strategy):
         return params
     return weights.cast(config, params, weights.compute_dtype(params))
+
+
+def params_for_scoring(config: ModelConfig, params: Params, rows: int, length: int,
+                       strategy: WeightStrategy | None = None) -> Params:
+    """The weights a forward pass over `rows` sequences of `length` tokens (scoring, perplexity)
+    multiplies by: a dense copy (evaluated now) where `generate` would use one for that many rows,
+    or for a prefill of those prompts in one chunk; else `params`."""
+    strategy = strategy or default_strategy()
+    chosen = params_for_batch(config, params, rows, strategy)
+    if chosen is params:
+        chosen = params_for_prompts(config, params, [length] * rows, length, strategy)
+        mx.eval(chosen)
+    return chosen
+
+
+def scoring_weights(config: ModelConfig, params: Params, strategy: WeightStrategy | None = None
+                    ) -> Callable[[int, int], Params]:
+    """`params_for_scoring` bound to a model, as `mlxfun.model.score` takes it (model/ cannot see the strategy)."""
+    return lambda rows, length: params_for_scoring(config, params, rows, length, strategy)

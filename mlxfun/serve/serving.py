@@ -190,8 +190,11 @@ class Bridge:
                 log.exception("the engine failed; requests in flight end with an error, a fresh engine starts")
                 self._fail_all(e)
 
+    def _warms(self) -> bool:
+        return self.warm and self.engine.fixed and not self._stop.is_set()
+
     def _warm_up(self) -> None:
-        if self.warm and self.engine.fixed and not self._stop.is_set():
+        if self._warms():
             self.warmup = warm_up(self.engine)
             w = self.warmup
             print(f"mlxfun serve: compiled {w.variants} decode steps (table widths {w.widths[0]}-{w.widths[-1]} "
@@ -217,8 +220,9 @@ class Bridge:
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
             targets, self._targets = self._targets, {}
-            self._warm.clear()
             self.engine = self._make_engine()
+            if self._warms():  # new requests wait (503) until the fresh engine has compiled its steps
+                self._warm.clear()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for loop, q in dict.fromkeys(targets.values()):  # one item per request's queue
             by_loop.setdefault(loop, []).append((q, (EngineFailed(f"the engine failed: {type(error).__name__}: "
