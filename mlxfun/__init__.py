@@ -10,8 +10,8 @@ from mlxfun.errors import InputError, MlxfunError, ModelError
 from mlxfun.features.prompt_cache import PromptCache, cache_prompt, load_prompt_cache
 from mlxfun.generate import generate, stream_generate
 from mlxfun.model.load import Model, load, save
-from mlxfun.model.score import score
 from mlxfun.parallel.shard import shard, sharded_load
+from mlxfun.scoring import score
 
 __all__ = ["Event", "GenerationConfig", "GenerationResult", "InputError", "MlxfunError", "Model", "ModelError",
            "PromptCache", "cache_prompt", "generate", "load", "load_prompt_cache", "save", "score", "shard",

@@ -45,3 +45,46 @@ def test_python_dash_m_entry_point():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip()
+
+
+def logprob_tables(out: str) -> list[list[tuple[str, float, list[tuple[str, float]]]]]:
+    """Each printed logprobs table: per line (token, logprob, [(alternative, logprob)])."""
+    tables = []
+    for line in out.splitlines():
+        if line.startswith("---- logprobs"):
+            tables.append([])
+        elif tables and line.startswith('"'):
+            tables[-1].append(table_line(line))
+    return tables
+
+
+def table_line(line: str) -> tuple[str, float, list[tuple[str, float]]]:
+    """'"tok"  -0.1234  | "a"=-0.1  "b"=-2.0', read token by token (a token may hold spaces or '|')."""
+    decode = json.JSONDecoder().raw_decode
+    token, at = decode(line)
+    number, _, rest = line[at:].strip().partition("  | ")
+    top = []
+    while rest:
+        alt, at = decode(rest)
+        value, _, rest = rest[at + 1:].partition("  ")  # skip '='
+        top.append((alt, float(value)))
+    return token, float(number), top
+
+
+def test_generate_prints_logprobs_without_output_file(capsys, model_q4):
+    import mlxfun
+
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    want = mlxfun.generate(model_q4, prompts, max_tokens=3, logprobs=2, ignore_eos=True)  # str prompts: raw text
+    for argv, rows in ((["-p", prompts[0]], [0]), (["-p", prompts[0], "-p", prompts[1]], [0, 1])):
+        assert main(["generate", *argv, "-m", "3", "--logprobs", "2", "--ignore-eos", "--ignore-chat-template"]) == 0
+        tables = logprob_tables(capsys.readouterr().out)
+        assert len(tables) == len(rows)
+        for table, row in zip(tables, rows):
+            assert len(table) == 3  # one line per generated token
+            ids = want.token_ids[row]
+            assert [t for t, _, _ in table] == [model_q4.tokenizer.decode([i]) for i in ids]
+            for (_, lp, top), w, wtop in zip(table, want.logprobs[row], want.top_logprobs[row]):
+                assert abs(lp - w) <= 1e-4
+                assert [t for t, _ in top] == [model_q4.tokenizer.decode([i]) for i, _ in wtop]
+                assert all(abs(v - wv) <= 1e-4 for (_, v), (_, wv) in zip(top, wtop))

@@ -323,3 +323,74 @@ def test_progress_bar_on_a_terminal_and_lines_elsewhere():
     lines.close()
     assert log.getvalue().splitlines()[-1].startswith("progress: 10/100 done (10%)")  # no repeat of the same count
     assert len(log.getvalue().splitlines()) == 2
+
+
+class Clock:
+    """A stand-in for `time` in mlxfun.cli.progress: perf_counter reads `now`."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_eta_waits_for_three_requests_then_moves_smoothly(monkeypatch):
+    import io
+
+    from mlxfun.cli import progress
+
+    clock = Clock()
+    monkeypatch.setattr(progress, "time", clock)
+    bar = progress.Progress(100, stream=io.StringIO(), tty=False)
+    etas = []
+    for seconds in (1, 1, 1, 1, 100):  # a request a second, then one after 100 s
+        clock.now += seconds
+        bar.update(tokens=0, finished=1)
+        etas.append(bar.line().rsplit("ETA ", 1)[1])
+    assert etas[:2] == ["?", "?"]  # fewer than 3 requests: no estimate yet
+    assert etas[2:4] == ["0:01:37", "0:01:36"]  # 1 s a request, 97 then 96 left
+    # Raw: 104 s / 5 * 95 = 1976 s from now; shown: the end moves 0.3 of the way there from 96 s.
+    assert etas[4] == progress._clock((1 - 0.3) * (96 - 100) + 0.3 * 1976)
+    bar.update(tokens=0, finished=95)
+    assert bar.line().endswith("ETA 0:00:00")
+
+
+def test_a_prompt_cache_no_prompt_can_use_warns(folder, tmp_path, capsys):
+    cache = tmp_path / "system.safetensors"
+    system = " ".join(f"w{i}" for i in range(10, 50))  # two whole blocks once templated
+    assert main(["cache-prompt", "--model", folder, "--system-prompt", system, "-o", str(cache)]) == 0
+    common = ["generate", "--model", folder, "-m", "2", "--prompt-cache-file", str(cache), "-p", "w5 w6"]
+    capsys.readouterr()
+    assert main([*common, "--system-prompt", system]) == 0
+    assert "warning" not in capsys.readouterr().err  # the cached system prompt starts the prompt
+    assert main(common) == 0
+    err = capsys.readouterr().err
+    assert f"warning: the prompt cache {cache} is unused: no prompt starts with its first 16 tokens" in err
+    short = tmp_path / "short.safetensors"
+    assert main(["cache-prompt", "--model", folder, "-p", "w5 w6", "-o", str(short)]) == 0
+    assert main([*common[:-4], "--prompt-cache-file", str(short), "-p", "w5 w6"]) == 0
+    assert f"the prompt cache {short} is unused: it holds 2 tokens, less than one block of 16" in \
+        capsys.readouterr().err
+
+
+def test_chat_has_no_batch_size_or_logprobs(capsys):
+    from mlxfun.cli import chat
+
+    for flag in ("--batch-size", "--logprobs"):
+        with pytest.raises(SystemExit) as done:
+            chat.parse_args([flag, "2"])
+        assert done.value.code == 2 and f"unrecognized arguments: {flag} 2" in capsys.readouterr().err
+    config = generation_config(chat.parse_args(["-m", "5"]))
+    assert (config.max_tokens, config.batch_size, config.logprobs) == (5, None, None)
+
+
+@pytest.mark.parametrize("line, column", [('{"prompt": "w2"', "column 16, the line's end"),
+                                          ('{"prompt": "w2",', "column 17, the line's end"),
+                                          ('{"prompt": "w2",}', "column 17)")])
+def test_json_error_column_is_on_the_line(folder, tmp_path, capsys, line, column):
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"prompt": "w1"}\n' + line + "\n")
+    assert main(["generate", "--model", folder, "--prompts-file", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mlxfun: error: {data}:2: not valid JSON") and f"({column}" in err, err

@@ -42,6 +42,8 @@ from mlxfun.model.llama import Quantized
 from mlxfun.model.load import Model, load, save
 from mlxfun.parallel import distributed
 
+INTERRUPTED = 130  # the shell's code for SIGINT, as the other commands exit on Ctrl-C
+
 
 @dataclass
 class Row:
@@ -101,8 +103,10 @@ def run_batch(model: Model, prompts: list[list[int]], max_tokens: int, strategy:
     return engine.stats, setup, engine.runner.params is not model.params
 
 
-def bench_ours(model: Model, name: str, args, strategy) -> list[Row]:
-    rows = []
+def bench_ours(model: Model, name: str, args, strategy, rows: list[Row]) -> list[Row]:
+    """Measure each batch size, appending each row to `rows` as soon as it is measured (so a Ctrl-C
+    keeps those); -> this variant's rows."""
+    first = len(rows)
     for B in args.batch_sizes:
         prompts = random_prompts(model.config.vocab_size, B, args.prompt_tokens)
         run_batch(model, prompts, args.warmup_tokens, strategy)  # compile for this batch size
@@ -116,7 +120,7 @@ def bench_ours(model: Model, name: str, args, strategy) -> list[Row]:
             best = row if best is None or row.gen_tps > best.gen_tps else best
         rows.append(best)
         print(f"  mlxfun {name:9s} batch {B:4d}: gen {best.gen_tps:9.1f} tok/s", flush=True)
-    return rows
+    return rows[first:]
 
 
 def bench_mlx_lm(folder: Path, vocab_size: int, name: str, rows: list[Row], args) -> None:
@@ -222,15 +226,32 @@ def plot(rows: list[Row], path: str, title: str) -> None:
     print(f"plot written to {path}")
 
 
+# Defaults where they differ: (GPU, CPU). The CPU's finish in about a minute with the default model on
+# 2 cores (53 s measured: a prompt of 128 tokens at 8 rows alone took minutes there).
+GPU_CPU = {"batch_sizes": ("1,2,4,8,16,32,64,128", "1,4"), "prompt_tokens": (128, 16), "gen_tokens": (128, 16)}
+
+
+def device_default(name: str, gpu: bool):
+    return GPU_CPU[name][0 if gpu else 1]
+
+
+def both(name: str) -> str:
+    gpu, cpu = GPU_CPU[name]
+    return f"(default: {gpu} on a GPU, {cpu} on the CPU)"
+
+
 def parse_args(argv):
+    from mlxfun.cli.main import HelpFormatter  # shows each flag's default
+
     gpu = on_gpu()
-    p = argparse.ArgumentParser(prog="mlxfun bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="mlxfun bench", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file, Hugging Face folder or repo id (default: SmolLM2-135M)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random-weight Llama shape instead of --model")
-    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128" if gpu else "1,2,4,8",
-                   help="comma-separated (default: 1..128 on a GPU, 1,2,4,8 on the CPU)")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--gen-tokens", type=int, default=128 if gpu else 32, help="default: 128 on a GPU, 32 on the CPU")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="random-weight Llama shape instead of --model (default: none, the --model)")
+    p.add_argument("--batch-sizes", default=None, help="comma-separated " + both("batch_sizes"))
+    p.add_argument("--prompt-tokens", type=int, default=None, help="prompt tokens per row " + both("prompt_tokens"))
+    p.add_argument("--gen-tokens", type=int, default=None, help="generated tokens per row " + both("gen_tokens"))
     p.add_argument("--repeats", type=int, default=1, help="timed runs per configuration; the best is kept "
                                                           "(use 2-3 on a shared, noisy machine); with --speculative "
                                                           "or --structured, the two kinds of run alternate and "
@@ -244,14 +265,15 @@ def parse_args(argv):
     p.add_argument("--base-dtype", default=None, help="dtype of random weights before quantizing "
                                                       "(default: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--strategy", choices=("auto", "quantized", "dense"), default="auto",
-                   help="quantized weights at large batch: the backend's default, always the quantized kernel, "
-                        "or always a dense copy")
+                   help="quantized weights at large batch: as the backend's strategy picks, always the quantized "
+                        "kernel, or always a dense copy")
     p.add_argument("--mlx-lm", action="store_true", help="run mlx-lm's batch_generate side by side when importable")
     p.add_argument("--matmul", action="store_true", help="also time 4-bit vs dequantize+matmul vs dense matmuls")
     p.add_argument("--ring", action="store_true",
                    help="instead: peak memory of 512- and 4096-token generations, unbounded vs max_kv_size=256")
     p.add_argument("--continuous", type=int, default=None, metavar="ROWS",
-                   help="instead: prompts with max_tokens 16..256, static batches vs continuous batching in ROWS rows")
+                   help="instead: prompts with max_tokens 16..256, static batches vs continuous batching in ROWS rows "
+                        "(default: none)")
     p.add_argument("--prompts", type=int, default=256, help="prompts of the --continuous and --prefix workloads")
     p.add_argument("--prefix", action="store_true",
                    help="instead: prompts sharing a long prefix, without and with the prefix cache (CPU: the default "
@@ -267,18 +289,25 @@ def parse_args(argv):
     p.add_argument("--rule-only", action="store_true",
                    help="with --speculative: only the real drafters, the measured rule on (no oracle, none forced)")
     p.add_argument("--draft-shape", choices=sorted(SHAPES), default=None,
-                   help="a random-weight draft model for --shape (e.g. 1B for 8B)")
+                   help="a random-weight draft model for --shape, e.g. 1B for 8B (default: none)")
     p.add_argument("--structured", action="store_true",
                    help="instead: a batch with a JSON schema on every row against the same batch unconstrained, "
                         "and the host's mask time per step")
     p.add_argument("--tokenizer", default=None,
                    help="a Hugging Face tokenizer folder for --shape (structured output needs a byte-level one; "
-                        "the vocabulary becomes its size)")
-    p.add_argument("--json", default=None, help="write results here")
-    p.add_argument("--plot", default=None, help="write a PNG of generation tokens/s against batch size here")
+                        "the vocabulary becomes its size; default: a word-level one)")
+    p.add_argument("--json", default=None, help="write results here (default: none)")
+    p.add_argument("--plot", default=None,
+                   help="write a PNG of generation tokens/s against batch size here (default: none)")
     distributed.add_flags(p)  # under mlx.launch: mlxfun.bench.distributed
     args = p.parse_args(argv)
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    for name in GPU_CPU:
+        if getattr(args, name) is None:
+            setattr(args, name, device_default(name, gpu))
+    try:
+        args.batch_sizes = [int(b) for b in str(args.batch_sizes).split(",")]
+    except ValueError:
+        p.error(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
     if args.warmup_tokens is None:
         # A run of fewer tokens reserves a smaller pool: the timed run would trace its step again.
         args.warmup_tokens = args.gen_tokens if gpu else 4
@@ -288,6 +317,26 @@ def parse_args(argv):
         if d not in DTYPES and d not in QUANT:
             p.error(f"unknown dtype {d!r}")
     return args
+
+
+def measure(args, strategy, side: bool, rows: list[Row]) -> None:
+    """Every weights variant at every batch size, appended to `rows` as measured."""
+    for name, build in variants(args):
+        t = time.perf_counter()
+        model = build()
+        print(f"{name}: built in {time.perf_counter() - t:.1f} s", flush=True)
+        these = bench_ours(model, name, args, strategy, rows)
+        if side:
+            with tempfile.TemporaryDirectory(prefix="mlxfun-bench-") as tmp:
+                save(model, tmp)
+                vocab_size = model.config.vocab_size
+                model = None
+                gc.collect()
+                mx.clear_cache()
+                bench_mlx_lm(Path(tmp), vocab_size, name, these, args)
+        model = None
+        gc.collect()
+        mx.clear_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,35 +360,25 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     print(json.dumps(info))
     result = {"machine": info, "args": {k: v for k, v in vars(args).items()}, "rows": [], "matmul": []}
-    if args.matmul:
-        sizes = [(1536, 576)] + ([(14336, 4096)] if on_gpu() else [])
-        # Prompt-sized rows too: where dequantize-then-matmul overtakes the 4-bit product (prefill).
-        rows = [1, 8, 32, 128] + ([512, 1024] if on_gpu() else [])
-        result["matmul"] = matmul_bench(sizes, rows, DTYPES[args.base_dtype])
     rows: list[Row] = []
-    for name, build in variants(args):
-        t = time.perf_counter()
-        model = build()
-        print(f"{name}: built in {time.perf_counter() - t:.1f} s", flush=True)
-        these = bench_ours(model, name, args, strategy)
-        rows += these
-        if side:
-            with tempfile.TemporaryDirectory(prefix="mlxfun-bench-") as tmp:
-                save(model, tmp)
-                vocab_size = model.config.vocab_size
-                model = None
-                gc.collect()
-                mx.clear_cache()
-                bench_mlx_lm(Path(tmp), vocab_size, name, these, args)
-        model = None
-        gc.collect()
-        mx.clear_cache()
+    try:
+        if args.matmul:
+            sizes = [(1536, 576)] + ([(14336, 4096)] if on_gpu() else [])
+            # Prompt-sized rows too: where dequantize-then-matmul overtakes the 4-bit product (prefill).
+            counts = [1, 8, 32, 128] + ([512, 1024] if on_gpu() else [])
+            result["matmul"] = matmul_bench(sizes, counts, DTYPES[args.base_dtype])
+        measure(args, strategy, side, rows)
+    except KeyboardInterrupt:  # Ctrl-C: stop here, keep (print and write) the rows already measured
+        result["interrupted"] = True
+        print(f"\nmlxfun bench: interrupted: {len(rows)} row(s) measured", file=sys.stderr, flush=True)
     print()
     print(table(rows))
     result["rows"] = [asdict(r) | {"ratio": r.ratio} for r in rows]
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
         print(f"results written to {args.json}")
+    if result.get("interrupted"):
+        return INTERRUPTED
     if args.plot:
         plot(rows, args.plot, f"{args.shape or Path(args.model or 'SmolLM2-135M').name} on {info['device']}, "
                               f"prompt {args.prompt_tokens}, generate {args.gen_tokens}")

@@ -45,7 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     cli.add_model_flags(p)
     p.add_argument("--system-prompt", metavar="TEXT", help="the conversation's system message")
     p.add_argument("--verbose", action="store_true", help="print each turn's token counts and speed")
-    cli.add_generation_flags(p)
+    cli.add_generation_flags(p, batch=False)  # one streamed reply at a time: no --batch-size, no --logprobs
     return p.parse_args(argv)
 
 

@@ -81,10 +81,12 @@ def read_items(path: str) -> list[Item]:
 
 
 def _json_item(line: str, n: int, where: str) -> Item:
+    text = line.rstrip("\r\n")  # parsed without its newline: a fault at the line's end is not "line 2, column 1"
     try:
-        value = json.loads(line)
+        value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise InputError(f"{where}: not valid JSON: {e.msg} (column {e.colno})") from None
+        end = ", the line's end" if e.pos >= len(text) else ""
+        raise InputError(f"{where}: not valid JSON: {e.msg} (column {e.colno}{end})") from None
     if isinstance(value, str):
         return Item(n, value, None, {}, where)
     if not isinstance(value, dict):
@@ -194,6 +196,22 @@ def _request(model: Model, item: Item, config: GenerationConfig, template: bool,
         message = re.sub(r"^prompt 0(: | )", lambda m: "" if m[1] == ": " else "the prompt ", str(e))
         raise InputError(f"{item.where}: {message}") from None
     return request
+
+
+def load_prompt_cache(model: Model, path: str, reqs: Sequence[Request]):
+    """The prompt cache in `path`, with a warning on stderr when no prompt starts with one of its whole
+    blocks (a cache only skips whole blocks of a prompt's first tokens, so it would go unused)."""
+    from mlxfun.features.prompt_cache import load_prompt_cache as load
+    from mlxfun.model.cache import BLOCK
+
+    cache = load(path, model)
+    head = tuple(cache.tokens[:BLOCK])
+    if len(head) < BLOCK or not any(len(r.prompt) > BLOCK and tuple(r.prompt[:BLOCK]) == head for r in reqs):
+        why = (f"it holds {len(cache.tokens)} tokens, less than one block of {BLOCK}" if len(head) < BLOCK else
+               f"no prompt starts with its first {BLOCK} tokens")
+        print(f"mlxfun: warning: the prompt cache {path} is unused: {why} (cached prompts must begin with the "
+              "cached text, through the same chat template)", file=sys.stderr)
+    return cache
 
 
 # ---- running ----
@@ -312,25 +330,48 @@ def print_texts(engine: Engine, items: Sequence[Item], reqs: Sequence[Request], 
         if ok:
             finished[i] = record
         while printed in finished:
-            _print_text(out, progress, printed, finished.pop(printed))
+            _print_text(out, progress, printed, finished.pop(printed), engine.model.tokenizer)
             printed += 1
     for i in sorted(finished):
-        _print_text(out, progress, i, finished[i])
+        _print_text(out, progress, i, finished[i], engine.model.tokenizer)
     return printed + len(finished)
 
 
-def _print_text(out: TextIO, progress: Progress, i: int, record: Record) -> None:
+def _print_text(out: TextIO, progress: Progress, i: int, record: Record, tokenizer: Tokenizer) -> None:
     progress.clear()
     out.write(f"==== prompt {i} ({record.finish_reason}) ====\n{record.text.final_text}\n")
+    out.write(logprobs_table(tokenizer, record))
     out.flush()
 
 
 def stream_text(engine: Engine, request: Request, out: TextIO, stop: threading.Event | None = None) -> Record:
-    """Print one request's text as it is generated; -> its record."""
+    """Print one request's text as it is generated, then its logprobs when asked for; -> its record."""
     done = None
     for _, event, record in run(engine, [request], stop):  # to the end: the engine's stats close then
         out.write(event.text)
         out.flush()
         done = record or done
     out.write("\n")
+    if done is not None:
+        out.write(logprobs_table(engine.model.tokenizer, done))
     return done
+
+
+def logprobs_table(tokenizer: Tokenizer, record: Record) -> str:
+    """A request's logprobs for the terminal, one line per generated token: its text (JSON-quoted, so
+    a newline stays on its line), its logprob, then the top-N alternatives as text=logprob.
+    Empty when the request asked for none."""
+    if record.request.logprobs < 0:
+        return ""
+    row = record.row
+    entries = logprobs_json(tokenizer, row.token_ids, row.logprobs, row.top)
+    lines = [f"---- logprobs of {len(entries)} tokens: token, logprob"
+             + (f", top {record.request.logprobs}" if record.request.logprobs else "") + " ----"]
+    for e in entries:
+        top = "  ".join(f"{_quoted(t['token'])}={t['logprob']:.4f}" for t in e.get("top_logprobs", ()))
+        lines.append(f"{_quoted(e['token']):<16} {e['logprob']:9.4f}" + (f"  | {top}" if top else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _quoted(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)

@@ -3,7 +3,7 @@
 The model and generation flags are defined once here (`add_model_flags`, `add_generation_flags`)
 and turned into one `GenerationConfig` (`generation_config`), so every command that generates
 (generate, serve, chat) takes the same flags, with mlx-lm's names. The jobs themselves live in
-`mlxfun.cli.jobs` (generate), `mlxfun.cli.chat` and `mlxfun.score` (perplexity).
+`mlxfun.cli.jobs` (generate), `mlxfun.cli.chat` and `mlxfun.scoring` (perplexity).
 
 Exit status: 0 done, 2 bad input (one line on stderr, no traceback), 130 stopped by Ctrl-C (the
 shell's code for SIGINT; a dataset job says how to resume).
@@ -52,8 +52,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="compute dtype; dequantizes 4-bit weights (default: the checkpoint's, float32 on the CPU)")
 
 
-def add_generation_flags(p: argparse.ArgumentParser) -> None:
-    """Generation options (GenerationConfig's fields), with mlx-lm's flag names and defaults shown."""
+def add_generation_flags(p: argparse.ArgumentParser, batch: bool = True) -> None:
+    """Generation options (GenerationConfig's fields), with mlx-lm's flag names and defaults shown.
+    `batch=False` (chat: one reply at a time, streamed) leaves out --batch-size and --logprobs."""
     d = GenerationConfig()
     g = p.add_argument_group("generation")
     g.add_argument("-m", "--max-tokens", type=int, default=d.max_tokens, help="tokens to generate per prompt")
@@ -75,8 +76,9 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--extra-eos-token", dest="extra_eos_tokens", action="extend", nargs="+", default=[],
                    metavar="TOKEN", help="more tokens (text or id) that end generation, beside the model's EOS")
     g.add_argument("--ignore-eos", action="store_true", help="generate max_tokens tokens, past end-of-text")
-    g.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="0: the chosen tokens' log-probabilities; n: and the n most likely (default: none)")
+    if batch:
+        g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                       help="0: the chosen tokens' log-probabilities; n: and the n most likely (default: none)")
     g.add_argument("--max-kv-size", type=int, default=None, metavar="TOKENS",
                    help="bound the KV cache to a ring of this many tokens (default: the whole context)")
     g.add_argument("--prefill-step", type=int, default=d.prefill_step, metavar="TOKENS",
@@ -93,9 +95,12 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: a smaller model with the same tokenizer, or 'prompt-lookup'")
     k.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens, metavar="K",
                    help="tokens each row drafts per verify round")
-    g.add_argument("--batch-size", type=int, default=None, metavar="ROWS",
-                   help=f"rows decoded at once; more prompts wait and refill rows as others finish (default: every "
-                        f"prompt, at most {DEFAULT_ROWS})")
+    if batch:
+        g.add_argument("--batch-size", type=int, default=None, metavar="ROWS",
+                       help=f"rows decoded at once; more prompts wait and refill rows as others finish (default: "
+                            f"every prompt, at most {DEFAULT_ROWS})")
+    else:
+        p.set_defaults(batch_size=None, logprobs=None)
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:
@@ -208,6 +213,8 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
         raise MlxfunError("--system-prompt needs the chat template" + (
             "; drop --ignore-chat-template" if args.ignore_chat_template else ", and this model has none"))
     reqs = jobs.build_requests(model, todo, config, template=template, system_prompt=args.system_prompt)
+    if args.prompt_cache_file:  # loaded once here, to warn when no prompt can use it
+        config = dataclasses.replace(config, prompt_cache=jobs.load_prompt_cache(model, args.prompt_cache_file, reqs))
     if config.group is not None:  # data parallel: each rank generates its share, every rank gets all
         job = Job(model, reqs, dataclasses.replace(config, batch_size=args.batch_size or DEFAULT_ROWS))
         for _ in job:
@@ -261,7 +268,7 @@ def perplexity_parser(p: argparse.ArgumentParser) -> None:
 
 def run_perplexity(args: argparse.Namespace) -> int:
     from mlxfun.model.load import load
-    from mlxfun.model.score import perplexity
+    from mlxfun.scoring import perplexity
 
     if args.text_file:
         with open(args.text_file, encoding="utf-8") as f:

@@ -12,6 +12,12 @@ import time
 from typing import TextIO
 
 BAR = 24  # characters of the terminal bar
+# No ETA until this many requests finished in this run: the first ones finish after a shared
+# prefill, and an ETA from them was far off (22 min shown for 4 real).
+ETA_AFTER = 3
+# Each new estimate of the end moves the shown one this share of the way, so one fast or slow
+# request does not make the ETA jump.
+ETA_SMOOTHING = 0.3
 
 
 class Progress:
@@ -29,21 +35,36 @@ class Progress:
         self._next = done + self._every
         self._drawn = False
         self._shown = -1  # `done` in the last plain line
+        self._end: float | None = None  # the smoothed estimate of when the job ends (perf_counter time)
 
     def update(self, tokens: int, finished: int = 0) -> None:
         """`tokens` generated so far in this run; `finished` more requests done."""
         self.tokens = tokens
         self.done += finished
+        if finished:
+            self._estimate_end()
         self._maybe_show(line_due=finished > 0 and self.done >= self._next)
 
     def line(self) -> str:
         """'12/40 done (30%), 1534 tokens, 45.1 tok/s, ETA 0:01:02'."""
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        new = self.done - self.start_done
-        eta = _clock(elapsed / new * (self.total - self.done)) if new else "?"
+        now = time.perf_counter()
+        elapsed = max(now - self.start, 1e-9)
+        if self.done >= self.total:
+            eta = _clock(0)
+        else:
+            eta = _clock(max(self._end - now, 0.0)) if self._end is not None else "?"
         pct = 100 * self.done // max(self.total, 1)
         return (f"{self.done}/{self.total} done ({pct}%), {self.tokens} tokens, {self.tokens / elapsed:.1f} tok/s, "
                 f"ETA {eta}")
+
+    def _estimate_end(self) -> None:
+        """Move the estimated end toward this run's average rate's, once ETA_AFTER requests are done."""
+        new = self.done - self.start_done
+        if new < ETA_AFTER:
+            return
+        now = time.perf_counter()
+        end = now + (now - self.start) / new * (self.total - self.done)
+        self._end = end if self._end is None else self._end + ETA_SMOOTHING * (end - self._end)
 
     def clear(self) -> None:
         """Erase the live line (before other output goes to the terminal)."""
