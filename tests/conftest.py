@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
+import os
+
+# The suite asserts batched == alone exactly in float32: MLX's own BLAS, in this process and the
+# servers and commands it starts (a system OpenBLAS rounds by row count; tests/test_blas.py checks it).
+os.environ.setdefault("MLXFUN_BLAS", "bundled")
+
+import mlx.core as mx  # noqa: E402
 import pytest
 
 import mlxfun

@@ -1,4 +1,5 @@
-"""The opt-in system BLAS: chosen by $MLXFUN_BLAS before MLX is imported, with clear errors."""
+"""The system BLAS: a system OpenBLAS by default where there is one, MLX's own with
+$MLXFUN_BLAS=bundled, chosen before MLX is imported, with clear errors."""
 
 from __future__ import annotations
 
@@ -58,10 +59,38 @@ def test_too_late_once_mlx_is_imported(monkeypatch, tmp_path):
         blas.load_from_environment()
 
 
-def test_unset_means_mlx_own_blas(monkeypatch):
-    monkeypatch.delenv(blas.ENV, raising=False)
-    assert blas.load_from_environment() is None
+def test_unset_loads_a_system_openblas_where_there_is_one(monkeypatch):
+    found = [p for p in blas.OPENBLAS if os.path.exists(p)]
     out = subprocess.run([sys.executable, "-c", SNIPPET], env={k: v for k, v in os.environ.items() if k != blas.ENV},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    # This machine's answer: its OpenBLAS (loaded, 4-bit weights as a dense copy), or MLX's own.
+    assert out.stdout.split() == ([found[0], "1", "True"] if found else ["None", "None", "False"])
+
+
+def test_the_default_on_machines_with_and_without_openblas(monkeypatch, tmp_path):
+    lib = tmp_path / "libopenblas.so.0"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(blas, "OPENBLAS", ("/nonexistent/libopenblas.so.0", str(lib)))
+    assert blas.resolve("") == str(lib)  # with one: the first found
+    assert blas.resolve("bundled") is None  # the exact mode, one variable away
+    monkeypatch.setattr(blas, "OPENBLAS", ("/nonexistent/libopenblas.so.0",))
+    assert blas.resolve("") is None  # without: MLX's own, silently
+    with pytest.raises(MlxfunError, match="no OpenBLAS was found"):
+        blas.resolve("openblas")  # asked for by name: an error that says where it looked
+
+
+def test_bundled_keeps_mlx_own_blas():
+    out = run_with("bundled")
+    assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["None", "None", "False"]
+
+
+def test_unset_after_mlx_is_imported_keeps_mlx_own(monkeypatch, tmp_path):
+    import mlx.core  # noqa: F401
+
+    lib = tmp_path / "libopenblas.so.0"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(blas, "OPENBLAS", (str(lib),))
+    monkeypatch.delenv(blas.ENV, raising=False)
+    assert blas.load_from_environment() is None  # too late, and nobody asked: no error

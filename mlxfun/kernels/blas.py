@@ -1,4 +1,4 @@
-"""Opt-in system BLAS for MLX's CPU backend on Linux, chosen by the environment at import.
+"""A system BLAS for MLX's CPU backend on Linux, chosen by the environment at import.
 
 MLX's Linux CPU wheel bundles the reference BLAS, whose float32 product costs the same per row at
 any batch size. An optimised BLAS loaded into the process before MLX takes over its BLAS calls
@@ -6,11 +6,14 @@ any batch size. An optimised BLAS loaded into the process before MLX takes over 
 decodes 1.8-5.3x mlx-lm's speed as a dense copy; 7fbc90b:benchmarks/README.md). It must be loaded before
 `mlx.core` is imported, so it is chosen by the environment, not by an argument:
 
-    MLXFUN_BLAS=openblas python -m mlxfun generate ...      # Debian/Ubuntu libopenblas0-pthread
+    python -m mlxfun generate ...                          # a system OpenBLAS if there is one
+    MLXFUN_BLAS=bundled python -m mlxfun generate ...      # MLX's own: exact across batch sizes
+    MLXFUN_BLAS=openblas python ...                        # OpenBLAS, or an error naming where it looked
     MLXFUN_BLAS=/path/to/libopenblas.so.0 python ...
 
-Caveat: such a BLAS picks kernels by row count, so a prompt alone and in a batch may differ in the
-last bits of their logits (1.5e-5 measured), and a near tie can flip a greedy token.
+The trade-off: OpenBLAS picks kernels by row count, so a prompt alone and in a batch may differ in
+the last bits of their logits (1.5e-5 measured), and a near tie can flip a greedy token;
+`bundled` keeps batched == alone exact in float32.
 """
 
 from __future__ import annotations
@@ -30,9 +33,12 @@ OPENBLAS = tuple(f"/usr/lib/{arch}-linux-gnu/{flavour}/libopenblas.so.0"
     "/usr/lib64/libopenblas.so.0")
 
 
-def resolve(spec: str) -> str:
-    """The library path `spec` names: a path, or "openblas" for the first system OpenBLAS found."""
-    if spec == "openblas":
+def resolve(spec: str) -> str | None:
+    """The library path `spec` names: a path, "openblas" for the first system OpenBLAS found, ""
+    (unset) for that OpenBLAS if there is one, or None for MLX's own ("bundled", or nothing found)."""
+    if spec == "bundled" or (not spec and not any(os.path.exists(p) for p in OPENBLAS)):
+        return None
+    if spec in ("", "openblas"):
         for path in OPENBLAS:
             if os.path.exists(path):
                 return path
@@ -44,12 +50,15 @@ def resolve(spec: str) -> str:
 
 
 def load_from_environment() -> str | None:
-    """Load the library $MLXFUN_BLAS names, globally, before MLX. -> its path, or None when unset."""
+    """Load the library $MLXFUN_BLAS names (unset: a system OpenBLAS if there is one), globally,
+    before MLX. -> its path, or None for MLX's own."""
     spec = os.environ.get(ENV, "").strip()
-    if not spec:
-        return None
     path = resolve(spec)
+    if path is None:
+        return None
     if "mlx.core" in sys.modules and os.path.realpath(path) not in loaded_libraries():
+        if not spec:  # nobody asked for it: MLX keeps its own
+            return None
         raise MlxfunError(f"{ENV} is set but mlx was imported before mlxfun, too late to change its BLAS: "
                           "import mlxfun first, or preload the library with LD_PRELOAD")
     try:
