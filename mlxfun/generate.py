@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Callable, Iterator, Sequence
 
 from mlxfun.engine import sampling
 from mlxfun.engine.core import engine_for
 from mlxfun.engine.events import Event
-from mlxfun.engine.options import GenerationConfig, Request, requests
+from mlxfun.engine.options import GenerationConfig, Request, requests, ring_overflow
 from mlxfun.engine.rows import GenerationResult, result
 from mlxfun.errors import InputError
 from mlxfun.model.load import Model
@@ -69,7 +70,11 @@ def stream_generate(model: Model, prompts: Prompt | list[Prompt], config: Genera
     """Like `generate`, but returns the job: iterate it for an `Event` per generated token of each
     prompt as it is produced, then call `.result()` for the whole `GenerationResult`."""
     config = GenerationConfig.make(config, options)
-    return Job(model, requests(model, prompts, config), config)
+    reqs = requests(model, prompts, config)
+    overflow = ring_overflow(reqs, config.max_kv_size)
+    if overflow is not None:
+        warnings.warn(f"max_kv_size={overflow}", stacklevel=2)
+    return Job(model, reqs, config)
 
 
 def generate(model: Model, prompts: Prompt | list[Prompt], config: GenerationConfig | None = None, *,

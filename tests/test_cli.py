@@ -88,3 +88,13 @@ def test_generate_prints_logprobs_without_output_file(capsys, model_q4):
                 assert abs(lp - w) <= 1e-4
                 assert [t for t, _ in top] == [model_q4.tokenizer.decode([i]) for i, _ in wtop]
                 assert all(abs(v - wv) <= 1e-4 for (_, v), (_, wv) in zip(top, wtop))
+
+
+def test_a_ring_shorter_than_the_prompt_is_warned_of(capsys):
+    assert main(["generate", "--prompt", "The capital of France is", "--max-tokens", "1", "--max-kv-size", "3",
+                 "--ignore-chat-template"]) == 0
+    err = capsys.readouterr().err
+    assert "mlxfun: warning: --max-kv-size 3 is shorter than prompt 0 (5 tokens)" in err
+    assert main(["generate", "--prompt", "The capital of France is", "--max-tokens", "1", "--max-kv-size", "64",
+                 "--ignore-chat-template"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -100,3 +100,21 @@ def test_qwen2_window_layers_from_config():
     mistral = {**raw, "model_type": "mistral", "sliding_window": 16}
     assert cfg.from_hf(mistral).layer_windows == (16,) * 4
     assert cfg.from_hf(cfg.to_hf(cfg.from_hf(raw))).layer_windows == (None, None, 32, 32)
+
+
+def test_a_prompt_longer_than_the_ring_is_warned_of(tmp_path):
+    """A prompt alone longer than --max-kv-size loses its beginning: generate() warns, naming the
+    prompt and its length; a prompt that fits the ring is not warned of."""
+    import warnings
+
+    import mlxfun
+    from helpers import tiny_model
+
+    model = tiny_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mlxfun.generate(model, [[5] * 10, [6] * 40], max_tokens=2, max_kv_size=32)
+        mlxfun.generate(model, [[5] * 10], max_tokens=2, max_kv_size=32)
+    messages = [str(w.message) for w in caught]
+    assert messages == ["max_kv_size=32 is shorter than prompt 1 (40 tokens) (0-based): each token sees only the "
+                        "last 32, so the answer cannot see the prompt's beginning"]

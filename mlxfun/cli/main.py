@@ -16,7 +16,7 @@ import dataclasses
 import os
 import sys
 
-from mlxfun.engine.options import GenerationConfig, requests
+from mlxfun.engine.options import GenerationConfig, requests, ring_overflow
 from mlxfun.errors import MlxfunError
 from mlxfun.parallel import distributed
 
@@ -213,6 +213,9 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
         raise MlxfunError("--system-prompt needs the chat template" + (
             "; drop --ignore-chat-template" if args.ignore_chat_template else ", and this model has none"))
     reqs = jobs.build_requests(model, todo, config, template=template, system_prompt=args.system_prompt)
+    overflow = ring_overflow(reqs, config.max_kv_size)
+    if overflow is not None:
+        print(f"mlxfun: warning: --max-kv-size {overflow}", file=sys.stderr)
     if args.prompt_cache_file:  # loaded once here, to warn when no prompt can use it
         config = dataclasses.replace(config, prompt_cache=jobs.load_prompt_cache(model, args.prompt_cache_file, reqs))
     if config.group is not None:  # data parallel: each rank generates its share, every rank gets all

@@ -282,3 +282,17 @@ def make_request(model: Model, prompt, *, max_tokens: int = 256, settings: sampl
     mx.eval(settings)  # built on this thread: see `requests`
     return Request(tuple(ids), int(max_tokens), settings, stop_, check_logprobs(logprobs, model.config.vocab_size),
                    eos, constraint)
+
+
+def ring_overflow(reqs: Sequence[Request], max_kv_size: int | None) -> str | None:
+    """A warning (to follow the option's name) when some prompt alone is longer than the ring
+    `max_kv_size` bounds the cache to (its first tokens are then out of every later query's
+    sight), else None."""
+    if max_kv_size is None:
+        return None
+    long = [i for i, r in enumerate(reqs) if len(r.prompt) > max_kv_size]
+    if not long:
+        return None
+    shown = ", ".join(f"{i} ({len(reqs[i].prompt)} tokens)" for i in long[:3]) + (" ..." if len(long) > 3 else "")
+    return (f"{max_kv_size} is shorter than prompt{'s' if len(long) > 1 else ''} {shown} (0-based): each token "
+            f"sees only the last {max_kv_size}, so the answer cannot see the prompt's beginning")
