@@ -107,14 +107,11 @@ def test_a_prompt_longer_than_the_ring_is_warned_of(tmp_path):
     prompt and its length; a prompt that fits the ring is not warned of."""
     import warnings
 
-    import mlxfun
-    from helpers import tiny_model
-
     model = tiny_model()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        mlxfun.generate(model, [[5] * 10, [6] * 40], max_tokens=2, max_kv_size=32)
-        mlxfun.generate(model, [[5] * 10], max_tokens=2, max_kv_size=32)
+        generate(model, [[5] * 10, [6] * 40], max_tokens=2, max_kv_size=32)
+        generate(model, [[5] * 10], max_tokens=2, max_kv_size=32)
     messages = [str(w.message) for w in caught]
     assert messages == ["max_kv_size=32 is shorter than prompt 1 (40 tokens) (0-based): each token sees only the "
                         "last 32, so the answer cannot see the prompt's beginning"]
