@@ -375,3 +375,16 @@ def test_engine_failure_fails_requests_in_flight_then_serves_again():
         bridge.stop()
     assert isinstance(failed, EngineFailed) and "device lost" in str(failed)
     assert served == mlxfun.generate(model, [[5, 6, 7]], max_tokens=6, ignore_eos=True).token_ids[0]
+
+
+def test_serve_takes_rows_once(capsys):
+    """`--rows` is the server's one flag for its rows (no `--batch-size` beside it)."""
+    from mlxfun.serve.server import parse_args
+
+    assert parse_args(["--rows", "4"]).rows == 4 and parse_args([]).rows is None
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--batch-size", "4"])
+    assert stop.value.code == 2 and "unrecognized arguments: --batch-size 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    assert "--batch-size" not in capsys.readouterr().out

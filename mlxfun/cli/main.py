@@ -52,9 +52,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="compute dtype; dequantizes 4-bit weights (default: the checkpoint's, float32 on the CPU)")
 
 
-def add_generation_flags(p: argparse.ArgumentParser, batch: bool = True) -> None:
+def add_generation_flags(p: argparse.ArgumentParser, batch: bool = True, batch_size: bool = True) -> None:
     """Generation options (GenerationConfig's fields), with mlx-lm's flag names and defaults shown.
-    `batch=False` (chat: one reply at a time, streamed) leaves out --batch-size and --logprobs."""
+    `batch=False` (chat: one reply at a time, streamed) leaves out --batch-size and --logprobs;
+    `batch_size=False` (serve, whose rows are --rows) leaves out --batch-size."""
     d = GenerationConfig()
     g = p.add_argument_group("generation")
     g.add_argument("-m", "--max-tokens", type=int, default=d.max_tokens, help="tokens to generate per prompt")
@@ -95,12 +96,14 @@ def add_generation_flags(p: argparse.ArgumentParser, batch: bool = True) -> None
                    help="speculative decoding: a smaller model with the same tokenizer, or 'prompt-lookup'")
     k.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens, metavar="K",
                    help="tokens each row drafts per verify round")
-    if batch:
+    if batch and batch_size:
         g.add_argument("--batch-size", type=int, default=None, metavar="ROWS",
                        help=f"rows decoded at once; more prompts wait and refill rows as others finish (default: "
                             f"every prompt, at most {DEFAULT_ROWS})")
-    else:
+    if not batch:
         p.set_defaults(batch_size=None, logprobs=None)
+    elif not batch_size:
+        p.set_defaults(batch_size=None)
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:

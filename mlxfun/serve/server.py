@@ -376,7 +376,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     p.add_argument("--rows", type=int, default=None, dest="rows",
-                   help=f"rows decoded together; more requests queue (default: {DEFAULT_ROWS}; same as --batch-size)")
+                   help=f"rows decoded together; more requests queue (default: {DEFAULT_ROWS})")
     p.add_argument("--max-queued", type=int, default=1024,
                    help="requests waiting for a row before new ones get 429 (default: 1024)")
     p.add_argument("--served-model-name", default=None, help="the model id clients see (default: the file's name)")
@@ -389,7 +389,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests may finish after Ctrl-C / SIGTERM before they are cut (default: 30)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    add_generation_flags(p)
+    add_generation_flags(p, batch_size=False)
     return p.parse_args(argv)
 
 
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mlxfun.model.load import load
 
-    rows = args.rows or args.batch_size or DEFAULT_ROWS
+    rows = DEFAULT_ROWS if args.rows is None else args.rows
     loaded: list[Model] = []
 
     def make_engine() -> Engine:
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bridge = Bridge(make_engine, args.max_queued, warm=not args.no_warmup)
     try:
-        check_positive_int("batch_size", rows)
+        check_positive_int("rows", rows)
         check_positive_int("max_queued", args.max_queued)
         kv_memory = kv_memory_flag(args.kv_memory)
         defaults = generation_config(args)
