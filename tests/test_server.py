@@ -280,8 +280,8 @@ def test_full_queue_answers_429_with_retry_after(slow_model_dir, tmp_path):
 
 
 def test_shutdown_finishes_what_fits_the_grace_period_then_exits_0(slow_model_dir, tmp_path):
-    server = Server("--model", str(slow_model_dir), "--rows", "2", "--shutdown-timeout", "8",
-                    log_path=tmp_path / "log")
+    server = Server("--model", str(slow_model_dir), "--rows", "3", "--shutdown-timeout", "8",
+                    log_path=tmp_path / "log")  # a row each: none waits in the queue
     client = server.client()
     results = {}
 
