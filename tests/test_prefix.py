@@ -234,3 +234,21 @@ def test_cache_prompt_command_and_prompt_cache_file(tmp_path):
     reused = mlxfun_cli(*common, "--prompt-cache-file", str(cache))
     assert "(32 reused)" in reused and "(0 reused)" in plain
     assert reused.split("=" * 10)[0] == plain.split("=" * 10)[0]  # the same text
+
+
+def test_prompt_speed_counts_computed_tokens_and_shows_reused_apart():
+    """A prompt found in the prefix cache is reused, not computed: the prompt rate divides computed
+    tokens by their time, and the summary shows the reused ones apart."""
+    model = tiny_model(tiny_config(max_position_embeddings=512))
+    engine = Engine(model, 2)
+    prompt = [(7 * j) % 90 + 1 for j in range(80)]
+    engine.add(prompt, max_tokens=2, ignore_eos=True)
+    for _ in engine.events():
+        pass
+    engine.add(prompt, max_tokens=2, ignore_eos=True)
+    for _ in engine.events():
+        pass
+    s = engine.stats
+    assert s.prompt_tokens == 160 and s.cached_tokens == 64 and s.timed_prompt_tokens == 96
+    assert s.prompt_tps == s.timed_prompt_tokens / s.prompt_time
+    assert s.summary().startswith(f"Prompt: 160 tokens (64 reused), {s.prompt_tps:.1f} tokens/s computed\n")

@@ -105,13 +105,20 @@ class EngineStats(Stats):
         self.cached_blocks, self.prefix_hits = pool.cached, pool.hits
 
     @property
+    def prompt_tps(self) -> float:
+        """Prompt tokens computed per second: reused ones (the prefix cache) and admissions that
+        overlapped decoding are in neither count nor time."""
+        return self.timed_prompt_tokens / self.prompt_time if self.prompt_time else 0.0
+
+    @property
     def occupancy(self) -> float:
         return self.busy_row_steps / (self.steps * self.rows) if self.steps else 0.0
 
     def summary(self) -> str:
         ttft = sorted(self.ttft)
         median = ttft[len(ttft) // 2] if ttft else 0.0
-        return (f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tokens/s\n"
+        return (f"Prompt: {self.prompt_tokens} tokens ({self.cached_tokens} reused), {self.prompt_tps:.1f} tokens/s "
+                f"computed\n"
                 f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.1f} tokens/s\n"
                 f"Requests: {self.requests}, prompts {self.prompt_tokens} tokens ({self.cached_tokens} reused), "
                 f"generated {self.generation_tokens} tokens; rows busy {self.occupancy:.0%} of {self.steps} steps, "
