@@ -205,14 +205,13 @@ class Bridge:
         """One step's events to their requests' queues: one call into each event loop."""
         engine = self.engine
         records = [engine.take(e.index) if e.finish_reason is not None else None for e in events]
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        sends = []
         with self._lock:
             for event, record in zip(events, records):
                 target = self._targets.get(event.index) if record is None else self._targets.pop(event.index, None)
                 if target is not None:
-                    by_loop.setdefault(target[0], []).append((target[1], (event, record)))
-        for loop, items in by_loop.items():
-            _deliver(loop, items)
+                    sends.append((target, (event, record)))
+        _deliver(sends)
         now = time.perf_counter()
         if not self._samples or now - self._samples[-1][0] >= 0.25:
             self._samples.append((now, engine.stats.generation_tokens))
@@ -223,25 +222,25 @@ class Bridge:
             self.engine = self._make_engine()
             if self._warms():  # new requests wait (503) until the fresh engine has compiled its steps
                 self._warm.clear()
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for loop, q in dict.fromkeys(targets.values()):  # one item per request's queue
-            by_loop.setdefault(loop, []).append((q, (EngineFailed(f"the engine failed: {type(error).__name__}: "
-                                                                  f"{error}"), None)))
-        for loop, items in by_loop.items():
-            _deliver(loop, items)
+        failed = (EngineFailed(f"the engine failed: {type(error).__name__}: {error}"), None)
+        _deliver([(target, failed) for target in dict.fromkeys(targets.values())])  # one per request's queue
         self._warm_up()
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, tuple]]) -> None:
-    """Put each item in its queue, on the loop's thread."""
-    def put() -> None:
-        for q, item in items:
-            q.put_nowait(item)
+def _deliver(sends: list[tuple[tuple[asyncio.AbstractEventLoop, asyncio.Queue], tuple]]) -> None:
+    """Put each item in its target's queue: one call into each event loop, run on its thread."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for (loop, q), item in sends:
+        by_loop.setdefault(loop, []).append((q, item))
+    for loop, items in by_loop.items():
+        def put(items=items) -> None:
+            for q, item in items:
+                q.put_nowait(item)
 
-    try:
-        loop.call_soon_threadsafe(put)
-    except RuntimeError:  # the loop has closed: nobody is waiting
-        pass
+        try:
+            loop.call_soon_threadsafe(put)
+        except RuntimeError:  # the loop has closed: nobody is waiting
+            pass
 
 
 def metrics_text(engine: Engine, tokens_per_second: float) -> str:
