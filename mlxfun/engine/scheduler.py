@@ -148,8 +148,11 @@ class Scheduler:
         room = self.rows - self.live_count()
         if not room or (self.live_count() and room < min(self.admit_min, len(self.pending))):
             return []
-        for rid in [rid for rid in self.pending if self.requests[rid].finish_reason is not None]:
-            self.pending.remove(rid)  # preempted with its last token in flight: that token ended it
+        # Only a preempted request can end while queued (its last token was in flight): not every
+        # step's walk of a long queue for the others.
+        if self.preempt:
+            for rid in [rid for rid in self.pending if self.requests[rid].finish_reason is not None]:
+                self.pending.remove(rid)
         committed = self.pool.used + self.outstanding()
         out = []
         for rid in list(self.pending)[:room]:
