@@ -10,12 +10,14 @@
 #   prefix       mlxfun bench --prefix: 256 requests sharing a 2,000-token prefix, cache off vs on (1B)
 #   speculative  mlxfun bench --speculative --rule-only (1B target, 135M draft)
 #   structured   mlxfun bench --structured: a JSON schema on every row vs free rows (1B)
-#   serve        benchmarks/serve_load.py (1B): 32 and 128 streaming clients, greedy, then seeded top-p at 32,
+#   serve        benchmarks/serve_load.py (1B): $SERVE_CLIENTS (32) streaming clients, 8 requests each, greedy and seeded,
 #                against offline generate (same prompts) and mlx_lm.server. Needs the server's wheels, made here by
 #                `echo /.whl/ >> .git/info/exclude` and `pip download --no-deps --only-binary=:all:
 #                --python-version 3.12 --platform manylinux2014_x86_64 -d .whl fastapi starlette uvicorn pydantic
 #                pydantic-core typing-inspection annotated-types openai jiter sniffio distro [mlx-lm]`
 #                (versions as in this venv), carried as ".whl"
+#   families     mlxfun bench: Gemma 3 4B and Qwen3-30B-A3B (24 of 48 layers) shapes ($FAMILY_SHAPES), batch
+#                1/8/32/128, q4 and bf16 ($FAMILY_DTYPES), mlx-lm beside (installed from .whl, as for serve)
 #   sampling     benchmarks/sampling_search.py: top-k/top-p by threshold search against $AB_REF's sort (128K vocab)
 #   ab-static    this tree against the package in $AB_REF (default .ab/ref, made here by
 #                `echo /.ab/ >> .git/info/exclude; mkdir -p .ab/ref; git archive REV mlxfun | tar -x -C .ab/ref`
@@ -33,6 +35,9 @@ export PYTHONUNBUFFERED=1
 here=$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 bench() { timeout "$1" python3 -m mlxfun.bench "${@:2}"; }
+# The server's extra, the openai client and mlx-lm (side by side) from the wheels in .whl/ (see serve).
+wheels() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}; }
 # Runs mlxfun bench with the package at $1 (a folder holding mlxfun/) first on the path.
 bench_at() { local dir=$1 limit=$2; shift 2; (cd "$dir" && PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout "$limit" python3 -m mlxfun.bench "$@"); }
 for suite in "$@"; do
@@ -50,14 +55,20 @@ for suite in "$@"; do
     speculative) bench 400 --shape 1B --speculative --rule-only --draft-shape 135M --json "$OUT/speculative-1B.json" ;;
     structured) bench 300 --shape 1B --structured --batch-sizes 1,8,32 --json "$OUT/structured-1B.json" ;;
     serve)
-      # The server's extra and the openai client (and mlx-lm, side by side) as wheels in .whl/ (see above).
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+      wheels
       lm=(); python3 -c "import mlx_lm" 2>/dev/null && lm=(--mlx-lm --mlx-lm-python python3)
-      timeout 420 python3 benchmarks/serve_load.py --shape 1B --clients 32,128 --requests 128 --modes greedy \
-        --offline "${lm[@]}" --json "$OUT/serve-1B.json"
-      timeout 300 python3 benchmarks/serve_load.py --shape 1B --clients 32 --requests 64 --modes seeded \
-        --offline "${lm[@]}" --json "$OUT/serve-1B-seeded.json" ;;
+      # Long enough (8 requests per client) that the 1 s of arrivals and the last wave's tail weigh little;
+      # SERVE_MLX_LM=0 leaves mlx_lm.server out (its seeded runs take minutes).
+      [ "${SERVE_MLX_LM:-1}" = 0 ] && lm=()
+      timeout 500 python3 benchmarks/serve_load.py --shape 1B --clients ${SERVE_CLIENTS:-32} \
+        --requests $((8 * ${SERVE_CLIENTS:-32})) --modes greedy,seeded --offline "${lm[@]}" \
+        --json "$OUT/serve-1B-${SERVE_CLIENTS:-32}.json" ;;
+    families)
+      wheels
+      for shape in ${FAMILY_SHAPES:-gemma3-4B qwen3-30B-A3B-24L}; do
+        bench 540 --shape $shape --batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 64 \
+          --dtypes ${FAMILY_DTYPES:-q4,bfloat16} --mlx-lm --json "$OUT/families-$shape.json"
+      done ;;
     sampling) timeout 200 python3 benchmarks/sampling_search.py --ref "$AB_REF" --json "$OUT/sampling.json" ;;
     ab-static|ab-1B)
       static=(--batch-sizes "${AB_BATCHES:-1,8,32,128}" --prompt-tokens 128 --dtypes bfloat16)

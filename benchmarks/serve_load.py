@@ -236,9 +236,12 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
             requests = args.requests or n
             warm = prompts[len(prompts) // 2:][:n]  # other prompts: nothing of the measured ones is cached
             drive(server.url + "/v1", warm, n, args.arrival, 4, mode == "seeded", procs)
+            before = engine_counters(server.url) if name == "mlxfun" else {}
             results, cpu = drive(server.url + "/v1", prompts[:requests], n, args.arrival, args.gen_tokens,
                                  mode == "seeded", procs)
             row = dict(server=name, mode=mode, rows=args.rows or n, clients=n, **summarize(results, cpu))
+            if before:
+                row.update(occupancy(before, engine_counters(server.url), args.rows or n, row))
             row["first_sampled_ttft"], row["warm_sampled_ttft"] = cold, first_sampled_ttft(server.url + "/v1",
                                                                                             prompts[-2], 8)
             out.append(row)
@@ -249,6 +252,30 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
     finally:
         server.stop()
     return out
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The mlxfun server's step counters from /metrics."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    names = ("steps_total", "busy_row_steps_total", "admissions_total", "step_traces_total", "preemptions_total")
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.removeprefix("mlxfun_") in names:
+            out[name.removeprefix("mlxfun_")] = float(value)
+    return out
+
+
+def occupancy(before: dict, after: dict, rows: int, row: dict) -> dict:
+    """What the engine did during a measured run: decode steps per second of the run's wall time,
+    the share of rows holding a request (busy row-steps over steps x rows), admissions, and traces
+    (none once warm). Served tok/s is about rows x occupancy x steps per second."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    steps = d.get("steps_total", 0.0)
+    return {"engine_steps": steps, "steps_per_s": steps / row["wall_s"] if row.get("wall_s") else None,
+            "row_occupancy": d.get("busy_row_steps_total", 0.0) / (steps * rows) if steps else None,
+            "admissions": d.get("admissions_total"), "traces": d.get("step_traces_total"),
+            "preemptions": d.get("preemptions_total")}
 
 
 def offline_run(model, prompts: list[str], n: int, args, mode: str) -> dict:

@@ -87,8 +87,8 @@ def generate(model: Model, prompts: Prompt | list[Prompt], config: GenerationCon
     `logprobs`: None for none, 0 for the chosen tokens' log-probabilities, n for the n most likely
     too. `batch_size`: decode at most this many rows at once, refilling rows as prompts finish.
     `max_kv_size`: bound the cache to a ring of that many tokens (each query then sees at most
-    that many). `on_event`: called with each Event (e.g. for a progress bar). Every option is
-    checked before any work starts.
+    that many, and its row's first 4: attention sinks). `on_event`: called with each Event (e.g.
+    for a progress bar). Every option is checked before any work starts.
     """
     job = stream_generate(model, prompts, config, **options)
     for event in job:

@@ -23,20 +23,22 @@ CHUNKINGS = {
 }
 
 
-def decode_in_chunks(config, params, tokens: np.ndarray, chunks: list[int], capacity: int, start=None):
+def decode_in_chunks(config, params, tokens: np.ndarray, chunks: list[int], capacity: int, start=None,
+                     block_size: int = kv.BLOCK):
     """Feed tokens (B, T) through a fresh cache chunk by chunk; logits (B, T, V) and the final cache.
     `start` (B,) is each row's first position (negative for left padding); default 0."""
     B, T = tokens.shape
     assert sum(chunks) == T
     start = np.zeros(B, np.int64) if start is None else np.asarray(start)
-    cache = kv.empty(config, B, capacity, mx.float32)
+    cache = kv.empty(config, B, capacity, mx.float32, block_size)
     out, t = [], 0
     for n in chunks:
         positions = mx.array(start[:, None] + np.arange(t, t + n)[None], dtype=mx.int32)
         logits, cache = llama.forward(config, params, mx.array(tokens[:, t:t + n]), positions, cache=cache)
         out.append(np.array(logits))
         t += n
-    held = np.array(kv.gather_positions(cache.positions, cache.table))  # (B, slots)
+    pinned = kv.pinned_slots(config.sinks, kv.block_size(cache))
+    held = np.array(kv.gather_positions(cache.positions, cache.table, pinned))  # (B, slots)
     assert (held.max(axis=1) == start + T - 1).all()  # each row's newest position, at its own slot
     return np.concatenate(out, axis=1), cache
 
@@ -91,12 +93,15 @@ def test_sliding_window_ring_cache(chunks):
     assert sorted(np.array(kv.gather_positions(cache.positions, cache.table))[0].tolist()) == [10, 11, 12, 13]
 
 
-def test_max_kv_size_is_a_window():
+def test_max_kv_size_is_a_window_and_sinks():
+    """A ring of 5 with its row's first 4 positions (attention sinks), in a cache of one sink
+    block and a ring of two blocks of 5 slots, which wraps twice in 24 tokens."""
     config = tiny_config().with_max_kv_size(5)
     params, w = tiny_params(config, seed=8)
-    tokens = random_tokens(config, (1, 12))
-    expected = reference_forward(config, w, tokens, np.arange(12)[None], windows=(5, 5))
-    logits, _ = decode_in_chunks(config, params, tokens, [5] + [1] * 7, capacity=5)
+    tokens = random_tokens(config, (1, 24))
+    expected = reference_forward(config, w, tokens, np.arange(24)[None])
+    assert rel_error(expected, reference_forward(config, w, tokens, np.arange(24)[None], windows=(None, None))) > 1e-2
+    logits, _ = decode_in_chunks(config, params, tokens, [5] + [1] * 7 + [3] * 4, capacity=15, block_size=5)
     assert rel_error(logits, expected) < 1e-4
 
 
@@ -262,27 +267,29 @@ def test_slotted_masks_equal_the_gathered_positions_masks():
     equals the mask over `gather_positions` (own positions, -1 elsewhere) made never empty, for
     every real query (its own key written first, as a pass writes before it reads): over pools
     holding stale positions of other owners, negative padding positions, ring rows past their
-    width, and windows. Padding queries see every key."""
+    width, windows, and rings that keep their first block for attention sinks (`pinned`).
+    Padding queries see every key."""
     from mlxfun.model import masks
     rng = np.random.default_rng(0)
     for trial in range(40):
-        B, W, bs, T = int(rng.integers(1, 5)), int(rng.integers(1, 5)), 4, int(rng.integers(1, 4))
+        B, W, bs, T = int(rng.integers(1, 5)), int(rng.integers(2, 5)), 4, int(rng.integers(1, 4))
         N = 1 + B * W + 3
         S = W * bs
+        pinned = bs * int(rng.integers(0, 2))  # a ring with sinks (4: one block of 4), or without
         positions = mx.array(rng.integers(-7, 3 * S, size=(N, bs)).astype(np.int32))  # stale and padding
         table = mx.array(rng.permutation(np.arange(1, N))[:B * W].reshape(B, W).astype(np.int32))
         q = rng.integers(-3, 3 * S, size=(B, 1)) + np.arange(T)[None]
         q = np.where(rng.random((B, 1)) < 0.25, -1 - np.arange(T)[None], q)  # some rows all padding
         q = mx.array(q.astype(np.int32))
         # As a pass does: each token's position written at its slot before any query reads.
-        positions = kv.write_positions(positions, kv.slots(table, q, bs), q)
+        positions = kv.write_positions(positions, kv.slots(table, q, bs, pinned), q)
         held = kv.held_positions(positions, table)
         for window in (None, int(rng.integers(1, S + 1))):
-            config = tiny_config(num_layers=1, layer_windows=(window,))
-            new = llama.layer_masks(config, q, held, None, slotted=True)[window]
-            key = kv.gather_positions(positions, table)
+            config = tiny_config(num_layers=1, layer_windows=(window,), layer_sinks=(pinned,))
+            new = llama.layer_masks(config, q, held, None, True, pinned)[window, pinned]
+            key = kv.gather_positions(positions, table, pinned)
             old = masks.causal(q, key)
-            old = masks.never_empty(old if window is None else old & masks.window(q, key, window))
+            old = masks.never_empty(old if window is None else old & masks.window(q, key, window, pinned))
             real = np.array(q) >= 0  # (B, T)
             assert np.array_equal(np.array(new)[real], np.array(old)[real]), trial
             assert np.array(new)[~real].all()

@@ -26,7 +26,7 @@ def test_generate_prompts_file_jsonl_chat(tmp_path, capsys):
                  "--batch-size", "2", "--ignore-chat-template"]) == 0  # text prompts raw (short): fast
     out = capsys.readouterr().out
     headers = [line for line in out.splitlines() if line.startswith("==== prompt")]
-    assert headers == ["==== prompt 0 (length) ====", "==== prompt 1 (length) ====", "==== prompt 2 (length) ===="]
+    assert headers == ["==== prompt 1 (length) ====", "==== prompt 2 (length) ====", "==== prompt 3 (length) ===="]
 
 
 def test_errors_are_one_line(tmp_path, capsys):
@@ -91,10 +91,13 @@ def test_generate_prints_logprobs_without_output_file(capsys, model_q4):
 
 
 def test_a_ring_shorter_than_the_prompt_is_warned_of(capsys):
-    assert main(["generate", "--prompt", "The capital of France is", "--max-tokens", "1", "--max-kv-size", "3",
+    """A prompt longer than the ring and its 4 sinks is warned of, by its id (-p: 1-based)."""
+    prompt = "The capital of France is a city"  # 7 tokens
+    assert main(["generate", "--prompt", prompt, "--max-tokens", "1", "--max-kv-size", "2",
                  "--ignore-chat-template"]) == 0
     err = capsys.readouterr().err
-    assert "mlxfun: warning: --max-kv-size 3 is shorter than prompt 0 (5 tokens)" in err
-    assert main(["generate", "--prompt", "The capital of France is", "--max-tokens", "1", "--max-kv-size", "64",
+    assert "mlxfun: warning: --max-kv-size 2 is shorter than prompt 1 (7 tokens): each token sees only the first " \
+           "4 and the last 2" in err
+    assert main(["generate", "--prompt", prompt, "--max-tokens", "1", "--max-kv-size", "3",
                  "--ignore-chat-template"]) == 0
     assert "warning" not in capsys.readouterr().err

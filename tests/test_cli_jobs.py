@@ -58,7 +58,8 @@ def test_jsonl_in_and_out(folder, tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout == ""
     lines = {r["id"]: r for r in read_jsonl(out)}
-    assert set(lines) == {"a", 2, 7, "hot"}
+    assert set(lines) == {"a", 2, 7, "hot"}  # ids as given (their JSON types kept), else the line number
+    assert {k: r["line"] for k, r in lines.items()} == {"a": 1, 2: 2, 7: 3, "hot": 4}
     assert lines["a"]["prompt"] == "w5 w6" and lines[7]["messages"][1] == {"role": "user", "content": "w4"}
     # The chat template is on by default: "w2 w5 w6 w3"; the system message adds "w1 w1".
     assert [lines[k]["prompt_tokens"] for k in ("a", 2, 7, "hot")] == [4, 5, 5, 4]
@@ -146,8 +147,41 @@ def test_text_file_ids_are_line_numbers(folder, tmp_path):
     run = cli("generate", "--model", folder, "--prompts-file", str(data), "-o", str(out), "-m", "2",
               "--ignore-chat-template")
     assert run.returncode == 0, run.stderr
-    assert sorted((r["id"], r["prompt"], r["prompt_tokens"]) for r in read_jsonl(out)) == [
-        (1, "w5 w6", 2), (3, "w7", 1)]
+    assert sorted((r["id"], r["line"], r["prompt"], r["prompt_tokens"]) for r in read_jsonl(out)) == [
+        (1, 1, "w5 w6", 2), (3, 3, "w7", 1)]
+
+
+def test_prompt_ids_are_one_scheme(folder, tmp_path, capsys):
+    """-p prompts are 1, 2, ... in order, in the output file (no line), the printed headers and
+    the ring warning; a file's prompts are named by their ids there too; resume keeps working."""
+    out = tmp_path / "out.jsonl"
+    common = ["generate", "--model", folder, "-m", "2", "--ignore-chat-template"]
+    assert main([*common, "-p", "w5 w6", "-p", "w7", "-o", str(out)]) == 0
+    assert sorted((r["id"], r["prompt"]) for r in read_jsonl(out)) == [(1, "w5 w6"), (2, "w7")]
+    assert all("line" not in r for r in read_jsonl(out))
+    assert main([*common, "-p", "w5 w6", "-p", "w7", "-p", "w8", "-o", str(out)]) == 0
+    assert "resuming: 2 of 3 prompts are already in" in capsys.readouterr().err
+    assert sorted(r["id"] for r in read_jsonl(out)) == [1, 2, 3]
+    long = " ".join(f"w{i}" for i in range(10, 23))  # 13 tokens: more than the ring of 8 and 4 sinks
+    assert main([*common, "-p", "w5", "-p", long, "--max-kv-size", "8"]) == 0
+    captured = capsys.readouterr()
+    assert [line for line in captured.out.splitlines() if line.startswith("====")] == [
+        "==== prompt 1 (length) ====", "==== prompt 2 (length) ===="]
+    assert "--max-kv-size 8 is shorter than prompt 2 (13 tokens): each token sees only the first 4 and the last " \
+           "8" in captured.err
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": "x", "prompt": "w5"}, long, {"id": "1", "prompt": "w6"}])
+    assert main([*common, "--prompts-file", str(data), "--max-kv-size", "8"]) == 0
+    captured = capsys.readouterr()
+    assert [line for line in captured.out.splitlines() if line.startswith("====")] == [
+        "==== prompt x (length) ====", "==== prompt 2 (length) ====", "==== prompt 1 (length) ===="]
+    assert "shorter than prompt 2 (13 tokens)" in captured.err
+    both = tmp_path / "both.jsonl"
+    assert main([*common, "--prompts-file", str(data), "-o", str(both)]) == 0
+    assert sorted(((r["id"], r["line"]) for r in read_jsonl(both)), key=str) == [("1", 3), ("x", 1), (2, 2)]
+    assert main([*common, "--prompts-file", str(data), "-o", str(both)]) == 0  # "1" and 1 are different ids
+    assert "all 3 prompts are already in" in capsys.readouterr().err
+    assert main([*common, "--prompts-file", str(data), "-p", "w5"]) == 2
+    assert "give --prompt (-p) or --prompts-file, not both" in capsys.readouterr().err
 
 
 def test_stdin_prompt_chat_by_default_and_system_prompt(folder):
@@ -184,9 +218,9 @@ FLAG_GROUPS = {
                  dict(temperature=1.0, top_k=5, top_p=0.8, min_p=0.2, seed=0, ignore_eos=True, logprobs=1),
                  dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=1)),
     "penalties": (["--repetition-penalty", "1.3", "--presence-penalty", "0.5", "--frequency-penalty", "0.3",
-                   "--stop", "w40", "--extra-eos-token", "w68", "--max-kv-size", "8", "--prefill-step", "3",
+                   "--stop", "w80", "--extra-eos-token", "w68", "--max-kv-size", "8", "--prefill-step", "3",
                    "--batch-size", "2", "--logprobs", "0"],
-                  dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3, stop="w40",
+                  dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3, stop="w80",
                        extra_eos_tokens=("w68",), max_kv_size=8, prefill_step=3, batch_size=2, logprobs=0),
                   dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, stop=None,
                        extra_eos_tokens=(), max_kv_size=None)),

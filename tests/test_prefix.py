@@ -131,7 +131,7 @@ def test_rings_that_wrap_reuse_prefixes_exactly(tiny):
     system = words(70, 4)
     prompts = [system + words(n, 20 + n) for n in (5, 18, 2)]
     _, engine = compare(tiny, prompts, max_tokens=40, max_kv_size=24, prefill_step=16)
-    assert engine.stats.cached_tokens > 0 and engine.stats.max_capacity == kv.ring_columns(24) * BS
+    assert engine.stats.cached_tokens > 0 and engine.stats.max_capacity == kv.ring_columns(24, BS, 4) * BS
 
 
 def test_eviction_under_a_tiny_budget_changes_no_token(tiny):

@@ -54,7 +54,8 @@ def apply_rope(x: np.ndarray, positions: np.ndarray, config) -> np.ndarray:
 
 def reference_forward(config, w: dict[str, np.ndarray], tokens, positions, windows=None) -> np.ndarray:
     """tokens, positions (B, T) -> logits (B, T, V). A key is visible when its position is >= 0, <= the
-    query's, and (in a layer with window W) within the last W positions. Padding queries are garbage."""
+    query's, and (in a layer with window W) within the last W positions or among the layer's sinks
+    (`config.layer_sinks`: the first positions). Padding queries are garbage."""
     tokens, positions = np.asarray(tokens), np.asarray(positions)
     B, T = tokens.shape
     H, K, D, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
@@ -74,7 +75,7 @@ def reference_forward(config, w: dict[str, np.ndarray], tokens, positions, windo
         q, k = apply_rope(q, positions, config), apply_rope(k, positions, config)
         visible = (k_pos >= 0) & (k_pos <= q_pos)  # (B, T, T)
         if windows[i] is not None:
-            visible &= q_pos - k_pos < windows[i]
+            visible &= (q_pos - k_pos < windows[i]) | (k_pos < config.layer_sinks[i])
         visible |= ~visible.any(-1, keepdims=True)  # padding queries: anything finite
         group = H // K  # query head j reads key/value head j // group
         k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)  # (B, T, H, D)

@@ -103,15 +103,16 @@ def test_qwen2_window_layers_from_config():
 
 
 def test_a_prompt_longer_than_the_ring_is_warned_of(tmp_path):
-    """A prompt alone longer than --max-kv-size loses its beginning: generate() warns, naming the
-    prompt and its length; a prompt that fits the ring is not warned of."""
+    """A prompt alone longer than --max-kv-size and the 4 sinks loses part of itself: generate()
+    warns, naming the prompt and its length; a prompt that fits the ring and its sinks is not
+    warned of."""
     import warnings
 
     model = tiny_model()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        generate(model, [[5] * 10, [6] * 40], max_tokens=2, max_kv_size=32)
-        generate(model, [[5] * 10], max_tokens=2, max_kv_size=32)
+        generate(model, [[5] * 10, [6] * 37], max_tokens=2, max_kv_size=32)
+        generate(model, [[5] * 36], max_tokens=2, max_kv_size=32)
     messages = [str(w.message) for w in caught]
-    assert messages == ["max_kv_size=32 is shorter than prompt 1 (40 tokens) (0-based): each token sees only the "
-                        "last 32, so the answer cannot see the prompt's beginning"]
+    assert messages == ["max_kv_size=32 is shorter than prompt 1 (37 tokens) (0-based): each token sees only the "
+                        "first 4 and the last 32, so the answer cannot see all of the prompt"]

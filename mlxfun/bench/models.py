@@ -15,9 +15,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlxfun.kernels import blas
-from mlxfun.model import weights
-from mlxfun.model.config import ModelConfig, RopeScaling
-from mlxfun.model.llama import Params
+from mlxfun.model.config import ModelConfig, RopeScaling, from_hf
+from mlxfun.model.llama import Dense, Experts, Layer, Params
 from mlxfun.model.load import Model
 from mlxfun.model.tokenizer import Tokenizer
 
@@ -35,6 +34,21 @@ SHAPES = {
     "8B": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                       num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=131072,
                       rope_scaling=RopeScaling("llama3", 8.0, **LLAMA3_ROPE), tie_word_embeddings=False),
+    # Gemma 3 4B's text model: 5 local layers (window 1,024) to 1 global, head size 256.
+    "gemma3-4B": from_hf({"model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 2560,
+                          "intermediate_size": 10240, "num_hidden_layers": 34, "num_attention_heads": 8,
+                          "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+                          "sliding_window": 1024, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+                          "rope_local_base_freq": 10_000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                          "max_position_embeddings": 131072, "hidden_activation": "gelu_pytorch_tanh"}),
+    # Qwen3-30B-A3B with 24 of its 48 layers (a benchmark machine's disk holds the bf16 folder that
+    # mlx-lm loads): 128 experts of 768, 8 per token.
+    "qwen3-30B-A3B-24L": from_hf({"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+                                  "intermediate_size": 6144, "num_hidden_layers": 24, "num_attention_heads": 32,
+                                  "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                                  "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+                                  "rope_theta": 1_000_000.0, "max_position_embeddings": 40960,
+                                  "tie_word_embeddings": False}),
 }
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 QUANT = {"q4": 4, "q8": 8}
@@ -56,36 +70,34 @@ def word_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def random_params(config: ModelConfig, dtype: mx.Dtype, seed: int = 0) -> Params:
-    """Random weights with Hugging Face names through `weights.build_params`, evaluated layer by layer."""
+    """Random weights for any family the decoder runs (fused q/k/v and gate/up, stacked experts),
+    evaluated layer by layer so a large shape never holds more than one layer's temporaries."""
     mx.random.seed(seed)
     E, I, D, H, K = (config.hidden_size, config.intermediate_size, config.head_dim, config.num_heads,
                      config.num_kv_heads)
+    M, n = config.moe_intermediate_size, config.num_experts
 
-    def mat(rows, cols):
-        return (mx.random.normal((rows, cols)) * cols**-0.5).astype(dtype)
+    def mat(*shape):
+        return Dense((mx.random.normal(shape) * shape[-1] ** -0.5).astype(dtype))
 
     def norm(size):
         return mx.ones((size,), dtype)
 
-    tensors = {"model.embed_tokens.weight": mat(config.vocab_size, E), "model.norm.weight": norm(E)}
-    if not config.tie_word_embeddings:
-        tensors["lm_head.weight"] = mat(config.vocab_size, E)
-    mx.eval(tensors)
+    embed = mat(config.vocab_size, E)
+    lm_head = None if config.tie_word_embeddings else mat(config.vocab_size, E)
+    mx.eval(embed, lm_head)
+    layers = []
     for i in range(config.num_layers):
-        p = f"model.layers.{i}"
-        layer = {f"{p}.input_layernorm.weight": norm(E), f"{p}.post_attention_layernorm.weight": norm(E),
-                 f"{p}.self_attn.q_proj.weight": mat(H * D, E), f"{p}.self_attn.k_proj.weight": mat(K * D, E),
-                 f"{p}.self_attn.v_proj.weight": mat(K * D, E), f"{p}.self_attn.o_proj.weight": mat(E, H * D),
-                 f"{p}.mlp.gate_proj.weight": mat(I, E), f"{p}.mlp.up_proj.weight": mat(I, E),
-                 f"{p}.mlp.down_proj.weight": mat(E, I)}
+        experts = Experts(mat(n, E), mat(n, 2 * M, E), mat(n, E, M)) if config.moe_layers[i] else None
+        sandwich = config.sandwich_norms
+        layer = Layer(attn_norm=norm(E), qkv=mat((H + 2 * K) * D, E), o=mat(E, H * D), mlp_norm=norm(E),
+                      gate_up=None if experts else mat(2 * I, E), down=None if experts else mat(E, I),
+                      q_norm=norm(D) if config.qk_norm else None, k_norm=norm(D) if config.qk_norm else None,
+                      attn_post_norm=norm(E) if sandwich else None, mlp_post_norm=norm(E) if sandwich else None,
+                      experts=experts)
         mx.eval(layer)
-        tensors.update(layer)
-    params = weights.build_params(config, tensors)
-    del tensors
-    for layer in params.layers:  # fuse (qkv, gate_up) one layer at a time, freeing the parts
-        mx.eval(layer)
-    mx.eval(params)
-    return params
+        layers.append(layer)
+    return Params(embed, tuple(layers), norm(E), lm_head)
 
 
 def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:

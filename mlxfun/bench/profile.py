@@ -123,12 +123,14 @@ def matmul_time(model: Model, params: llama.Params, batch: int) -> float:
     layer = params.layers[0]
     dtype = params.norm.dtype
     total = 0.0
-    for p, n_in in ((layer.qkv, c.hidden_size), (layer.o, c.num_heads * c.head_dim), (layer.gate_up, c.hidden_size),
-                    (layer.down, c.intermediate_size)):
+    maps = [(layer.qkv, c.hidden_size), (layer.o, c.num_heads * c.head_dim)]
+    if layer.gate_up is not None:  # (a layer of experts: its products are not timed here)
+        maps += [(layer.gate_up, c.hidden_size), (layer.down, c.intermediate_size)]
+    for p, n_in in maps:
         x = mx.random.normal((batch, n_in)).astype(dtype)  # (B, in), as in a step
         total += _median_time(lambda: llama.linear(p, x, fast=True)) * c.num_layers
     x = mx.random.normal((batch, c.hidden_size)).astype(dtype)
-    return total + _median_time(lambda: llama.logits(params, x, fast=True))
+    return total + _median_time(lambda: llama.logits(c, params, x, fast=True))
 
 
 def profile_generation(model: Model, prompts: list[list[int]], max_tokens: int, *, held_state: bool = True,

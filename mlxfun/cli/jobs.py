@@ -3,11 +3,13 @@ out as soon as it finishes.
 
 An input file is text (one prompt per line) or JSONL (`.jsonl`): each line a string or an object
 with `prompt` or `messages`, an optional `id` and per-line generation options (`max_tokens`,
-`temperature`, `seed`, ...). A line's id is its `id`, else its line number. Results go to stdout
-(one prompt streams its text), or to a JSONL file, one line per finished request, appended and
-flushed whole, so that a job that is stopped keeps what finished and a rerun skips the ids
-already there. The first Ctrl-C stops a job at the next step (`stop_on_interrupt`); a second one
-interrupts at once.
+`temperature`, `seed`, ...). One id scheme names every prompt (`Item.id`): a line's `id` as given
+(a string or an integer, kept so), else its number, 1-based: its line number in the file, or the
+order of a `--prompt`. Results go to stdout (one prompt streams its text; several under a header
+naming the id), or to a JSONL file, one line per finished request with its `id` (and its `line`,
+from a file), appended and flushed whole, so that a job that is stopped keeps what finished and a
+rerun skips the ids already there. The first Ctrl-C stops a job at the next step
+(`stop_on_interrupt`); a second one interrupts at once.
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ LINE_OPTIONS = ("max_tokens", "temperature", "top_p", "min_p", "top_k", "repetit
 class Item(NamedTuple):
     """One prompt of a job and where it came from."""
 
-    id: int | str  # the line's `id`, else its line number (1-based); a --prompt's index (0-based)
+    id: int | str  # the line's `id` as given, else its number (1-based): its line, or the --prompt's order
     prompt: str | None  # text, or None when `messages` is given
     messages: list | None
     options: dict  # per-line generation options (LINE_OPTIONS)
-    where: str  # "in.jsonl:3" or "--prompt 0", for errors
+    where: str  # "in.jsonl:3" or "--prompt 1", for errors
+    line: int | None = None  # its line in the file (1-based; blank lines count); None for a --prompt
 
 
 def key(rid) -> str:
@@ -57,7 +60,7 @@ def key(rid) -> str:
 
 
 def prompt_items(prompts: Sequence[str]) -> list[Item]:
-    return [Item(i, p, None, {}, f"--prompt {i}") for i, p in enumerate(prompts)]
+    return [Item(i, p, None, {}, f"--prompt {i}") for i, p in enumerate(prompts, 1)]
 
 
 def read_items(path: str) -> list[Item]:
@@ -72,7 +75,7 @@ def read_items(path: str) -> list[Item]:
                 if path.endswith(".jsonl"):
                     items.append(_json_item(line, n, where))
                 else:
-                    items.append(Item(n, line.rstrip("\r\n").replace("\\n", "\n"), None, {}, where))
+                    items.append(Item(n, line.rstrip("\r\n").replace("\\n", "\n"), None, {}, where, n))
     except UnicodeDecodeError as e:
         raise InputError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not items:
@@ -88,7 +91,7 @@ def _json_item(line: str, n: int, where: str) -> Item:
         end = ", the line's end" if e.pos >= len(text) else ""
         raise InputError(f"{where}: not valid JSON: {e.msg} (column {e.colno}{end})") from None
     if isinstance(value, str):
-        return Item(n, value, None, {}, where)
+        return Item(n, value, None, {}, where, n)
     if not isinstance(value, dict):
         raise InputError(f"{where}: expected a string or an object with 'prompt' or 'messages', got "
                          f"{type(value).__name__}")
@@ -115,7 +118,7 @@ def _json_item(line: str, n: int, where: str) -> Item:
                                                 and all(isinstance(x, (str, int)) for x in v)) \
                 and not (name == "response_format" and isinstance(v, dict)):
             raise InputError(f"{where}: {name} must be one value, got {v!r:.60}")
-    return Item(rid, prompt, messages, value, where)
+    return Item(rid, prompt, messages, value, where, n)
 
 
 def check_unique(items: Sequence[Item]) -> None:
@@ -275,10 +278,11 @@ def run(engine: Engine, reqs: Sequence[Request], stop: threading.Event | None = 
 
 
 def result_json(item: Item, request: Request, record: Record, tokenizer: Tokenizer) -> dict:
-    """The output line of a finished request: id, prompt or messages, text, finish reason, token
-    counts, the seed of a sampled row, and logprobs (with each token's text) when asked for."""
+    """The output line of a finished request: id (and line, from a file), prompt or messages, text,
+    finish reason, token counts, the seed of a sampled row, and logprobs (with each token's text)
+    when asked for."""
     row = record.row
-    out = {"id": item.id}
+    out = {"id": item.id} if item.line is None else {"id": item.id, "line": item.line}
     if item.messages is not None:
         out["messages"] = item.messages
     else:
@@ -330,16 +334,21 @@ def print_texts(engine: Engine, items: Sequence[Item], reqs: Sequence[Request], 
         if ok:
             finished[i] = record
         while printed in finished:
-            _print_text(out, progress, printed, finished.pop(printed), engine.model.tokenizer)
+            _print_text(out, progress, items[printed].id, finished.pop(printed), engine.model.tokenizer)
             printed += 1
     for i in sorted(finished):
-        _print_text(out, progress, i, finished[i], engine.model.tokenizer)
+        _print_text(out, progress, items[i].id, finished[i], engine.model.tokenizer)
     return printed + len(finished)
 
 
-def _print_text(out: TextIO, progress: Progress, i: int, record: Record, tokenizer: Tokenizer) -> None:
+def header(rid: int | str, finish_reason: str | None) -> str:
+    """The line above a printed result: the prompt's id and why it ended."""
+    return f"==== prompt {rid} ({finish_reason}) ===="
+
+
+def _print_text(out: TextIO, progress: Progress, rid: int | str, record: Record, tokenizer: Tokenizer) -> None:
     progress.clear()
-    out.write(f"==== prompt {i} ({record.finish_reason}) ====\n{record.text.final_text}\n")
+    out.write(f"{header(rid, record.finish_reason)}\n{record.text.final_text}\n")
     out.write(logprobs_table(tokenizer, record))
     out.flush()
 

@@ -81,7 +81,8 @@ def add_generation_flags(p: argparse.ArgumentParser, batch: bool = True, batch_s
         g.add_argument("--logprobs", type=int, default=None, metavar="N",
                        help="0: the chosen tokens' log-probabilities; n: and the n most likely (default: none)")
     g.add_argument("--max-kv-size", type=int, default=None, metavar="TOKENS",
-                   help="bound the KV cache to a ring of this many tokens (default: the whole context)")
+                   help="bound the KV cache to a ring of this many tokens, beside each prompt's first 4, which "
+                        "every token still sees (attention sinks) (default: the whole context)")
     g.add_argument("--prefill-step", type=int, default=d.prefill_step, metavar="TOKENS",
                    help="prompt tokens per prefill chunk")
     g.add_argument("--response-format", metavar="JSON",
@@ -155,12 +156,14 @@ def generate_parser(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prompts and output")
     g.add_argument("-p", "--prompt", action="append", metavar="TEXT",
                    help="a prompt ('-' reads stdin; \\n and \\t are read as escapes, as mlx-lm does); repeat for a "
-                        "batch")
+                        "batch, whose prompts have ids 1, 2, ... in order")
     g.add_argument("--prompts-file", metavar="FILE",
                    help="one prompt per line, or JSONL (.jsonl): per line a string or {\"id\", \"prompt\" or "
-                        "\"messages\", options such as \"max_tokens\"}")
+                        "\"messages\", options such as \"max_tokens\"}; a prompt's id is its \"id\" as given (a "
+                        "string or an integer), else its line number (1-based; blank lines count). Not with --prompt")
     g.add_argument("-o", "--output", metavar="FILE.jsonl",
-                   help="append one JSON line per prompt as it finishes; rerunning skips the ids already there")
+                   help="append one JSON line per prompt as it finishes, with its \"id\" (and, from a file, its "
+                        "\"line\"); rerunning skips the ids already there")
     g.add_argument("--system-prompt", metavar="TEXT", help="a system message before each prompt (chat template)")
     g.add_argument("--ignore-chat-template", action="store_true",
                    help="use prompts as raw text (by default the model's chat template applies, when it has one)")
@@ -192,9 +195,9 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
     from mlxfun.engine.sampling import seeds
     from mlxfun.generate import Job
 
-    items = jobs.prompt_items(_prompt_texts(args.prompt))
-    if args.prompts_file:
-        items += jobs.read_items(args.prompts_file)
+    if args.prompt and args.prompts_file:  # both would number their prompts from 1
+        raise MlxfunError("give --prompt (-p) or --prompts-file, not both")
+    items = jobs.read_items(args.prompts_file) if args.prompts_file else jobs.prompt_items(_prompt_texts(args.prompt))
     if not items:
         raise MlxfunError("give a --prompt (-p) or a --prompts-file")
     if args.output:  # ids name the lines of the output, to resume
@@ -216,7 +219,7 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
         raise MlxfunError("--system-prompt needs the chat template" + (
             "; drop --ignore-chat-template" if args.ignore_chat_template else ", and this model has none"))
     reqs = jobs.build_requests(model, todo, config, template=template, system_prompt=args.system_prompt)
-    overflow = ring_overflow(reqs, config.max_kv_size)
+    overflow = ring_overflow(reqs, config.max_kv_size, [str(it.id) for it in todo])
     if overflow is not None:
         print(f"mlxfun: warning: --max-kv-size {overflow}", file=sys.stderr)
     if args.prompt_cache_file:  # loaded once here, to warn when no prompt can use it
@@ -227,9 +230,9 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
             pass
         result = job.result()
         if shows:
-            for i, (text, reason) in enumerate(zip(result.texts, result.finish_reasons)):
+            for item, text, reason in zip(todo, result.texts, result.finish_reasons):
                 if len(items) > 1:
-                    print(f"==== prompt {i} ({reason}) ====")
+                    print(jobs.header(item.id, reason))
                 print(text)
         return 0
     engine = engine_for(model, min(len(reqs), args.batch_size or DEFAULT_ROWS), config)

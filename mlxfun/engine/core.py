@@ -115,7 +115,7 @@ class Engine:
         pool = Pool(1, block_size, cached if prefix_cache else 0)
         context = self.config.max_position_embeddings
         pages = Pages(rows, pool, self.config.max_window, max_blocks, MIN_BLOCKS if on_gpu else MIN_BLOCKS_CPU,
-                      ladder(context, block_size) if fixed_shapes else None)
+                      ladder(context, block_size) if fixed_shapes else None, self.config.sinks)
         if fixed_shapes:
             # One pool size for the engine's life (each size compiles the steps anew): the budget,
             # or what every row at full context could hold and an eighth more for the prefix cache.

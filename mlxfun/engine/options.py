@@ -19,6 +19,7 @@ import numpy as np
 from mlxfun.engine import sampling
 from mlxfun.errors import InputError, check_bool, check_positive_int, is_int
 from mlxfun.features import structured
+from mlxfun.model.config import SINK_TOKENS
 from mlxfun.model.load import Model
 
 # Roles the chat templates of the families we load know.
@@ -51,7 +52,7 @@ class GenerationConfig:
     # Scheduler options, for the whole call.
     batch_size: int | None = None  # rows decoded at once; more prompts wait and refill rows
     prefill_step: int = 512  # prompt tokens per prefill chunk
-    max_kv_size: int | None = None  # bound the cache to a ring of this many tokens
+    max_kv_size: int | None = None  # bound the cache to a ring of this many tokens (and the first 4: sinks)
     prefix_cache: bool = True  # reuse the KV of prompt prefixes already computed (False: compute all)
     prompt_cache: Any = None  # a `prompt_cache.PromptCache` (or its file) whose prefix prompts may start with
     draft_model: Any = None  # speculative decoding: a draft Model (or its path), same tokenizer, or "prompt-lookup"
@@ -284,15 +285,18 @@ def make_request(model: Model, prompt, *, max_tokens: int = 256, settings: sampl
                    eos, constraint)
 
 
-def ring_overflow(reqs: Sequence[Request], max_kv_size: int | None) -> str | None:
+def ring_overflow(reqs: Sequence[Request], max_kv_size: int | None, names: Sequence[str] | None = None
+                  ) -> str | None:
     """A warning (to follow the option's name) when some prompt alone is longer than the ring
-    `max_kv_size` bounds the cache to (its first tokens are then out of every later query's
-    sight), else None."""
+    `max_kv_size` bounds the cache to and its sinks (the prompt's first SINK_TOKENS tokens): part
+    of it is then out of every later query's sight. Else None. `names`: each prompt's name (by
+    default its index in `reqs`, 0-based)."""
     if max_kv_size is None:
         return None
-    long = [i for i, r in enumerate(reqs) if len(r.prompt) > max_kv_size]
+    long = [i for i, r in enumerate(reqs) if len(r.prompt) > max_kv_size + SINK_TOKENS]
     if not long:
         return None
-    shown = ", ".join(f"{i} ({len(reqs[i].prompt)} tokens)" for i in long[:3]) + (" ..." if len(long) > 3 else "")
-    return (f"{max_kv_size} is shorter than prompt{'s' if len(long) > 1 else ''} {shown} (0-based): each token "
-            f"sees only the last {max_kv_size}, so the answer cannot see the prompt's beginning")
+    shown = ", ".join(f"{names[i] if names else i} ({len(reqs[i].prompt)} tokens)" for i in long[:3])
+    return (f"{max_kv_size} is shorter than prompt{'s' if len(long) > 1 else ''} {shown}"
+            f"{' ...' if len(long) > 3 else ''}{'' if names else ' (0-based)'}: each token sees only the first "
+            f"{SINK_TOKENS} and the last {max_kv_size}, so the answer cannot see all of the prompt")

@@ -5,6 +5,8 @@ Row r holds a block per logical block j of its positions (j * bs ... (j + 1) * b
 longest live row needs (in buckets, so the compiled step retraces per bucket), so a column is a
 logical block. A ring row (every layer windowed, or `max_kv_size`) keeps `ring_columns(window)`
 columns: each new block displaces the one W columns behind it, which no query can see any more.
+A ring of `max_kv_size` also keeps, in its first columns, the blocks that hold its row's attention
+sinks (`sinks` first positions, visible to every query): its ring is the columns after them.
 Blocks come from a `blocks.Pool`, which grows (up to `max_blocks`) when none is free; the engine
 sizes the device pool to match. Pure bookkeeping over integers: no arrays but the host table.
 """
@@ -49,11 +51,13 @@ def ladder(context: int, block_size: int, factor: int = 4) -> list[int]:
 
 class Pages:
     def __init__(self, rows: int, pool: Pool, window: int | None, max_blocks: int, least: int = MIN_BLOCKS,
-                 widths: list[int] | None = None):
+                 widths: list[int] | None = None, sinks: int = 0):
         self.pool, self.bs, self.window, self.max_blocks = pool, pool.block_size, window, max_blocks
         self.least = least  # the least pool's blocks (`pool_size`)
         self.widths = widths  # the table widths allowed (`ladder`); None: every bucket
-        self.ring = None if window is None else kv.ring_columns(window, self.bs)
+        self.ring = None if window is None else kv.ring_columns(window, self.bs, sinks)
+        # A ring row's first logical blocks, kept in its first columns for good (`kv.pinned_slots`).
+        self.pinned = 0 if window is None else kv.pinned_slots(sinks, self.bs) // self.bs
         self.held: list[dict[int, int]] = [{} for _ in range(rows)]
         self.table = np.zeros((rows, self.ring or kv.columns_for(1, None, self.bs)), np.int32)
         self.dirty = True  # the device table is out of date
@@ -114,11 +118,12 @@ class Pages:
             self._settle(row, missing if after else None)
 
     def drop_behind(self, row: int, position: int) -> None:
-        """A ring row releases the blocks a query at `position` can no longer see."""
+        """A ring row releases the blocks a query at `position` can no longer see (never its
+        pinned blocks: they hold its sinks)."""
         if self.ring is None:
             return
-        first = position // self.bs - self.ring + 1
-        old = sorted(j for j in self.held[row] if j < first)
+        first = position // self.bs - (self.ring - self.pinned) + 1
+        old = sorted(j for j in self.held[row] if self.pinned <= j < first)
         if old:
             self.pool.release([self.held[row].pop(j) for j in reversed(old)])
             self._settle(row)
@@ -186,15 +191,22 @@ class Pages:
         elif new is None:
             self._fill(row)
         else:
-            columns, width = self.table[row], self.width  # a view of the row
+            columns = self.table[row]  # a view of the row
             for j in new:
-                columns[j % width] = held[j]
+                columns[self.column(j)] = held[j]
         self.dirty = True
+
+    def column(self, j: int) -> int:
+        """The table column of logical block j: j itself in a linear table; in a ring, its pinned
+        blocks first, then the others in turn (`masks.ring_index`, as the device computes it)."""
+        if j < self.pinned:
+            return j
+        return self.pinned + (j - self.pinned) % (self.width - self.pinned)
 
     def _fill(self, row: int) -> None:
         self.table[row] = 0
         for j in sorted(self.held[row]):
-            self.table[row, j % self.width] = self.held[row][j]
+            self.table[row, self.column(j)] = self.held[row][j]
 
     def reorder(self, keep: list[int]) -> None:
         """Rows `keep` become rows 0, 1, ... (the engine's rows followed its live requests); the

@@ -86,7 +86,7 @@ def forward_step(config: ModelConfig, params: Params, state: DecodeState) -> tup
                             fast=True, check=False)  # (B, 1, E)
     # Rows without a request stay at -1: their writes go to the scratch block.
     positions = mx.where(state.positions >= 0, state.positions + 1, state.positions)
-    return llama.logits(params, h[:, -1], fast=True), state._replace(cache=cache, positions=positions)
+    return llama.logits(config, params, h[:, -1], fast=True), state._replace(cache=cache, positions=positions)
 
 
 def sample_step(mode: Mode, logits: mx.array, mask: mx.array | None, state: DecodeState,
@@ -148,8 +148,8 @@ def verify_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeSt
     positions = mx.where(live[:, None], state.positions[:, None] + mx.arange(k + 1)[None], -1)  # (B, k + 1)
     h, cache = verify_hidden(config, params, tokens, positions, state.cache,
                              llama.step_attention_kernel(config, params))  # (B, k + 1, E)
-    out = speculative.verdict(mode.sample, mode.search, mode.top_logprobs, llama.logits(params, h, fast=True), drafts,
-                              valid, draft_probs, settings, state.steps)
+    out = speculative.verdict(mode.sample, mode.search, mode.top_logprobs, llama.logits(config, params, h, fast=True),
+                              drafts, valid, draft_probs, settings, state.steps)
     last = mx.take_along_axis(out.tokens, (out.count - 1)[:, None], axis=1)[:, 0]  # (B,)
     new_positions = mx.where(live, state.positions + out.count, state.positions)
     packed = mx.concatenate([out.count[:, None], out.tokens], axis=1)  # (B, k + 2)
@@ -162,7 +162,7 @@ def first_token(config: ModelConfig, mode: Mode, params: Params, h: mx.array, se
     products, not mlxfun's few-row kernels: B is a prefill group's size, which varies from one
     admission to the next, and those kernels are built for their row count (NVRTC, about 2 s per new
     count on an H200: a static batch of mixed prompts paid it for each new group size)."""
-    return choose(mode, llama.logits(params, h), settings, steps, counts, mask)
+    return choose(mode, llama.logits(config, params, h), settings, steps, counts, mask)
 
 
 class Steps(NamedTuple):

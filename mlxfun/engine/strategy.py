@@ -12,6 +12,7 @@ prompt alone and in a batch on the same kernels, so batched still equals alone b
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -65,18 +66,30 @@ def quantized(params: Params) -> bool:
 
 
 def dense_bytes(config: ModelConfig, params: Params) -> int:
-    """Bytes of a dense copy of the quantized maps, in the activation dtype."""
+    """Bytes of a dense copy (`dense_copy`) of the quantized maps, in the activation dtype."""
     size = weights.compute_dtype(params).size
     total = 0
 
     def count(p, in_features: int):
         nonlocal total
         if isinstance(p, Quantized):
-            total += p.weight.shape[0] * in_features * size
+            total += math.prod(p.weight.shape[:-1]) * in_features * size
         return p
 
-    weights.map_linears(config, params, count)
+    weights.map_linears(config, without_experts(params), count)
     return total
+
+
+def without_experts(params: Params) -> Params:
+    return params._replace(layers=tuple(layer._replace(experts=None) for layer in params.layers))
+
+
+def dense_copy(config: ModelConfig, params: Params) -> Params:
+    """Quantized maps dequantized to the activation dtype, except a mixture's experts: a batch
+    reads only the experts its tokens chose (`mx.gather_qmm`), and their dense copy would be
+    most of the model (a Qwen3-30B-A3B's 4-bit weights of 17 GB against 57 GB of bf16 experts)."""
+    dense = weights.cast(config, params, weights.compute_dtype(params))
+    return dense._replace(layers=tuple(d._replace(experts=q.experts) for d, q in zip(dense.layers, params.layers)))
 
 
 def memory_limit() -> int:
@@ -117,7 +130,7 @@ def params_for_batch(config: ModelConfig, params: Params, batch: int, strategy: 
     strategy = strategy or default_strategy()
     if not use_dense(config, params, batch, strategy):
         return params
-    dense = weights.cast(config, params, weights.compute_dtype(params))
+    dense = dense_copy(config, params)
     mx.eval(dense)
     return dense
 
@@ -130,11 +143,12 @@ def params_for_prompts(config: ModelConfig, params: Params, lengths: list[int], 
     after prefill: decode steps of few rows read 4-bit weights)."""
     strategy = strategy or default_strategy()
     tokens = sum(min(n, chunk) for n in lengths)
+    width = max(config.intermediate_size, config.moe_intermediate_size)
     if strategy.prompt_dense_from is None or tokens < strategy.prompt_dense_from or not quantized(params) or \
-            config.hidden_size * config.intermediate_size < strategy.prompt_dense_min_weights or \
+            config.hidden_size * width < strategy.prompt_dense_min_weights or \
             not dense_fits(config, params, strategy):
         return params
-    return weights.cast(config, params, weights.compute_dtype(params))
+    return dense_copy(config, params)
 
 
 def params_for_scoring(config: ModelConfig, params: Params, rows: int, length: int,

@@ -46,7 +46,7 @@ def draft_round(config: ModelConfig, k: int, sample: bool, search: sampling.Sear
         h, cache = llama.hidden(config, params, tokens[:, None], p[:, None], None, cache, fast=True, check=False)
         if i == k:
             break
-        logits = llama.logits(params, h[:, -1], fast=True).astype(mx.float32)  # (B, V)
+        logits = llama.logits(config, params, h[:, -1], fast=True).astype(mx.float32)  # (B, V)
         if sample:
             x = sampling.filter_logits(logits, settings, search=search)  # (B, V)
             seed = settings.seed ^ DRAFT_SALT
@@ -89,7 +89,7 @@ class DraftModel(Drafter):
         self.pool = Pool(1, engine.scheduler.pool.block_size)
         self.multiple = engine.runner.pad_multiple
         self.pages = Pages(engine.rows, self.pool, self.config.max_window, engine.scheduler.max_blocks,
-                           engine.scheduler.pages.least)
+                           engine.scheduler.pages.least, sinks=self.config.sinks)
         self.cache: kv.KVCache | None = None
         self.draft_pos = [0] * engine.rows  # positions whose draft KV is right, per row
 

@@ -8,6 +8,9 @@ are one run, equal rows in consecutive blocks, is one slice update instead), and
 `positions` (N, bs) the position each slot holds (< 0: empty). `table` (B, W) lists each row's
 blocks: the positions [j * bs, (j + 1) * bs) of row b live in block `table[b, j % W]`, so where a
 row is meant to outrun W * bs slots (windowed layers, `max_kv_size`) its columns are reused as a ring.
+A ring of `max_kv_size` keeps its row's first blocks, which hold the attention sinks
+(`config.SINK_TOKENS`), in its first columns for good: its other columns take the later blocks
+in turn (`pinned_slots`, `masks.ring_index`).
 
 A token's slot follows from its position (`slots`), so there is no cursor, and rows advance at
 their own pace. Block 0 is scratch: padding tokens (negative positions) are written there with
@@ -31,7 +34,7 @@ import numpy as np
 
 from mlxfun.errors import InputError
 from mlxfun.model.config import ModelConfig
-from mlxfun.model.masks import own_slots
+from mlxfun.model.masks import own_slots, ring_index
 from mlxfun.model.scalars import dynamic
 
 BLOCK = 16  # slots per block in the scheduler's pool
@@ -71,13 +74,24 @@ def capacity(cache: KVCache) -> int:
     return cache.table.shape[1] * cache.positions.shape[1]
 
 
-def slots(table: mx.array, positions: mx.array, block_size: int) -> mx.array:
+def pinned_slots(sinks: int, block_size: int) -> int:
+    """Slots at the start of a ring row kept out of its ring: the whole blocks that hold its first
+    `sinks` positions (`ModelConfig.sinks`)."""
+    return -(-sinks // block_size) * block_size
+
+
+def slots(table: mx.array, positions: mx.array, block_size: int, pinned: int = 0) -> mx.array:
     """table (B, W), positions (B, T) -> (B, T) int32 flat slot of each token in the pool
-    (block * bs + offset); 0, in the scratch block, for padding (negative positions)."""
+    (block * bs + offset); 0, in the scratch block, for padding (negative positions). `pinned`:
+    the row's first slots that keep their columns (`pinned_slots`)."""
     # Written so that compilation fuses each side of the gather into one kernel (a decode step is
     # host-bound on a GPU: each kernel costs its launch): `positions` itself, not its clamp, past it.
     # The width is read at run time: a new width must not make new kernels (`scalars`).
-    column = (mx.maximum(positions, 0) // block_size) % dynamic(table.shape[1])  # (B, T)
+    if pinned and table.shape[1] * block_size <= pinned:
+        raise InputError(f"a cache of {table.shape[1] * block_size} slots per row has no ring beside the {pinned} "
+                         f"it keeps for attention sinks: size it by columns_for(length, window, sinks=...)")
+    column = ring_index(mx.maximum(positions, 0) // block_size, dynamic(table.shape[1]),
+                        pinned // block_size)  # (B, T)
     block = mx.take_along_axis(table, column, axis=1)  # (B, T)
     return mx.where(positions >= 0, block * block_size + positions % block_size, 0)
 
@@ -144,12 +158,16 @@ def held_positions(positions: mx.array, table: mx.array) -> mx.array:
     return positions[table].reshape(table.shape[0], -1)
 
 
-def gather_positions(positions: mx.array, table: mx.array) -> mx.array:
+def gather_positions(positions: mx.array, table: mx.array, pinned: int = 0, until: mx.array | None = None
+                     ) -> mx.array:
     """positions (N, bs), table (B, W) -> (B, C = W * bs): the position each slot a row reads
-    holds, or -1 where it is empty or holds a position that is not its own (p mod C names the
-    slot a position belongs to: what a block's previous owner left behind is never seen)."""
+    holds, or -1 where it is empty or holds a position that is not its own (`masks.own_slots`:
+    what a block's previous owner left behind is never seen). `until` (B, 1): each row's next
+    position (a chunk's first, read before its write): a slot holding that position or a later
+    one holds a previous owner's, at a slot the row has not written yet."""
     held = held_positions(positions, table)  # (B, C)
-    return mx.where((held >= 0) & own_slots(held), held, -1)
+    real = (held >= 0) & own_slots(held, pinned)
+    return mx.where(real if until is None else real & (held < until), held, -1)
 
 
 def slot_bytes(config: ModelConfig, dtype: mx.Dtype) -> int:
@@ -237,12 +255,13 @@ def bucket(length: int, block: int = 256) -> int:
     return max(block, -(-length // block) * block)
 
 
-def ring_columns(window: int, block_size: int = BLOCK) -> int:
-    """Columns of a ring row: every position of the window, plus the block being filled."""
-    return -(-window // block_size) + 1
+def ring_columns(window: int, block_size: int = BLOCK, sinks: int = 0) -> int:
+    """Columns of a ring row: every position of the window, plus the block being filled, plus
+    the blocks that hold its first `sinks` positions (kept: `pinned_slots`)."""
+    return -(-window // block_size) + 1 + pinned_slots(sinks, block_size) // block_size
 
 
-def columns_for(length: int, window: int | None, block_size: int = BLOCK) -> int:
+def columns_for(length: int, window: int | None, block_size: int = BLOCK, sinks: int = 0) -> int:
     """Table columns for rows of up to `length` tokens: a bucket, or the ring when smaller."""
     linear = bucket(length) // block_size
-    return linear if window is None else min(linear, ring_columns(window, block_size))
+    return linear if window is None else min(linear, ring_columns(window, block_size, sinks))

@@ -42,15 +42,26 @@ class Quantized(NamedTuple):
 Linear = Dense | Quantized
 
 
+class Experts(NamedTuple):
+    """A mixture-of-experts MLP (`config.moe_layers`): n experts of width I, stacked."""
+
+    router: Linear  # E -> n
+    gate_up: Linear  # stacked (n, 2 * I, E): each expert's gate then up rows
+    down: Linear  # stacked (n, E, I)
+
+
 class Layer(NamedTuple):
     attn_norm: mx.array  # (E,)
     qkv: Linear  # E -> (H + 2 * Hkv) * D, q/k/v fused at load time
     o: Linear  # H * D -> E
     mlp_norm: mx.array  # (E,)
-    gate_up: Linear  # E -> 2 * I, gate then up
-    down: Linear  # I -> E
-    q_norm: mx.array | None = None  # (D,) Qwen3
+    gate_up: Linear | None  # E -> 2 * I, gate then up (None in a layer of experts)
+    down: Linear | None  # I -> E
+    q_norm: mx.array | None = None  # (D,) Qwen3, Gemma 3
     k_norm: mx.array | None = None  # (D,)
+    attn_post_norm: mx.array | None = None  # (E,) on attention's output (Gemma's sandwich norms)
+    mlp_post_norm: mx.array | None = None  # (E,) on the MLP's output
+    experts: Experts | None = None  # in place of gate_up / down
 
 
 class Params(NamedTuple):
@@ -100,13 +111,27 @@ def embed(p: Linear, tokens: mx.array, hidden_size: int) -> mx.array:
     return p.weight[tokens]
 
 
-def rope_freqs(config: ModelConfig) -> mx.array | None:
-    """Per-pair RoPE periods for llama3 scaling or explicit frequency factors; None where
-    mx.fast.rope's base suffices."""
+class Rotation(NamedTuple):
+    """How one kind of layer rotates its queries and keys (`rotations`), made once per pass: its
+    tables rebuilt by each of 16 layers cost a prefill chunk 0.3 ms of host time on this project's
+    CPU."""
+
+    dims: int  # the first `dims` of each head rotate (Phi's partial rotary), pairs (i, i + dims / 2)
+    base: float | None  # mx.fast.rope's base, where no periods are given
+    scale: float  # position scale (linear scaling)
+    periods: mx.array | None  # (dims / 2,) per-pair periods (1 / frequency), or None
+    long_periods: mx.array | None = None  # longrope: periods from position `switch` on
+    switch: int = 0
+    gain: mx.array | None = None  # (D,) longrope's attention factor on the rotated dims
+
+
+def _periods(config: ModelConfig) -> list[float] | None:
+    """Per-pair periods for llama3 scaling or explicit frequency factors; None where mx.fast.rope's
+    base suffices."""
     d = config.head_dim
     inv = [config.rope_theta ** (-2 * i / d) for i in range(d // 2)]
     if config.rope_freq_factors is not None:
-        return mx.array([f / i for f, i in zip(config.rope_freq_factors, inv)], dtype=mx.float32)
+        return [f / i for f, i in zip(config.rope_freq_factors, inv)]
     s = config.rope_scaling
     if s is None or s.kind != "llama3":
         return None
@@ -123,19 +148,47 @@ def rope_freqs(config: ModelConfig) -> mx.array | None:
             smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
                 s.high_freq_factor - s.low_freq_factor)
             out.append((1 - smooth) * f / s.factor + smooth * f)
-    # mx.fast.rope takes periods (1 / frequency).
-    return mx.array([1.0 / f for f in out], dtype=mx.float32)
+    return [1.0 / f for f in out]
 
 
-def rope(config: ModelConfig, x: mx.array, offset: mx.array, freqs: mx.array | None) -> mx.array:
-    """x (B, H, T, D) rotated for positions offset[b] + t; offset (B,) int32; freqs: `rope_freqs`
-    (made once per pass: rebuilt by each of 16 layers, it cost a prefill chunk 0.3 ms of host
-    time on this project's CPU)."""
+def rotations(config: ModelConfig) -> tuple[Rotation, Rotation]:
+    """(the rotation of most layers, that of `config.local_layers`). Gemma 3's local layers use
+    their own base, unscaled; longrope (Phi-3) uses its short factors below its original context
+    and its long ones from there on, chosen per token: a key keeps the rotation it was written
+    with, so a row's tokens never depend on how long it or its neighbours grow (Hugging Face
+    picks one set per sequence, by its length; the two agree on any sequence within the
+    original context)."""
+    dims = config.rotary_dim or config.head_dim
     s = config.rope_scaling
-    scale = 1.0 / s.factor if s is not None and s.kind == "linear" else 1.0
-    return mx.fast.rope(x, config.head_dim, traditional=config.rope_traditional,
-                        base=None if freqs is not None else config.rope_theta,
-                        scale=scale, offset=offset, freqs=freqs)
+    if s is not None and s.kind == "longrope":
+        base = [config.rope_theta ** (2 * i / dims) for i in range(dims // 2)]
+        gain = [s.attention_factor] * dims + [1.0] * (config.head_dim - dims)
+        main = Rotation(dims, None, 1.0, mx.array([f * b for f, b in zip(s.short_factor, base)], dtype=mx.float32),
+                        mx.array([f * b for f, b in zip(s.long_factor, base)], dtype=mx.float32),
+                        s.original_max_position_embeddings,
+                        None if s.attention_factor == 1.0 else mx.array(gain, dtype=mx.float32))
+    else:
+        periods = _periods(config)
+        main = Rotation(dims, None if periods is not None else config.rope_theta,
+                        1.0 / s.factor if s is not None and s.kind == "linear" else 1.0,
+                        None if periods is None else mx.array(periods, dtype=mx.float32))
+    local = main if config.local_rope_theta is None else Rotation(dims, config.local_rope_theta, 1.0, None)
+    return main, local
+
+
+def rope(config: ModelConfig, x: mx.array, offset: mx.array, rot: Rotation) -> mx.array:
+    """x (B, H, T, D) rotated for positions offset[b] + t; offset (B,) int32; rot: `rotations`."""
+
+    def turn(periods):
+        return mx.fast.rope(x, rot.dims, traditional=config.rope_traditional, base=rot.base if periods is None
+                            else None, scale=rot.scale, offset=offset, freqs=periods)
+
+    if rot.gain is not None:
+        x = x * rot.gain.astype(x.dtype)  # rotation is linear: scaling before is scaling after
+    if rot.long_periods is None:
+        return turn(rot.periods)
+    pos = offset[:, None] + mx.arange(x.shape[2], dtype=offset.dtype)  # (B, T)
+    return mx.where((pos >= rot.switch)[:, None, :, None], turn(rot.long_periods), turn(rot.periods))
 
 
 class LayerCache(NamedTuple):
@@ -151,10 +204,10 @@ class LayerCache(NamedTuple):
     run: mx.array | None = None  # (1,): `slots` are the run [run, run + B * T) (`kv.write_run`)
 
 
-def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, freqs: mx.array | None,
+def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, rot: Rotation,
               mask: mx.array, bias: mx.array, cache: LayerCache | None, fast: bool = False
               ) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
-    """x (B, T, E), or (B, E) for one token per row, offset (B,) and freqs (`rope`), mask (B, T, S)
+    """x (B, T, E), or (B, E) for one token per row, offset (B,) and rot (`rope`), mask (B, T, S)
     and bias, the same mask as `additive_mask` makes it (for MLX's fused kernel off Metal; `hidden`
     makes both once per pass) -> (output shaped as x, this layer's pools after the write, or None
     without a cache).
@@ -175,11 +228,12 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
         qkv = qkv.reshape(B, T, H + 2 * K, D).transpose(0, 2, 1, 3)  # (B, H + 2K, T, D)
     v = qkv[:, H + K:]  # (B, K, T, D)
     if layer.q_norm is None:
-        qk = rope(config, qkv[:, :H + K], offset, freqs)  # queries and keys rotated by one kernel
+        qk = rope(config, qkv[:, :H + K], offset, rot)  # queries and keys rotated by one kernel
         q, k = qk[:, :H], qk[:, H:]  # (B, H, T, D), (B, K, T, D)
     else:
-        q = rope(config, mx.fast.rms_norm(qkv[:, :H], layer.q_norm, config.rms_norm_eps), offset, freqs)
-        k = rope(config, mx.fast.rms_norm(qkv[:, H:H + K], layer.k_norm, config.rms_norm_eps), offset, freqs)
+        q = rope(config, mx.fast.rms_norm(qkv[:, :H], layer.q_norm, config.rms_norm_eps), offset, rot)
+        k = rope(config, mx.fast.rms_norm(qkv[:, H:H + K], layer.k_norm, config.rms_norm_eps), offset, rot)
+    scale, cap = config.attention_scale, config.attn_softcap
 
     written, out = None, None
     if cache is None:
@@ -189,24 +243,25 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
             written = (kv.write_run(cache.keys, k, cache.run), kv.write_run(cache.values, v, cache.run))
         else:
             written = (kv.write(cache.keys, k, cache.slots), kv.write(cache.values, v, cache.slots))
-        if fast and x.ndim == 2 and layer.q_norm is None and kernels.serves_attention(D, H // K, x.dtype):
+        if fast and x.ndim == 2 and layer.q_norm is None and plain_scores(config) and \
+                kernels.serves_attention(D, H // K, x.dtype):
             out = kernels.decode_attention(qk, *written, cache.table, mask, H)  # (B, H * D)
             return reduce(config, linear(layer.o, out, fast)), written
         if cache.fresh:
             keys, values = k, v  # (B, K, T, D): nothing to read from the pool
         elif (T == 1 or not cache.wraps) and mx.default_device() == mx.cpu:
-            out = paged_attention(q, *written, cache.table, cache.block_size, mask, D**-0.5)  # (B, H, T, D)
+            out = paged_attention(q, *written, cache.table, cache.block_size, mask, scale, cap)  # (B, H, T, D)
         elif T == 1 or not cache.wraps:
             keys, values = (kv.gather(w, cache.table, cache.block_size) for w in written)  # (B, K, S, D)
         else:
             keys = mx.concatenate([kv.gather(cache.keys, cache.table, cache.block_size), k], axis=2)  # (B, K, S + T, D)
             values = mx.concatenate([kv.gather(cache.values, cache.table, cache.block_size), v], axis=2)
-    if out is None and not fused_masked_attention() and (
-            T == 1 or B * H * T * keys.shape[2] <= grouped_max_scores(q.dtype)):
-        out = grouped_attention(q, keys, values, mask, D**-0.5)
+    if out is None and (cap is not None or not fused_masked_attention() and (
+            T == 1 or B * H * T * keys.shape[2] <= grouped_max_scores(q.dtype))):
+        out = grouped_attention(q, keys, values, mask, scale, cap)  # MLX's fused kernels have no soft-cap
     elif out is None:
         # Metal's kernels take a bool mask as it is.
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5,
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
                                                    mask=mask[:, None] if fused_masked_attention() else bias)
     out = out.reshape(B, H * D) if x.ndim == 2 else out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
     return reduce(config, linear(layer.o, out, fast)), written
@@ -245,8 +300,10 @@ def additive_mask(mask: mx.array, dtype: mx.Dtype) -> mx.array:
     return mx.where(mask[:, None], mx.array(0, dtype), mx.array(-mx.inf, dtype))
 
 
-def grouped_attention(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float) -> mx.array:
-    """q (B, H, T, D), keys/values (B, K, S, D), mask (B, T, S) bool -> (B, H, T, D).
+def grouped_attention(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float,
+                      cap: float | None = None) -> mx.array:
+    """q (B, H, T, D), keys/values (B, K, S, D), mask (B, T, S) bool -> (B, H, T, D); scores
+    soft-capped at `cap` (cap * tanh(s / cap), Gemma 2) if given.
 
     The H / K query heads that share a key head form one matrix, so each key is read once per
     key head, never copied per query head."""
@@ -255,13 +312,14 @@ def grouped_attention(q: mx.array, keys: mx.array, values: mx.array, mask: mx.ar
     G = H // K
     scores = (q.reshape(B, K, G * T, D) @ keys.swapaxes(-1, -2)).reshape(B, K, G, T, S)
     # Scaling here rather than q lets compilation fuse it with the mask: one kernel fewer.
-    scores = mx.where(mask[:, None, None], scores * scale, mx.array(-mx.inf, scores.dtype))
+    scores = scores * scale if cap is None else mx.tanh(scores * (scale / cap)) * cap
+    scores = mx.where(mask[:, None, None], scores, mx.array(-mx.inf, scores.dtype))
     probs = mx.softmax(scores, axis=-1, precise=True).reshape(B, K, G * T, S)
     return (probs @ values).reshape(B, H, T, D)
 
 
 def paged_attention(q: mx.array, keys: mx.array, values: mx.array, table: mx.array, block_size: int,
-                    mask: mx.array, scale: float) -> mx.array:
+                    mask: mx.array, scale: float, cap: float | None = None) -> mx.array:
     """q (B, H, T, D), keys/values pools (N * bs, K, 1, D), table (B, W), mask (B, T, S = W * bs) bool
     -> (B, H, T, D): `grouped_attention` over each row's slots, read through its table.
 
@@ -272,15 +330,18 @@ def paged_attention(q: mx.array, keys: mx.array, values: mx.array, table: mx.arr
     K, W = keys.shape[1], table.shape[1]
     slot = (table[:, :, None] * block_size + mx.arange(block_size, dtype=mx.int32)).reshape(B, 1, W * block_size)
     index = slot * K + mx.arange(K, dtype=mx.int32)[None, :, None]  # (B, K, S): rows of the pool's (N bs K, D) view
-    return grouped_attention(q, keys.reshape(-1, D)[index], values.reshape(-1, D)[index], mask, scale)
+    return grouped_attention(q, keys.reshape(-1, D)[index], values.reshape(-1, D)[index], mask, scale, cap)
 
 
-def layer_masks(config: ModelConfig, positions: mx.array, key_pos: mx.array,
-                mask: mx.array | None, slotted: bool = False) -> dict[int | None, mx.array]:
-    """One (B, T, S) mask per distinct layer window, built once per forward pass. `slotted`:
-    key_pos are what the row's slots hold (`masks.causal`)."""
-    base = masks.causal(positions, key_pos, slotted) if mask is None else mask
-    windowed = {w: base if w is None else base & masks.window(positions, key_pos, w) for w in set(config.layer_windows)}
+def layer_masks(config: ModelConfig, positions: mx.array, key_pos: mx.array, mask: mx.array | None,
+                slotted: bool = False, pinned: int = 0) -> dict[tuple[int | None, int], mx.array]:
+    """One (B, T, S) mask per distinct (layer window, sinks) (`config.layer_sinks`: a ring of
+    `max_kv_size` keeps the row's first positions visible), built once per forward pass.
+    `slotted`: key_pos are what the row's slots hold; `pinned`: their ring's kept slots
+    (`masks.causal`)."""
+    base = masks.causal(positions, key_pos, slotted, pinned) if mask is None else mask
+    windowed = {(w, n): base if w is None else base & masks.window(positions, key_pos, w, n)
+                for w, n in set(zip(config.layer_windows, config.layer_sinks))}
     # A given mask may hide every key from a real query; one made from positions never does.
     if mask is None:
         return {w: masks.padding_sees_all(m, positions) for w, m in windowed.items()}
@@ -288,8 +349,68 @@ def layer_masks(config: ModelConfig, positions: mx.array, key_pos: mx.array,
 
 
 def mlp(config: ModelConfig, layer: Layer, x: mx.array, fast: bool = False) -> mx.array:
+    """x (..., E) -> (..., E): the gated MLP, or the layer's experts."""
+    if layer.experts is not None:
+        return reduce(config, moe(config, layer.experts, x))
     gate, up = mx.split(linear(layer.gate_up, x, fast), 2, axis=-1)  # (B, T, I) each
-    return reduce(config, linear(layer.down, silu(gate) * up, fast))
+    return reduce(config, linear(layer.down, activation(config, gate) * up, fast))
+
+
+def activation(config: ModelConfig, gate: mx.array) -> mx.array:
+    if config.hidden_act == "gelu_tanh":
+        return gelu_tanh(gate)
+    return silu(gate)
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """GELU's tanh approximation (PyTorch's `gelu(approximate="tanh")`, Gemma's activation)."""
+    return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+# Routed (token, expert) pairs from which a layer of experts sorts them by expert first: a batch
+# then reads each expert's weights once for all its tokens (`mx.gather_mm`'s sorted form), as
+# mlx-lm's SwitchGLU does at the same size.
+SORT_ROUTES = 64
+
+
+def moe(config: ModelConfig, experts: Experts, x: mx.array) -> mx.array:
+    """x (..., E) -> (..., E): each token through its `experts_per_tok` best experts (a softmax
+    over the router's scores, in float32, as Mixtral and Qwen3-MoE route), their outputs summed
+    with those probabilities (renormalised over the chosen when `norm_topk_prob`)."""
+    E, k = x.shape[-1], config.experts_per_tok
+    flat = x.reshape(-1, E)  # (N, E)
+    probs = mx.softmax(linear(experts.router, flat).astype(mx.float32), axis=-1, precise=True)  # (N, n)
+    chosen = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # (N, k)
+    weight = mx.take_along_axis(probs, chosen, axis=-1)  # (N, k)
+    if config.norm_topk_prob:
+        weight = weight / weight.sum(axis=-1, keepdims=True)
+    N = flat.shape[0]
+    if N * k >= SORT_ROUTES:
+        routes = chosen.flatten()  # (N k,)
+        order = mx.argsort(routes)
+        rows = flat[order // k][:, None]  # (N k, 1, E) the routes' tokens, grouped by expert
+        y = expert_mlp(config, experts, rows, routes[order], True)[mx.argsort(order)]  # (N k, 1, E)
+    else:
+        y = expert_mlp(config, experts, flat[:, None, None], chosen, False)  # (N, k, 1, E)
+    y = y.reshape(N, k, E)
+    return (y * weight[..., None].astype(y.dtype)).sum(axis=1).reshape(x.shape)
+
+
+def expert_mlp(config: ModelConfig, experts: Experts, x: mx.array, index: mx.array, grouped: bool) -> mx.array:
+    """x (..., 1, E) through the experts `index` names (broadcast against x's batch dims) ->
+    (..., 1, E). `grouped`: the index is sorted."""
+    gate, up = mx.split(expert_product(experts.gate_up, x, index, grouped), 2, axis=-1)
+    return expert_product(experts.down, activation(config, gate) * up, index, grouped)
+
+
+def expert_product(p: Linear, x: mx.array, index: mx.array, grouped: bool) -> mx.array:
+    """x (..., 1, in) times the stacked maps `index` picks (n, out, in) -> (..., 1, out)."""
+    if isinstance(p, Quantized):
+        group_size, bits = quant_shape(p, x.shape[-1])
+        return mx.gather_qmm(x, p.weight, p.scales, p.biases, rhs_indices=index, transpose=True,
+                             group_size=group_size, bits=bits, sorted_indices=grouped)
+    w = p.weight.swapaxes(-1, -2) if p.weight_t is None else p.weight_t  # (n, in, out)
+    return mx.gather_mm(x, w, rhs_indices=index, sorted_indices=grouped)
 
 
 def reduce(config: ModelConfig, x: mx.array) -> mx.array:
@@ -344,11 +465,13 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     step = cache is not None and tokens.shape[1] == 1  # one token per row: (B, E) activations
     h = embed(params.embed, tokens[:, 0] if step else tokens, config.hidden_size)
     slotted = False  # key_pos are what the rows' slots hold, their own or not (the masks check)
+    pinned = 0  # a ring's first slots, kept for its attention sinks (`kv.pinned_slots`)
     if cache is None:
         key_pos = positions  # (B, T)
     else:
         bs = kv.block_size(cache)
-        slots = kv.slots(cache.table, positions, bs) if slots is None else slots  # (B, T)
+        pinned = kv.pinned_slots(config.sinks, bs)
+        slots = kv.slots(cache.table, positions, bs, pinned) if slots is None else slots  # (B, T)
         held = (kv.write_positions(cache.positions, slots, positions) if run is None
                 else kv.write_positions_run(cache.positions, run, positions))  # (N, bs)
         if fresh:
@@ -356,21 +479,25 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
         elif tokens.shape[1] == 1 or not wraps:
             key_pos, slotted = kv.held_positions(held, cache.table), True  # (B, S)
         else:
-            key_pos = mx.concatenate([kv.gather_positions(cache.positions, cache.table), positions], axis=1)
-    layer_mask = layer_masks(config, positions, key_pos, mask, slotted)
+            before = kv.gather_positions(cache.positions, cache.table, pinned, positions[:, :1])  # (B, S)
+            key_pos = mx.concatenate([before, positions], axis=1)
+    layer_mask = layer_masks(config, positions, key_pos, mask, slotted, pinned)
+    if config.embed_scale:
+        h = h * mx.array(math.sqrt(config.hidden_size), h.dtype)  # in the activation dtype, as Gemma rounds it
     # Additive forms for MLX's fused attention, built once per pass (lazily: unused, never run).
     layer_bias = {w: additive_mask(m, h.dtype) for w, m in layer_mask.items()}
     unread = cache is not None and (fresh or (wraps and tokens.shape[1] > 1))  # attention reads no write
     # Else the first layers' output needs their writes (or nothing is left to build after them).
     launch = launch if unread and len(params.layers) > LAUNCH_LAYERS else None
-    offset, freqs = positions[:, 0], rope_freqs(config)  # (B,) RoPE starts here in each row
+    offset, (rot, local_rot) = positions[:, 0], rotations(config)  # (B,) RoPE starts here in each row
     new_keys, new_values = [], []
     for i, layer in enumerate(params.layers):
         layer_cache = None if cache is None else LayerCache(cache.keys[i], cache.values[i], cache.table, bs, slots,
                                                             wraps, fresh, run)
-        w = config.layer_windows[i]
+        w = config.layer_windows[i], config.layer_sinks[i]
         a, written = attention(config, layer, mx.fast.rms_norm(h, layer.attn_norm, config.rms_norm_eps),
-                               offset, freqs, layer_mask[w], layer_bias[w], layer_cache, fast)
+                               offset, local_rot if config.local_layers[i] else rot, layer_mask[w], layer_bias[w],
+                               layer_cache, fast)
         if unread and (launch is None or i >= LAUNCH_LAYERS):
             # Nothing read the writes, so MLX would run them after the last layer, every layer's
             # keys and values (and the projections they are views of) alive until then: 5 GB of
@@ -380,8 +507,9 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
             # caller holds it is not in place: a 2-layer model whose writes all went out that way
             # peaked at 2.2 pools on this CPU, against 1.2.)
             a = mx.depends(a, list(written))
-        h = h + a
-        h = h + mlp(config, layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps), fast)
+        h = h + (a if layer.attn_post_norm is None else mx.fast.rms_norm(a, layer.attn_post_norm, config.rms_norm_eps))
+        m = mlp(config, layer, mx.fast.rms_norm(h, layer.mlp_norm, config.rms_norm_eps), fast)
+        h = h + (m if layer.mlp_post_norm is None else mx.fast.rms_norm(m, layer.mlp_post_norm, config.rms_norm_eps))
         if written is not None:
             new_keys.append(written[0])
             new_values.append(written[1])
@@ -394,20 +522,28 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     return h, kv.KVCache(tuple(new_keys), tuple(new_values), held, cache.table)
 
 
+def plain_scores(config: ModelConfig) -> bool:
+    """Whether attention scores are q.k / sqrt(D), as mlxfun's decode-attention kernel computes them
+    (not Gemma's query_pre_attn_scalar or soft-capping)."""
+    return config.attn_softcap is None and config.attention_scale == config.head_dim ** -0.5
+
+
 def step_attention_kernel(config: ModelConfig, params: Params) -> bool:
     """Whether a one-token step's attention runs mlxfun's kernel (`attention`, with `fast`): CUDA,
     and a head layout the kernel serves."""
-    return bool(params.layers) and params.layers[0].q_norm is None and \
+    return bool(params.layers) and params.layers[0].q_norm is None and plain_scores(config) and \
         kernels.serves_attention(config.head_dim, config.num_heads // config.num_kv_heads, params.norm.dtype)
 
 
-def logits(params: Params, h: mx.array, fast: bool = False) -> mx.array:
-    """h (..., E) -> logits (..., V)."""
-    return linear(params.embed if params.lm_head is None else params.lm_head, h, fast)
+def logits(config: ModelConfig, params: Params, h: mx.array, fast: bool = False) -> mx.array:
+    """h (..., E) -> logits (..., V), soft-capped where the model caps them (Gemma 2)."""
+    out = linear(params.embed if params.lm_head is None else params.lm_head, h, fast)
+    cap = config.final_softcap
+    return out if cap is None else mx.tanh(out / cap) * cap
 
 
 def forward(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.array,
             mask: mx.array | None = None, cache: kv.KVCache | None = None):
     """tokens (B, T), positions (B, T) -> (logits (B, T, V), new cache or None)."""
     h, cache = hidden(config, params, tokens, positions, mask, cache)
-    return logits(params, h), cache
+    return logits(config, params, h), cache

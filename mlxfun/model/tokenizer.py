@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from mlxfun.chat_template import render as render_template
 from mlxfun.errors import InputError, ModelError
 
 # Tokens that end a turn or a text in the common chat formats; added to the EOS set when present.
@@ -50,7 +50,6 @@ class Tokenizer:
             if tid is not None:
                 eos_token_ids = eos_token_ids | {tid}
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._template = None
 
     @property
     def vocab_size(self) -> int:
@@ -74,25 +73,9 @@ class Tokenizer:
         [{"type": "function", "function": {...}}], given to the template as Hugging Face's are)."""
         if not self.chat_template:
             raise InputError("this model has no chat template; pass chat=False")
-        if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(message):
-                raise InputError(f"chat template: {message}")
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-            env.globals.update(raise_exception=raise_exception,
-                               strftime_now=lambda fmt: datetime.now().strftime(fmt))
-            self._template = env.from_string(self.chat_template)
         bos = self.token(self.bos_token_id) if self.bos_token_id is not None else ""
-        from jinja2 import TemplateError
-
-        try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos, eos_token="", tools=tools)
-        except TemplateError as e:  # e.g. a message without a field the template reads
-            raise InputError(f"chat template: {e}") from None
+        return render_template(self.chat_template, messages, tools=tools,
+                               add_generation_prompt=add_generation_prompt, bos_token=bos)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # The template writes any BOS itself.
@@ -178,7 +161,9 @@ def save_folder(tokenizer: Tokenizer, folder: Path) -> None:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_token_id)])
     backend.save(str(folder / "tokenizer.json"))
-    tk_config = {"chat_template": tokenizer.chat_template}
+    # The class that reads tokenizer.json as it is (Transformers would otherwise pick the model
+    # family's own class, which may expect tokens this tokenizer lacks: Gemma's <unk>).
+    tk_config = {"chat_template": tokenizer.chat_template, "tokenizer_class": "PreTrainedTokenizerFast"}
     if tokenizer.bos_token_id is not None:
         tk_config["bos_token"] = tokenizer.token(tokenizer.bos_token_id)
     (folder / "tokenizer_config.json").write_text(json.dumps(tk_config, indent=2))

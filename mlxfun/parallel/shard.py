@@ -41,7 +41,8 @@ def check(config: ModelConfig, group) -> None:
                          "unsharded model once (mlxfun.shard) or load with mlxfun.sharded_load")
     n = group.size()
     for name, size in (("attention heads", config.num_heads), ("KV heads", config.num_kv_heads),
-                       ("MLP hidden units (intermediate_size)", config.intermediate_size)):
+                       ("MLP hidden units (intermediate_size)", config.intermediate_size),
+                       ("experts' hidden units (moe_intermediate_size)", config.moe_intermediate_size)):
         if size % n:
             raise ModelError(f"a tensor-parallel group of {n} ranks does not divide the model's {size} {name}; "
                              f"use a group size that divides {config.num_heads} heads, {config.num_kv_heads} KV "
@@ -52,18 +53,22 @@ def local_config(config: ModelConfig, group) -> ModelConfig:
     """This rank's config: its heads, KV heads and hidden units, and the group to all-sum over."""
     n = group.size()
     return dataclasses.replace(config, num_heads=config.num_heads // n, num_kv_heads=config.num_kv_heads // n,
-                               intermediate_size=config.intermediate_size // n, tensor_group=group)
+                               intermediate_size=config.intermediate_size // n,
+                               moe_intermediate_size=config.moe_intermediate_size // n, tensor_group=group)
 
 
 def by_outputs(p: Linear, parts: list[int], n: int, r: int) -> Linear:
-    """Rank r's rows of each fused part (sizes `parts`, in order) of a map split by its outputs."""
+    """Rank r's rows of each fused part (sizes `parts`, in order) of a map split by its outputs
+    (stacked maps, experts (n, out, in): each one's rows)."""
     starts = [sum(parts[:i]) for i in range(len(parts))]
 
     def take(a: mx.array | None) -> mx.array | None:
         if a is None:
             return None
-        rows = [a[s + r * size // n: s + (r + 1) * size // n] for s, size in zip(starts, parts)]
-        return mx.contiguous(mx.concatenate(rows) if len(rows) > 1 else rows[0])  # a copy: the full map can go
+        axis = p.weight.ndim - 2  # the outputs' axis
+        rows = [mx.take(a, mx.arange(s + r * size // n, s + (r + 1) * size // n), axis=axis)
+                for s, size in zip(starts, parts)]
+        return mx.contiguous(mx.concatenate(rows, axis=axis) if len(rows) > 1 else rows[0])  # the full map can go
 
     if isinstance(p, Quantized):
         return Quantized(take(p.weight), take(p.scales), take(p.biases), take(p.bias))
@@ -74,13 +79,13 @@ def by_inputs(p: Linear, in_features: int, n: int, r: int, name: str = "map") ->
     """Rank r's share of the inputs of a map split by its inputs (whole quantization groups). Its
     outputs are partial sums; a bias is added once, on rank 0."""
     def cols(a: mx.array, width: int) -> mx.array:
-        return mx.contiguous(a[:, r * width // n: (r + 1) * width // n])
+        return mx.contiguous(a[..., r * width // n: (r + 1) * width // n])
 
     bias = p.bias if r == 0 else None
     if isinstance(p, Quantized):
-        check_groups(name, p.scales.shape[1], n)
-        return Quantized(cols(p.weight, p.weight.shape[1]), cols(p.scales, p.scales.shape[1]),
-                         cols(p.biases, p.biases.shape[1]), bias)
+        check_groups(name, p.scales.shape[-1], n)
+        return Quantized(cols(p.weight, p.weight.shape[-1]), cols(p.scales, p.scales.shape[-1]),
+                         cols(p.biases, p.biases.shape[-1]), bias)
     return Dense(cols(p.weight, in_features), bias)
 
 
@@ -94,11 +99,16 @@ def check_groups(name: str, groups: int, n: int) -> None:
 def shard_params(config: ModelConfig, params: Params, n: int, r: int) -> Params:
     """Rank r of n's slice of every layer (`config`: the unsharded model's)."""
     H, K, D, I = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
+    M = config.moe_intermediate_size
 
     def layer(lay: Layer) -> Layer:
-        return lay._replace(qkv=by_outputs(lay.qkv, [H * D, K * D, K * D], n, r),
-                            o=by_inputs(lay.o, H * D, n, r, "o_proj"),
-                            gate_up=by_outputs(lay.gate_up, [I, I], n, r),
+        lay = lay._replace(qkv=by_outputs(lay.qkv, [H * D, K * D, K * D], n, r),
+                           o=by_inputs(lay.o, H * D, n, r, "o_proj"))
+        if lay.experts is not None:  # every expert's hidden units split as an MLP's; the router whole
+            x = lay.experts
+            return lay._replace(experts=x._replace(gate_up=by_outputs(x.gate_up, [M, M], n, r),
+                                                   down=by_inputs(x.down, M, n, r, "experts' down_proj")))
+        return lay._replace(gate_up=by_outputs(lay.gate_up, [I, I], n, r),
                             down=by_inputs(lay.down, I, n, r, "down_proj"))
 
     return params._replace(layers=tuple(layer(lay) for lay in params.layers))
@@ -164,6 +174,9 @@ def sharded_load(source: str | Path | None, group, *, dtype: str | mx.Dtype | No
     raw = json.loads((path / "config.json").read_text())
     config = cfg.from_hf(raw)
     check(config, group)
+    if config.model_type in ("phi3", "mixtral", "qwen3_moe", "gemma3_text"):
+        # Fused (Phi-3) or per-expert tensors, or a multimodal checkpoint's names: read whole, then split.
+        return evaluated(shard(load(path, dtype=dtype), group))
     dt = parse_dtype(dtype)
     n, r = group.size(), group.rank()
     tensors = {}

@@ -200,7 +200,7 @@ async def _stream(served: Served, chat: bool, body: Common, reqs: list[Request],
         else "text_completion"
     choice = {rid: i for i, rid in enumerate(ids)}
     open_, offsets, counts = set(ids), [0] * len(ids), {"completion": 0, "cached": 0}
-    parsers = [tools.Parser(fmt) if fmt is not None else None for _ in ids]
+    parsers = [tools.reader(fmt) if fmt is not None else None for _ in ids]
     want_usage = body.stream_options is not None and body.stream_options.include_usage
 
     def chunk(choices: list[dict]) -> str:

@@ -266,7 +266,11 @@ def metrics_text(engine: Engine, tokens_per_second: float) -> str:
             ("preemptions_total", "counter", "Rows taken back to make room in a full KV pool (their requests "
              "resume).", s.preemptions),
             ("step_traces_total", "counter", "Compiled steps traced (none after the warm-up).",
-             engine.step_cache.traces if engine.step_cache is not None else 0)):
+             engine.step_cache.traces if engine.step_cache is not None else 0),
+            ("steps_total", "counter", "Decode steps run (all rows at once).", s.steps),
+            ("busy_row_steps_total", "counter", "Rows holding a request, summed over decode steps (divided by "
+             "steps times rows: how full the rows were).", s.busy_row_steps),
+            ("admissions_total", "counter", "Times waiting requests were prefilled into free rows.", s.admissions)):
         lines.append(f"{family(name, kind, help_)} {value}")
     for name, window, help_ in (
             ("time_to_first_token_seconds", s.ttft, "Time to first token over the last requests (a window)."),

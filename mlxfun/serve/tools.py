@@ -4,9 +4,11 @@ model call one, and its text read back as OpenAI `tool_calls`.
 Each family writes its calls its own way (`Format`), found from the chat template: Llama 3.x a
 bare JSON object `{"name": ..., "parameters": {...}}`, Qwen2/3 (and Hermes-style templates)
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, Mistral `[TOOL_CALLS] [{"name":
-..., "arguments": {...}}]`. tool_choice "auto" lets the model choose and reads its text after
+..., "arguments": {...}}]` (Nemo's without the space), Phi-4-mini `functools[{...}, ...]`, and
+vLLM's pythonic templates (Llama 3.2 / 4, Gemma 3) a Python list of calls `[get_weather(city=
+"Paris")]` (`pythonic.py`). tool_choice "auto" lets the model choose and reads its text after
 the fact; "required" and a named function constrain it with a grammar (`prepare`) that writes
-exactly that format, so the same `Parser` reads both. "none" renders no tools and reads nothing.
+exactly that format, so the same parser (`reader`) reads both. "none" renders no tools and reads nothing.
 
 The parser works on text as it streams: content flows out until a call opens, then each call
 comes out as its name and then its arguments (the model's JSON text), piece by piece; the
@@ -41,11 +43,15 @@ class Format(NamedTuple):
     tail: str  # after the last call
     args_key: str  # the call's key for its arguments
     id_chars: int  # tool call ids: 0 for "call_" + 24 hex digits, n for n letters and digits (Mistral's 9)
+    python: bool = False  # the calls are a Python list of calls (pythonic.py reads and writes them)
 
 
 LLAMA3 = Format("llama3_json", None, "", "", "", None, "", "parameters", 0)
 QWEN = Format("qwen", "<tool_call>", "", "<tool_call>\n", "\n</tool_call>", "\n", "", "arguments", 0)
 MISTRAL = Format("mistral", "[TOOL_CALLS]", "[TOOL_CALLS] [", "", "", ", ", "]", "arguments", 9)
+MISTRAL_NEMO = MISTRAL._replace(head="[TOOL_CALLS][")  # Nemo's template: no space before the list
+PHI4 = Format("phi4_mini", "functools[", "functools[", "", "", ", ", "]", "arguments", 0)
+PYTHONIC = Format("pythonic", None, "[", "", "", ", ", "]", "", 0, python=True)
 
 # Texts that are one (special) token in the families' vocabularies: llguidance matches those as
 # tokens only, so the grammar names them by id.
@@ -53,6 +59,7 @@ MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]")
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a call with it
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 CHOICES = ("none", "auto", "required")
+_PYTHONIC_HINT = re.compile(r"\[func_name1\(")  # the example call the pythonic templates show the model
 
 
 def detect(tokenizer: Tokenizer) -> Format:
@@ -63,13 +70,21 @@ def detect(tokenizer: Tokenizer) -> Format:
         raise InputError("tools: this model's chat template does not render tools" if template
                          else "tools: this model has no chat template")
     if "[TOOL_CALLS]" in template:
-        return MISTRAL
+        return MISTRAL_NEMO if "[TOOL_CALLS][" in template else MISTRAL
+    if "<function=" in template:  # Qwen3-Coder: XML inside <tool_call>
+        raise InputError("tools: this model's chat template writes tool calls as XML (<function=...>), which we "
+                         "do not read")
     if "<tool_call>" in template:
         return QWEN
+    if "functools[" in template:
+        return PHI4
+    if _PYTHONIC_HINT.search(template):
+        return PYTHONIC
     if "<|start_header_id|>" in template:
         return LLAMA3
     raise InputError("tools: this model's chat template writes tool calls in a format we do not read "
-                     "(we read Llama 3.x JSON, Qwen <tool_call> and Mistral [TOOL_CALLS])")
+                     "(we read Llama 3.x JSON, Qwen/Hermes <tool_call>, Mistral [TOOL_CALLS], Phi-4-mini "
+                     "functools[...] and pythonic [f(x=1)] lists)")
 
 
 def call_id(fmt: Format) -> str:
@@ -111,14 +126,31 @@ def prepare(tokenizer: Tokenizer, vocab_size: int, messages: list[dict], tools: 
     picked = [(i, t["function"]) for i, t in enumerate(tools) if mode == "required" or t["function"]["name"] == name]
     for i, f in picked:  # each schema alone first, so an error names its tool and the schema path
         structured.constraint(tokenizer, vocab_size, {"type": "json_schema", "json_schema": {
-            "name": f["name"], "schema": _parameters(f)}}, f"tools[{i}].function.parameters")
-    lark = grammar(tokenizer, fmt, [f for _, f in picked], parallel and mode == "required")
+            "name": f["name"], "schema": parameters(f)}}, f"tools[{i}].function.parameters")
+    functions, several = [f for _, f in picked], parallel and mode == "required"
+    if fmt.python:
+        from mlxfun.serve import pythonic  # it builds on this module's pieces
+
+        lark = pythonic.grammar(functions, several, [f"tools[{i}].function.parameters" for i, _ in picked])
+    else:
+        lark = grammar(tokenizer, fmt, functions, several)
     return Plan(prompt, {"type": "grammar", "grammar": lark}, fmt)
 
 
+class Arguments(dict):
+    """A tool call's arguments as templates get them: a mapping (`tojson`, `.items()`, `is
+    mapping`) whose text is JSON (a template that prints `{{ arguments }}` expects the JSON string
+    OpenAI sends, not Python's repr)."""
+
+    def __str__(self) -> str:
+        return json.dumps(self, ensure_ascii=False)
+
+
 def conversation(messages: list[dict]) -> list[dict]:
-    """Messages as chat templates expect them: checked roles, and each assistant tool call's
-    `arguments` (OpenAI sends a JSON string) as the object it encodes."""
+    """Messages as chat templates expect them (as vLLM passes them): checked roles; each assistant
+    tool call's `arguments` (OpenAI sends a JSON string) as the object it encodes; an assistant
+    message with tool calls and no content has content "" (templates test and slice it); a tool
+    result without a `name` gets the name of the call it answers (Hermes' template needs it)."""
     options.check_messages(messages, 0)
     out = []
     for j, m in enumerate(messages):
@@ -145,8 +177,21 @@ def conversation(messages: list[dict]) -> list[dict]:
                 except ValueError as e:
                     raise InputError(f"messages: message {j} tool_calls[{k}].function.arguments is not JSON: "
                                      f"{e}") from None
-            fixed.append({**call, "function": {**f, "arguments": args}})
-        out.append({**m, "tool_calls": fixed})
+            fixed.append({**call, "function": {**f, "arguments": Arguments(args) if isinstance(args, dict) else args}})
+        out.append({**m, "content": "" if m.get("content") is None else m["content"], "tool_calls": fixed})
+    return _name_results(out)
+
+
+def _name_results(messages: list[dict]) -> list[dict]:
+    """Tool results without a `name`, named after the call they answer (by tool_call_id)."""
+    called = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls", ())
+              if isinstance(c.get("id"), str)}
+    out = []
+    for m in messages:
+        answered = m.get("tool_call_id")
+        if m["role"] == "tool" and "name" not in m and isinstance(answered, str) and answered in called:
+            m = {**m, "name": called[answered]}
+        out.append(m)
     return out
 
 
@@ -189,7 +234,7 @@ def _chosen(tool_choice, names: list[str]) -> tuple[str, str | None]:
 # ---- the grammar ----
 
 
-def _parameters(function: dict) -> dict:
+def parameters(function: dict) -> dict:
     """A function's arguments schema (no parameters: an empty object)."""
     return function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -201,7 +246,7 @@ def grammar(tokenizer: Tokenizer, fmt: Format, functions: list[dict], parallel: 
     calls = []
     for i, f in enumerate(functions):
         head = '{"name": ' + json.dumps(f["name"]) + f', "{fmt.args_key}": '
-        schema = {**_parameters(f), "x-guidance": structured.JSON_OPTIONS}
+        schema = {**parameters(f), "x-guidance": structured.JSON_OPTIONS}
         calls.append(f"obj{i}: {_lark(tokenizer, head)} %json{json.dumps(schema)} \"}}\"")
     more = f"({_lark(tokenizer, fmt.sep)} call)*" if parallel and fmt.sep else ""
     lines = [_rule("start", _lark(tokenizer, fmt.head), "call", more, _lark(tokenizer, fmt.tail)),
@@ -399,8 +444,17 @@ def _as_call(text: str) -> tuple[str, str] | None:
     return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
+def reader(fmt: Format):
+    """A parser of `fmt`'s calls: `feed(text)` and `close()` -> pieces, `.calls`."""
+    if fmt.python:
+        from mlxfun.serve import pythonic  # it builds on this module's pieces
+
+        return pythonic.Parser(fmt)
+    return Parser(fmt)
+
+
 def parse(fmt: Format, text: str) -> tuple[str | None, list[ToolCall]]:
     """A whole answer -> (content, tool calls); content is None when there are calls and no other text."""
-    parser = Parser(fmt)
+    parser = reader(fmt)
     content = "".join(p.text for p in parser.feed(text) + parser.close() if isinstance(p, Text))
     return (None if parser.calls and not content.strip() else content), parser.calls

@@ -1,0 +1,175 @@
+"""The families beyond Llama's own (Gemma 2 / 3, Phi-3, Mixtral, Qwen3-MoE) against the float64
+NumPy reference of tests/family_reference.py, written from Hugging Face's modeling files; and
+through the engine: batched == alone (through window boundaries), folders in both expert layouts,
+quantized experts, `mlxfun.save`, and tensor-parallel shards of experts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import family_reference as ref
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import rel_error, tiny_tokenizer
+
+import mlxfun
+from mlxfun.engine import strategy
+from mlxfun.model import config as cfg
+from mlxfun.model import llama, weights
+from mlxfun.model import tokenizer as tok
+from mlxfun.model.load import Model
+from mlxfun.parallel import shard
+
+
+def build(raw: dict, w: dict) -> tuple[cfg.ModelConfig, llama.Params]:
+    config = cfg.from_hf(raw)
+    return config, weights.build_params(config, {k: mx.array(v) for k, v in w.items()})
+
+
+def padded_rows(vocab: int, lengths: list[int], seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of these lengths left-padded to the longest: tokens and positions (B, T), padding at -1..."""
+    rng = np.random.default_rng(seed)
+    T = max(lengths)
+    tokens = rng.integers(1, vocab, (len(lengths), T)).astype(np.int32)
+    positions = np.stack([np.arange(T) - (T - n) for n in lengths]).astype(np.int32)
+    return tokens, positions
+
+
+def logits(config, params, tokens, positions) -> np.ndarray:
+    out, _ = llama.forward(config, params, mx.array(tokens), mx.array(positions))
+    return np.array(out.astype(mx.float32))
+
+
+@pytest.mark.parametrize("family", ref.FAMILIES)
+def test_forward_matches_the_float64_reference(family):
+    raw = ref.tiny_config(family)
+    w = ref.random_weights(raw, seed=3)
+    config, params = build(raw, w)
+    tokens, positions = padded_rows(raw["vocab_size"], [40, 23, 5])
+    expected = ref.reference_logits(raw, w, tokens, positions, longrope="per_token")
+    actual = logits(config, params, tokens, positions)
+    real = positions >= 0
+    assert rel_error(actual[real], expected[real]) < 1e-4
+    # Each row alone is the same (left padding hides nothing and adds nothing).
+    alone = logits(config, params, tokens[2:, -5:], positions[2:, -5:])
+    assert rel_error(alone[0], actual[2, -5:]) < 1e-5
+
+
+def test_phi3_longrope_equals_hugging_face_within_the_original_context():
+    """Below `original_max_position_embeddings` (16 here) mlxfun's per-token rule is Hugging Face's
+    (short factors); past it, Hugging Face rotates a whole sequence with the long ones."""
+    raw = ref.tiny_config("phi3", partial_rotary_factor=0.5)
+    w = ref.random_weights(raw, seed=4)
+    config, params = build(raw, w)
+    assert config.rotary_dim == 8 and config.rope_scaling.kind == "longrope"
+    short, _ = padded_rows(96, [16])
+    pos16 = np.arange(16)[None].astype(np.int32)
+    assert rel_error(logits(config, params, short, pos16), ref.reference_logits(raw, w, short, pos16, "hf")) < 1e-4
+    long, pos40 = padded_rows(96, [40])
+    ours = logits(config, params, long, pos40)
+    assert rel_error(ours, ref.reference_logits(raw, w, long, pos40, "per_token")) < 1e-4
+    assert rel_error(ours, ref.reference_logits(raw, w, long, pos40, "hf")) > 1e-3  # the rules do differ there
+
+
+def test_gemma_features_change_the_answer():
+    """The tiny configs exercise what makes Gemma Gemma: dropping the soft-caps or the windows, or
+    the 1 + w norm scale, changes the logits (so the comparison above can tell them apart)."""
+    raw = ref.tiny_config("gemma2")
+    w = ref.random_weights(raw, seed=5)
+    config, params = build(raw, w)
+    tokens, positions = padded_rows(96, [30])
+    base = logits(config, params, tokens, positions)
+    for change in (dict(attn_softcap=None), dict(final_softcap=None),
+                   dict(layer_windows=(None,) * config.num_layers, layer_sinks=(0,) * config.num_layers)):
+        assert rel_error(logits(dataclasses.replace(config, **change), params, tokens, positions), base) > 1e-3
+
+
+def model_for(family: str, seed: int = 0, **overrides) -> Model:
+    raw = ref.tiny_config(family, **overrides)
+    config, params = build(raw, ref.random_weights(raw, seed=seed))
+    return Model(config, params, tiny_tokenizer(config.vocab_size), family)
+
+
+@pytest.mark.parametrize("family", ref.FAMILIES)
+def test_batched_and_continuous_equal_alone(family):
+    """Greedy tokens through the engine, prompts of 3-30 tokens and 16 generated: past the tiny
+    windows (4-8), alone, in one batch, reversed, and two rows refilled as prompts finish."""
+    model = model_for(family)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(1, 96, n).tolist() for n in (3, 30, 11, 19)]
+    alone = [mlxfun.generate(model, p, max_tokens=16, ignore_eos=True).token_ids[0] for p in prompts]
+    assert mlxfun.generate(model, prompts, max_tokens=16, ignore_eos=True).token_ids == alone
+    assert mlxfun.generate(model, prompts[::-1], max_tokens=16, ignore_eos=True).token_ids == alone[::-1]
+    assert mlxfun.generate(model, prompts, max_tokens=16, ignore_eos=True, batch_size=2,
+                           prefill_step=8).token_ids == alone
+    # and the engine's tokens are the reference's greedy choice at the first step
+    raw = ref.tiny_config(family)
+    w = ref.random_weights(raw, seed=0)
+    first = [int(ref.reference_logits(raw, w, np.array([p]), np.arange(len(p))[None], "per_token")[0, -1].argmax())
+             for p in prompts]
+    assert [a[0] for a in alone] == first
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_stacked_and_per_expert_folders_load_alike(tmp_path, family):
+    raw = ref.tiny_config(family)
+    w = ref.random_weights(raw, seed=2)
+    stacked = ref.stack_experts_mlx(raw, w)
+    assert set(stacked) != set(w)
+    for name, tensors in (("hf", w), ("mlx", stacked)):
+        ref.write_hf_folder(tmp_path / name, raw, tensors)
+        tok.save_folder(tiny_tokenizer(raw["vocab_size"]), tmp_path / name)
+    a, b = mlxfun.load(tmp_path / "hf"), mlxfun.load(tmp_path / "mlx")
+    tokens, positions = padded_rows(96, [12])
+    assert np.array_equal(logits(a.config, a.params, tokens, positions), logits(b.config, b.params, tokens, positions))
+
+
+@pytest.mark.parametrize("family", ref.FAMILIES)
+def test_save_and_load_round_trip(tmp_path, family):
+    model = model_for(family, seed=6)
+    loaded = mlxfun.load(mlxfun.save(model, tmp_path / family))
+    assert loaded.config == model.config
+    tokens, positions = padded_rows(96, [20])
+    assert rel_error(logits(loaded.config, loaded.params, tokens, positions),
+                     logits(model.config, model.params, tokens, positions)) < 1e-6
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_quantized_experts_equal_their_dequantized_copy(family):
+    """4-bit experts run `mx.gather_qmm`, sorted by expert from 64 routes on; a dense copy of the
+    same values runs `mx.gather_mm`: the same answer to rounding. A batch's dense copy
+    (`strategy.dense_copy`) leaves the experts quantized."""
+    model = model_for(family, seed=8, hidden_size=64, intermediate_size=64)
+    q = weights.quantize(model.config, model.params, bits=4, group_size=32)
+    dense = weights.cast(model.config, q, mx.float32)
+    for lengths in ([3], [40, 30]):  # 6 routes (unsorted), 140 (sorted)
+        tokens, positions = padded_rows(96, lengths)
+        assert rel_error(logits(model.config, q, tokens, positions),
+                         logits(model.config, dense, tokens, positions)) < 1e-4
+    copy = strategy.dense_copy(model.config, q)
+    moe = next(i for i, m in enumerate(model.config.moe_layers) if m)
+    assert isinstance(copy.layers[moe].experts.down, llama.Quantized)
+    assert isinstance(copy.layers[moe].qkv, llama.Dense)
+    maps = [copy.embed, copy.lm_head] + [x for layer in copy.layers
+                                         for x in (layer.qkv, layer.o, layer.gate_up, layer.down) if x is not None]
+    assert strategy.dense_bytes(model.config, q) == sum(p.weight.size * 4 for p in maps if p is not None)
+
+
+def test_shards_of_experts_sum_to_the_whole():
+    """Tensor parallelism splits every expert's hidden units across ranks, the router whole: the
+    ranks' partial outputs add up to the layer's (what `llama.reduce` all-sums)."""
+    model = model_for("qwen3_moe", seed=9)
+    config, params = model.config, model.params
+    layer = next(i for i, m in enumerate(config.moe_layers) if m)
+    x = mx.array(np.random.default_rng(0).normal(size=(5, config.hidden_size)).astype(np.float32))
+    whole = llama.moe(config, params.layers[layer].experts, x)
+    parts = [llama.moe(dataclasses.replace(config, moe_intermediate_size=config.moe_intermediate_size // 2),
+                       shard.shard_params(config, params, 2, r).layers[layer].experts, x) for r in range(2)]
+    assert rel_error(np.array(parts[0] + parts[1]), np.array(whole)) < 1e-5
+    assert parts[0].shape == whole.shape and rel_error(np.array(parts[0]), np.array(whole)) > 1e-2
+
+
+def test_unsupported_models_are_named():
+    with pytest.raises(mlxfun.ModelError, match="unsupported model_type 'gpt2'.*supports.*gemma2"):
+        cfg.from_hf({"model_type": "gpt2", "vocab_size": 10})
