@@ -109,7 +109,7 @@ def test_llama3_gguf_rope_freq_factors(tmp_path):
     """llama.cpp stores llama3 RoPE scaling as per-pair frequency divisors (`rope_freqs.weight`)."""
     config = tiny_config(**VARIANTS["llama3_rope"], max_position_embeddings=256)
     _, w = tiny_params(config, seed=5)
-    scaled = 1.0 / np.array(llama.rope_freqs(config))  # llama3-scaled inverse frequencies
+    scaled = 1.0 / np.array(llama.rotations(config)[0].periods)  # llama3-scaled inverse frequencies
     plain = config.rope_theta ** (-2 * np.arange(config.head_dim // 2) / config.head_dim)
     plain_config = tiny_config(**{**VARIANTS["llama3_rope"], "rope_scaling": None}, max_position_embeddings=256)
 
