@@ -257,7 +257,7 @@ def test_dense_product_runs_in_few_row_steps_only(monkeypatch):
         calls.clear()
         tokens = mx.arange(B * T).reshape(B, T) % config.vocab_size
         h, _ = llama.hidden(config, params, tokens, mx.broadcast_to(mx.arange(T), (B, T)), fast=fast)
-        llama.logits(params, h, fast=fast)
+        llama.logits(config, params, h, fast=fast)
         assert calls == want, (B, T, fast)
 
 
@@ -284,9 +284,9 @@ def test_kernels_run_in_steps_only(monkeypatch):
         .reshape(qk.shape[0], -1))))
     tokens, positions = mx.array([[5], [9]]), mx.array([[0], [0]])
     cache = kv.empty(config, 2, 8, mx.float32)
-    plain = llama.logits(params, llama.hidden(config, params, tokens, positions, None, cache)[0])
+    plain = llama.logits(config, params, llama.hidden(config, params, tokens, positions, None, cache)[0])
     assert calls == []
-    fast = llama.logits(params, llama.hidden(config, params, tokens, positions, None, cache, fast=True)[0], fast=True)
+    fast = llama.logits(config, params, llama.hidden(config, params, tokens, positions, None, cache, fast=True)[0], fast=True)
     assert calls.count("attention") == config.num_layers and calls.count("qmv") == 4 * config.num_layers + 1
     np.testing.assert_allclose(np.array(fast), np.array(plain), rtol=1e-5, atol=1e-5)
 
@@ -302,7 +302,7 @@ def test_kernels_run_in_steps_only(monkeypatch):
 
     def loss(norm):
         h, _ = llama.hidden(config, params._replace(norm=norm), tokens, positions, None, cache)
-        return llama.logits(params, h).sum()
+        return llama.logits(config, params, h).sum()
 
     grad = mx.grad(loss)(params.norm)
     assert calls == [] and np.all(np.isfinite(np.array(grad))) and np.any(np.array(grad))
@@ -335,6 +335,6 @@ def test_first_token_runs_mlx_products_at_any_group_size(monkeypatch):
     h = mx.random.normal((5, model.config.hidden_size))
     out = step.first_token(model.config, step.Mode(), model.params, h, sampling.make_settings(5),
                            mx.zeros((5,), mx.int32), None)
-    assert out.tokens.tolist() == mx.argmax(llama.logits(model.params, h), axis=-1).tolist() and not asked
+    assert out.tokens.tolist() == mx.argmax(llama.logits(model.config, model.params, h), axis=-1).tolist() and not asked
     with pytest.raises(AssertionError, match="few-row kernel"):
-        llama.logits(model.params, h, fast=True)  # the decode steps' products do ask
+        llama.logits(model.config, model.params, h, fast=True)  # the decode steps' products do ask
