@@ -173,3 +173,48 @@ def test_shards_of_experts_sum_to_the_whole():
 def test_unsupported_models_are_named():
     with pytest.raises(mlxfun.ModelError, match="unsupported model_type 'gpt2'.*supports.*gemma2"):
         cfg.from_hf({"model_type": "gpt2", "vocab_size": 10})
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_moe", "phi3"])
+def test_decode_kernel_serves_normed_and_rescaled_heads(monkeypatch, family):
+    """A one-token step on mlxfun's CUDA decode-attention kernel (its source run on the CPU by
+    `cuda_emulator`) equals MLX's ops for heads with q/k norms (Gemma 3, Qwen3) and a scale other
+    than 1 / sqrt(D) (this Gemma 3's query_pre_attn_scalar 20 with D 16): the step hands the kernel
+    its normed, rotated and rescaled queries and keys. Gemma 2's soft-capped scores stay on MLX's ops."""
+    from cuda_emulator import run
+
+    from mlxfun.kernels import attention as kernels
+    from mlxfun.model import cache as kv
+
+    calls = []
+
+    def emulated(qk, keys, values, table, mask, H):
+        B, _, _, D = qk.shape
+        K, bs = keys.shape[1], mask.shape[-1] // table.shape[1]
+        per, warps, P = kernels.launch(B, K, mask.shape[-1], D, H // K, mx.float32)
+        calls.append(P)
+        inputs = dict(qk=np.array(qk), keys=np.array(keys), values=np.array(values), table=np.array(table),
+                      mask=np.array(mask))
+        template = [("T", 0), ("D", D), ("G", H // K), ("PER", per), ("NW", warps), ("BS", bs)]
+        assert P == 1
+        out = run(kernels._ATTENTION + kernels._WHOLE, inputs, {"out": (B, 1, H * D)}, template,
+                  (32 * warps, K, B), 32 * warps)[0]
+        return mx.array(out.reshape(B, H * D))
+
+    monkeypatch.setattr(kernels, "serves_attention", lambda D, G, dtype: kernels.attention_fits(D, G, mx.float32))
+    monkeypatch.setattr(kernels, "decode_attention", emulated)
+    model = model_for(family, seed=10)
+    config, params = model.config, model.params
+    assert llama.step_attention_kernel(config, params)
+    tokens, positions = padded_rows(96, [9, 4])
+    cache = kv.empty(config, 2, 32, mx.float32)
+    _, cache = llama.hidden(config, params, mx.array(tokens), mx.array(positions), None, cache)
+    step, at = mx.array([[5], [7]]), mx.array(positions[:, -1:] + 1)
+    plain, _ = llama.hidden(config, params, step, at, None, cache)
+    fast, _ = llama.hidden(config, params, step, at, None, cache, fast=True)
+    assert len(calls) == config.num_layers
+    assert rel_error(np.array(fast), np.array(plain)) < 1e-5
+    if family == "gemma3_text":
+        assert config.attention_scale != config.head_dim ** -0.5
+    gemma2 = model_for("gemma2").config
+    assert not llama.step_attention_kernel(gemma2, model_for("gemma2").params)
