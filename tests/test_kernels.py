@@ -286,7 +286,8 @@ def test_kernels_run_in_steps_only(monkeypatch):
     cache = kv.empty(config, 2, 8, mx.float32)
     plain = llama.logits(config, params, llama.hidden(config, params, tokens, positions, None, cache)[0])
     assert calls == []
-    fast = llama.logits(config, params, llama.hidden(config, params, tokens, positions, None, cache, fast=True)[0], fast=True)
+    h = llama.hidden(config, params, tokens, positions, None, cache, fast=True)[0]
+    fast = llama.logits(config, params, h, fast=True)
     assert calls.count("attention") == config.num_layers and calls.count("qmv") == 4 * config.num_layers + 1
     np.testing.assert_allclose(np.array(fast), np.array(plain), rtol=1e-5, atol=1e-5)
 
