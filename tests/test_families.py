@@ -218,3 +218,30 @@ def test_decode_kernel_serves_normed_and_rescaled_heads(monkeypatch, family):
         assert config.attention_scale != config.head_dim ** -0.5
     gemma2 = model_for("gemma2").config
     assert not llama.step_attention_kernel(gemma2, model_for("gemma2").params)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "qwen3_moe"])
+def test_speculative_rings_and_prefixes_keep_each_answer(family):
+    """Every family through the engine's other paths: speculative verify rounds (a draft model,
+    and prompt lookup, forced on every round), a `max_kv_size` ring with its sinks on top of the
+    model's own windows, and prompts sharing a prefix (the second run's prefixes cached): greedy
+    tokens equal each prompt's alone through the same path."""
+    from mlxfun.engine.core import Engine
+    from mlxfun.features import speculative
+
+    model = model_for(family, seed=11)
+    rng = np.random.default_rng(12)
+    shared = rng.integers(1, 96, 20).tolist()
+    prompts = [shared + rng.integers(1, 96, n).tolist() for n in (3, 9, 14)]
+    plain = mlxfun.generate(model, prompts, max_tokens=12, ignore_eos=True).token_ids
+    for draft in (model, "prompt-lookup"):
+        engine = Engine(model, 2, draft=draft, num_draft_tokens=3, policy=speculative.Always())
+        ids = [engine.add(p, max_tokens=12, ignore_eos=True) for p in prompts]
+        list(engine.events())
+        assert [engine.take(i).row.token_ids for i in ids] == plain, draft
+        assert engine.stats.verify_rounds > 0
+    ring = mlxfun.generate(model, prompts, max_tokens=12, ignore_eos=True, max_kv_size=12, batch_size=2).token_ids
+    assert ring == [mlxfun.generate(model, p, max_tokens=12, ignore_eos=True, max_kv_size=12).token_ids[0]
+                    for p in prompts]
+    again = mlxfun.generate(model, prompts, max_tokens=12, ignore_eos=True, batch_size=1)
+    assert again.token_ids == plain and again.stats.cached_tokens > 0
