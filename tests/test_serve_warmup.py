@@ -75,6 +75,9 @@ def test_no_step_traces_after_the_warm_up(model):
         warm = s.bridge.warmup
         modes = len(fixed_modes(masks_available()))
         assert warm.variants == modes * len(warm.widths) and warm.widths == (256, 1024)
+        # Its cost by part, as the server prints it: each width's steps, then the rest.
+        assert len(warm.width_seconds) == 2 and min(warm.width_seconds) > 0 and warm.rest_seconds > 0
+        assert sum(warm.width_seconds) + warm.rest_seconds <= warm.seconds
         traces = metric(client, "step_traces_total")
         assert traces == engine.step_cache.traces >= modes
         pool = engine.scheduler.pool.size

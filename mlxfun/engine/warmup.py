@@ -30,6 +30,8 @@ class Warmup(NamedTuple):
     variants: int  # (table width, mode) decode steps compiled and run
     widths: tuple[int, ...]  # the table widths, in tokens
     seconds: float
+    width_seconds: tuple[float, ...] = ()  # each width's steps (all modes), in `widths` order
+    rest_seconds: float = 0.0  # first-token sampling per mode and the request run end to end
 
 
 def masks_available() -> bool:
@@ -52,7 +54,9 @@ def warm_up(engine: Engine) -> Warmup:
     modes = fixed_modes(masks_available())
     widths = sched.pages.widths or [sched.pages.width]
     everything = mx.full((rows, structured.words(engine.config.vocab_size)), 0xFFFFFFFF, mx.uint32)
+    per_width = []
     for i, width in enumerate(widths):
+        t = time.perf_counter()
         runner.state = runner.state._replace(cache=runner.state.cache._replace(table=mx.zeros((rows, width), mx.int32)))
         for mode in modes:
             steps = runner.steps_for(mode)
@@ -67,6 +71,8 @@ def warm_up(engine: Engine) -> Warmup:
             else:
                 out = runner.decode(steps, mode.penalties)
             mx.eval(out, runner.state)
+        per_width.append(time.perf_counter() - t)
+    t = time.perf_counter()
     runner.state = runner.state._replace(cache=runner.state.cache._replace(table=table))
     _first_tokens(engine, modes)
     # One request end to end: its prefill, first token and decode steps, through the real path.
@@ -79,7 +85,8 @@ def warm_up(engine: Engine) -> Warmup:
         engine.take(rid)
     engine.stats = EngineStats(rows=engine.stats.rows)  # the counters start with the first real request
     bs = sched.pool.block_size
-    return Warmup(len(widths) * len(modes), tuple(w * bs for w in widths), time.perf_counter() - t0)
+    return Warmup(len(widths) * len(modes), tuple(w * bs for w in widths), time.perf_counter() - t0,
+                  tuple(per_width), time.perf_counter() - t)
 
 
 def _trace(runner, steps, mode, everything: mx.array) -> None:

@@ -197,8 +197,10 @@ class Bridge:
         if self._warms():
             self.warmup = warm_up(self.engine)
             w = self.warmup
+            parts = ", ".join(f"{n} tokens {s:.1f} s" for n, s in zip(w.widths, w.width_seconds))
             print(f"mlxfun serve: compiled {w.variants} decode steps (table widths {w.widths[0]}-{w.widths[-1]} "
-                  f"tokens) and ran a request in {w.seconds:.1f} s; ready", file=sys.stderr, flush=True)
+                  f"tokens) and ran a request in {w.seconds:.1f} s ({parts}; first tokens and a request "
+                  f"{w.rest_seconds:.1f} s); ready", file=sys.stderr, flush=True)
         self._warm.set()
 
     def _dispatch(self, events: list[Event]) -> None:
