@@ -10,8 +10,9 @@ two trees can be compared (`gpu.sh`'s AB_REF layout, or commit 7fbc90b's flat pa
 On the CPU `--stub-kernels` traces mlxfun's CUDA paths (`kernels.available` forced, each custom
 kernel launch and each `mx.fast` norm or rope, which the CPU decomposes at once, one `Depends`
 node over `ErfInv(Full)` stand-ins; nothing is evaluated), so the GPU step's structure can be
-counted without a GPU: its nodes are about `compiled.nodes - stand_ins`. Node counts do not depend on the rows (the unevaluated
-per-row settings are counted apart); per layer they are linear, so two layer counts extrapolate.
+counted without a GPU: its nodes are about `compiled.nodes - stand_ins`. Node counts do not
+depend on the rows (the unevaluated per-row settings are counted apart); per layer they are
+linear, so two layer counts extrapolate.
 """
 
 from __future__ import annotations
@@ -98,8 +99,12 @@ def stub_kernels() -> None:
 
 
 def measure(args) -> dict:
-    config = dataclasses.replace(SHAPES[args.shape], num_layers=args.layers or SHAPES[args.shape].num_layers,
-                                 vocab_size=args.vocab or SHAPES[args.shape].vocab_size, layer_windows=())
+    shape = SHAPES[args.shape]
+    # Per-layer tuples (windows, ...) emptied: the config refills them for the layers kept.
+    per_layer = {f.name: () for f in dataclasses.fields(shape)
+                 if isinstance(getattr(shape, f.name), tuple) and len(getattr(shape, f.name)) == shape.num_layers}
+    config = dataclasses.replace(shape, num_layers=args.layers or shape.num_layers,
+                                 vocab_size=args.vocab or shape.vocab_size, **per_layer)
     model = random_model(config, getattr(mx, args.dtype))
     engine = Engine(model, args.rows)
     for i in range(args.rows):
