@@ -142,19 +142,24 @@ def free_ports(n: int) -> int:
 
 
 def launch(n: int, args: list[str], timeout: float = 240) -> str:
-    """`mlx.launch -n n --backend ring` on 127.0.0.1; kills every rank after `timeout` seconds."""
+    """`mlx.launch -n n --backend ring` on 127.0.0.1; kills every rank after `timeout` seconds.
+    Ports found free can be taken by another process before the ranks bind them (other tests'
+    servers, on a shared machine): then it tries again on other ports, at most twice more."""
     launcher = Path(sys.executable).parent / "mlx.launch"
-    cmd = [str(launcher), "-n", str(n), "--backend", "ring", "--starting-port", str(free_ports(n)), "--",
-           sys.executable, *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"the ranks ran past {timeout} s:\n{out[-3000:]}") from None
+    for attempt in range(3):
+        cmd = [str(launcher), "-n", str(n), "--backend", "ring", "--starting-port", str(free_ports(n)), "--",
+               sys.executable, *args]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            raise AssertionError(f"the ranks ran past {timeout} s:\n{out[-3000:]}") from None
+        if "Couldn't bind socket" not in out:
+            break
     # mlx.launch may exit 0 when a rank failed: look for a traceback too.
     assert proc.returncode == 0 and "Traceback (most recent call last)" not in out, out[-3000:]
     return out
