@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from mlxfun.errors import ModelError
 from mlxfun.model import config as cfg
@@ -124,72 +122,18 @@ def _hub_snapshot(repo_id: str) -> Path:
                          f"and the download failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
 
 
-def _meta(metadata: dict, key: str, default=None):
-    v = metadata.get(key, default)
-    if v is None:
-        raise ModelError(f"GGUF metadata lacks {key!r}")
-    if isinstance(v, mx.array) and v.dtype == mx.float32:
-        # The shortest decimal of the float32 (1e-05, not 9.999999747378752e-06), as config.json has it.
-        return float(str(np.float32(v.item())))
-    return v.item() if isinstance(v, mx.array) else v
-
-
-def _gguf_config(metadata: dict, vocab_size: int, tied: bool) -> ModelConfig:
-    arch = metadata.get("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ModelError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2, qwen3)")
-
-    def m(key, default=None):
-        return _meta(metadata, f"{arch}.{key}", default)
-
-    hidden, heads, layers = int(m("embedding_length")), int(m("attention.head_count")), int(m("block_count"))
-    window = metadata.get(f"{arch}.attention.sliding_window")
-    return ModelConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=int(m("feed_forward_length")),
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=int(m("attention.head_count_kv", heads)),
-        head_dim=int(m("attention.key_length", hidden // heads)),
-        rms_norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(m("rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(metadata, arch),
-        max_position_embeddings=int(m("context_length", 4096)),
-        layer_windows=(None if window is None else int(m("attention.sliding_window")),) * layers,
-        tie_word_embeddings=tied,
-        attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
-        model_type=arch,
-    )
-
-
-def _gguf_rope_scaling(metadata: dict, arch: str) -> cfg.RopeScaling | None:
-    """llama.cpp's `rope.scaling.*` keys (llama3 scaling travels as the rope_freqs tensor instead)."""
-    kind = metadata.get(f"{arch}.rope.scaling.type")
-    kind = None if kind is None else str(_meta(metadata, f"{arch}.rope.scaling.type"))
-    if kind in (None, "none"):
-        return None
-    if kind == "linear":
-        return cfg.RopeScaling("linear", float(_meta(metadata, f"{arch}.rope.scaling.factor")))
-    raise ModelError(f"unsupported GGUF rope scaling type {kind!r} (supported: none, linear)")
-
-
 def _load_gguf(path: Path):
     gguf.check(path)  # MLX's parser can crash on a corrupt file; this names the problem instead
     try:
         tensors, metadata = mx.load(str(path), return_metadata=True)
     except Exception as e:
         raise ModelError(f"cannot read GGUF {path}: {e}") from None
-    if "token_embd.weight" not in tensors:
-        raise ModelError(f"{path}: GGUF lacks tensor 'token_embd.weight'")
-    vocab = tensors["token_embd.weight"].shape[0]
-    config = _gguf_config(metadata, vocab, tied="output.weight" not in tensors)
-    factors = tensors.pop("rope_freqs.weight", None)  # llama3 RoPE scaling, as llama.cpp stores it
-    if factors is not None:
-        if factors.shape != (config.head_dim // 2,):
-            raise ModelError(f"{path}: rope_freqs.weight has shape {factors.shape}, expected ({config.head_dim // 2},)")
-        config = dataclasses.replace(config, rope_freq_factors=tuple(factors.astype(mx.float32).tolist()))
+    try:
+        config = gguf.config(metadata, tensors)
+    except ModelError as e:
+        raise ModelError(f"{path}: {e}") from None
+    for name in gguf.ROPE_TENSORS:  # carried by the config
+        tensors.pop(name, None)
     return config, weights.build_params(config, weights.gguf_to_hf(config, tensors)), tok.from_gguf(metadata)
 
 

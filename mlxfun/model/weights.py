@@ -14,18 +14,28 @@ from mlxfun.errors import ModelError
 from mlxfun.model.config import GEMMA, ModelConfig
 from mlxfun.model.llama import Dense, Experts, Layer, Linear, Params, Quantized, dequantize, quant_shape
 
+# llama.cpp's tensor names (gguf-py/gguf/constants.py) -> Hugging Face's, within a layer. Gemma's
+# pre-MLP norm is its `ffn_norm` (other families': post_attention_layernorm), Phi-3's fused gate/up
+# its `ffn_up`; experts are stacked (n, out, in), under mlx-lm's `switch_mlp` names.
 _GGUF_LAYER = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "{moe}.gate",
+    "ffn_gate_exps": "{moe}.switch_mlp.gate_proj",
+    "ffn_up_exps": "{moe}.switch_mlp.up_proj",
+    "ffn_down_exps": "{moe}.switch_mlp.down_proj",
 }
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors some checkpoints carry that the decoder recomputes, or (a multimodal Gemma 3's) that
@@ -40,23 +50,43 @@ def _unpermute_rows(w: mx.array, heads: int) -> mx.array:
 
 
 def gguf_to_hf(config: ModelConfig, tensors: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Rename GGUF tensors to Hugging Face names. llama.cpp permutes a llama's q/k rows for
-    interleaved RoPE; un-permuting them (weight, scales, biases alike) keeps one RoPE layout."""
+    """Rename GGUF tensors to Hugging Face names, undoing what llama.cpp's converter changed: a
+    `llama`'s (Mixtral's too) q/k rows permuted for interleaved RoPE (weight, scales, biases alike),
+    Gemma's norms stored as 1 + w (build_params adds the 1), and experts' gate and up fused into one
+    `ffn_gate_up_exps` (gate first) when converted with --fuse-gate-up-exps."""
     out = {}
     for name, value in tensors.items():
         stem, _, kind = name.rpartition(".")
         parts = stem.split(".")
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] == "ffn_gate_up_exps":
+            moe = f"model.layers.{parts[1]}.{_moe_block(config)}.switch_mlp"
+            out[f"{moe}.gate_proj.{kind}"], out[f"{moe}.up_proj.{kind}"] = mx.split(value, 2, axis=1)
+            continue
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER:
-            hf = f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}"
-            if parts[2] in ("attn_q", "attn_k") and config.model_type == "llama":
+            hf = f"model.layers.{parts[1]}.{_gguf_layer_name(config, parts[2])}"
+            if parts[2] in ("attn_q", "attn_k") and config.model_type in ("llama", "mixtral"):
                 heads = config.num_heads if parts[2] == "attn_q" else config.num_kv_heads
                 value = _unpermute_rows(value, heads)
         elif stem in _GGUF_TOP:
             hf = _GGUF_TOP[stem]
         else:
             raise ModelError(f"unexpected GGUF tensor {name!r}")
+        if config.model_type in GEMMA and stem.endswith("norm"):
+            value = value.astype(mx.float32) - 1
         out[f"{hf}.{kind}"] = value
     return out
+
+
+def _moe_block(config: ModelConfig) -> str:
+    return "block_sparse_moe" if config.model_type == "mixtral" else "mlp"
+
+
+def _gguf_layer_name(config: ModelConfig, part: str) -> str:
+    if part == "ffn_norm" and config.model_type in GEMMA:
+        return "pre_feedforward_layernorm"
+    if part == "ffn_up" and config.model_type == "phi3":
+        return "mlp.gate_up_proj"
+    return _GGUF_LAYER[part].format(moe=_moe_block(config))
 
 
 def _linear(t: dict, name: str, out_features: int, in_features: int, bias: bool, stack: tuple[int, ...] = ()) -> Linear:
