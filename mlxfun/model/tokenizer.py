@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from mlxfun.chat_template import render as render_template
@@ -13,6 +13,8 @@ from mlxfun.errors import InputError, ModelError
 
 # Tokens that end a turn or a text in the common chat formats; added to the EOS set when present.
 END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>", "</s>")
+
+SPACE = "\u2581"  # SentencePiece's "▁", which stands for a space in its pieces
 
 # llama.cpp's `tokenizer.ggml.pre` names -> the split applied before the byte-level mapping.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -82,32 +84,84 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
 
-def from_gguf(metadata: dict) -> Tokenizer:
-    """Rebuild the byte-level BPE tokenizer stored in GGUF metadata."""
-    kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE, 'gpt2', is supported)")
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
-        if key not in metadata:
-            raise ModelError(f"GGUF metadata lacks {key!r}: the file carries no usable tokenizer")
-    tokens = metadata["tokenizer.ggml.tokens"]
+def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's BPE: every split of a piece into two pieces of the
+    vocabulary, in order of the whole piece's score (highest first), as Transformers derives them.
+    SentencePiece merges the adjacent pair whose union scores highest; BPE applies the lowest rank."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for i in sorted(range(len(tokens)), key=lambda i: -scores[i]):  # stable: ties keep id order
+        piece = tokens[i]
+        splits = [(piece[:cut], piece[cut:]) for cut in range(1, len(piece))]
+        merges += sorted(((a, b) for a, b in splits if a in ids and b in ids), key=lambda m: (ids[m[0]], ids[m[1]]))
+    return merges
+
+
+def _bpe_backend(metadata: dict, tokens: list[str]) -> HFTokenizer:
+    """Byte-level BPE (`gpt2`): merges from the file, a pre-tokenizer named by `tokenizer.ggml.pre`."""
+    if "tokenizer.ggml.merges" not in metadata:
+        raise ModelError("GGUF metadata lacks 'tokenizer.ggml.merges': the file carries no usable tokenizer")
     merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
-    types = [int(t) for t in metadata["tokenizer.ggml.token_type"].tolist()]
-    if len(types) != len(tokens):
-        raise ModelError(f"GGUF metadata has {len(tokens)} tokens but {len(types)} token types")
     backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                      fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
     backend.decoder = decoders.ByteLevel()
-    # Types 3 (control) and 4 (user-defined) are never split by the pre-tokenizer.
-    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                for i, t in enumerate(types) if t == 3])
-    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                        for i, t in enumerate(types) if t == 4])
+    return backend
+
+
+def _spm_backend(metadata: dict, tokens: list[str], unk: int | None) -> HFTokenizer:
+    """SentencePiece BPE (`llama`): merges derived from the scores, "▁" for spaces, <0xNN> pieces
+    for characters outside the vocabulary (Transformers' GGUFLlamaConverter, llama.cpp's SPM)."""
+    if "tokenizer.ggml.scores" not in metadata:
+        raise ModelError("GGUF metadata lacks 'tokenizer.ggml.scores': the file carries no usable tokenizer")
+    scores = [float(s) for s in metadata["tokenizer.ggml.scores"].tolist()]
+    if len(scores) != len(tokens):
+        raise ModelError(f"GGUF metadata has {len(tokens)} tokens but {len(scores)} scores")
+    backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_spm_merges(tokens, scores),
+                                     unk_token=None if unk is None else tokens[unk],
+                                     fuse_unk=True, byte_fallback=True))
+    # llama.cpp prefixes a space to the text and to each piece of text after a special token;
+    # the normalizer runs on each such piece. Gemma's files turn the prefix off.
+    prefix = metadata.get("tokenizer.ggml.add_space_prefix")
+    prefix = True if prefix is None else bool(prefix.item())
+    replace = normalizers.Replace(" ", SPACE)
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), replace]) if prefix else replace
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if prefix else steps)
+    return backend
+
+
+def from_gguf(metadata: dict) -> Tokenizer:
+    """Rebuild the tokenizer stored in GGUF metadata: byte-level BPE (`gpt2`) or SentencePiece (`llama`)."""
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise ModelError(f"unsupported GGUF tokenizer model {kind!r} (supported: byte-level BPE 'gpt2', "
+                         "SentencePiece 'llama')")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+        if key not in metadata:
+            raise ModelError(f"GGUF metadata lacks {key!r}: the file carries no usable tokenizer")
+    tokens = metadata["tokenizer.ggml.tokens"]
+    types = [int(t) for t in metadata["tokenizer.ggml.token_type"].tolist()]
+    if len(types) != len(tokens):
+        raise ModelError(f"GGUF metadata has {len(tokens)} tokens but {len(types)} token types")
 
     def meta_int(key):
         v = metadata.get(key)
         return None if v is None else int(v.item() if hasattr(v, "item") else v)
+
+    if kind == "gpt2":
+        backend = _bpe_backend(metadata, tokens)
+    else:
+        backend = _spm_backend(metadata, tokens, meta_int("tokenizer.ggml.unknown_token_id"))
+    # Types 3 (control) and 4 (user-defined) are matched whole, before any other splitting.
+    # Phi-3's markers eat the whitespace after them, as its tokenizer.json and llama.cpp do.
+    phi3 = kind == "llama" and metadata.get("general.architecture") == "phi3"
+    unstripped = {"<unk>", "<s>", "<|endoftext|>"}
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False,
+                                           rstrip=phi3 and tokens[i] not in unstripped)
+                                for i, t in enumerate(types) if t == 3])
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, t in enumerate(types) if t == 4])
 
     add_bos = metadata.get("tokenizer.ggml.add_bos_token")
     eos = meta_int("tokenizer.ggml.eos_token_id")
