@@ -193,10 +193,14 @@ def test_gguf_unsupported_architecture(tmp_path):
 
 
 def test_gguf_unsupported_tokenizer(tmp_path):
+    """A tokenizer kind mlxfun does not read is named (SentencePiece Unigram, `t5`); a SentencePiece
+    BPE one (`llama`) without its scores names the missing key."""
     config = tiny_config()
     _, w = tiny_params(config)
+    path = write_gguf(tmp_path / "t5.gguf", config, w, **{"tokenizer.ggml.model": "t5"})
+    assert "'t5'" in load_error(path)
     path = write_gguf(tmp_path / "spm.gguf", config, w, **{"tokenizer.ggml.model": "llama"})
-    assert "'llama'" in load_error(path)
+    assert "'tokenizer.ggml.scores'" in load_error(path)
 
 
 def test_default_model_missing(monkeypatch):
