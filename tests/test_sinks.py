@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import run_engine, tiny_config, tiny_model, tiny_params
+from test_cache import decode_in_chunks
 from test_reference import random_tokens
 
 from mlxfun.engine.blocks import Pool
@@ -97,17 +98,8 @@ def test_a_rings_blocks_stay_bounded_and_keep_the_sinks(block_size):
 def cached_logits(config, params, tokens, chunks, block_size, start=None):
     """tokens (B, T) through a ring cache chunk by chunk (a chunk that wraps attends over the slots
     before its write followed by itself) -> logits (B, T, V)."""
-    B, T = tokens.shape
-    start = np.zeros(B, np.int64) if start is None else np.asarray(start)
-    capacity = kv.columns_for(T, config.max_window, block_size, config.sinks) * block_size
-    cache = kv.empty(config, B, capacity, mx.float32, block_size=block_size)
-    out, t = [], 0
-    for n in chunks:
-        positions = mx.array(start[:, None] + np.arange(t, t + n)[None], dtype=mx.int32)
-        logits, cache = llama.forward(config, params, mx.array(tokens[:, t:t + n]), positions, cache=cache)
-        out.append(np.array(logits))
-        t += n
-    return np.concatenate(out, axis=1)
+    capacity = kv.columns_for(tokens.shape[1], config.max_window, block_size, config.sinks) * block_size
+    return decode_in_chunks(config, params, tokens, chunks, capacity, start, block_size)[0]
 
 
 @pytest.mark.parametrize("chunks", [[5] + [1] * 35, [1] * 40, [3] * 12 + [4], [8, 8, 8, 8, 8]])
