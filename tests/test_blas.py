@@ -17,6 +17,7 @@ import os
 import mlxfun
 from mlxfun.engine import strategy
 from mlxfun.kernels import blas
+blas.check()
 import mlx.core as mx
 mx.set_default_device(mx.cpu)
 print(blas.LOADED)
@@ -31,9 +32,17 @@ def run_with(spec: str) -> subprocess.CompletedProcess:
 
 
 def test_a_missing_library_is_a_clear_error():
-    out = run_with("/nonexistent/libblas.so")
-    assert out.returncode != 0
-    assert "MLXFUN_BLAS='/nonexistent/libblas.so': no such file" in out.stderr
+    env = {**os.environ, blas.ENV: "/nonexistent/libblas.so"}
+    api = subprocess.run([sys.executable, "-c", "import mlxfun\nmlxfun.load()"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert api.returncode != 0  # a Python caller gets the error at load, the first call
+    assert "MlxfunError: MLXFUN_BLAS='/nonexistent/libblas.so': no such file" in api.stderr
+    for command in (["generate", "-p", "hi"], ["serve"], ["chat"]):  # the command line: one line, no traceback
+        cli = subprocess.run([sys.executable, "-m", "mlxfun", *command], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert cli.returncode == 2, command
+        assert cli.stderr == "mlxfun: error: MLXFUN_BLAS='/nonexistent/libblas.so': no such file (give a BLAS " \
+                             "shared library's path, or 'openblas')\n", command
 
 
 def test_openblas_by_name(monkeypatch):

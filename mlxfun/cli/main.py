@@ -18,6 +18,7 @@ import sys
 
 from mlxfun.engine.options import GenerationConfig, requests, ring_overflow
 from mlxfun.errors import MlxfunError
+from mlxfun.kernels import blas
 from mlxfun.parallel import distributed
 
 # API option -> the flag that sets it, so errors name what the user typed.
@@ -342,6 +343,11 @@ def version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        blas.check()
+    except MlxfunError as e:
+        print(f"mlxfun: error: {e}", file=sys.stderr)
+        return 2
     if argv[:1] and argv[0] in MODULE_COMMANDS:
         import importlib
 

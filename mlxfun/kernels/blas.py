@@ -12,8 +12,11 @@ decodes 1.8-5.3x mlx-lm's speed as a dense copy; 7fbc90b:benchmarks/README.md). 
     MLXFUN_BLAS=/path/to/libopenblas.so.0 python ...
 
 The trade-off: OpenBLAS picks kernels by row count, so a prompt alone and in a batch may differ in
-the last bits of their logits (1.5e-5 measured), and a near tie can flip a greedy token;
-`bundled` keeps batched == alone exact in float32.
+the last bits of their logits (SmolLM2, six prompts: decode log-probs within 1.1e-5, scoring equal),
+and a near tie can flip a greedy token; `bundled` keeps batched == alone exact in float32.
+
+A library that cannot be loaded is reported by `check()`, which `load` and every command call
+first, so the command line prints one line naming the variable instead of an import traceback.
 """
 
 from __future__ import annotations
@@ -77,5 +80,19 @@ def loaded_libraries() -> set[str]:
         return set()
 
 
-# Set once, at import, from the environment: the BLAS library in use, or None for MLX's own.
-LOADED = load_from_environment()
+def _load_or_problem() -> tuple[str | None, MlxfunError | None]:
+    try:
+        return load_from_environment(), None
+    except MlxfunError as e:
+        return None, e
+
+
+def check() -> None:
+    """Raise the error met loading $MLXFUN_BLAS at import, if any."""
+    if PROBLEM is not None:
+        raise PROBLEM
+
+
+# Set once, at import, from the environment: the BLAS library in use (None for MLX's own), and the
+# error that kept the asked-for one from loading.
+LOADED, PROBLEM = _load_or_problem()

@@ -10,6 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxfun.errors import ModelError
+from mlxfun.kernels import blas
 from mlxfun.model import config as cfg
 from mlxfun.model import gguf, weights
 from mlxfun.model import tokenizer as tok
@@ -50,6 +51,7 @@ def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
 def load(source: str | Path | None = None, *, dtype: str | mx.Dtype | None = None) -> Model:
     """Load params, config and tokenizer. `dtype` casts dense weights and dequantizes quantized ones;
     None keeps the checkpoint's weights (on the CPU, computing in float32)."""
+    blas.check()
     dt = parse_dtype(dtype)
     path = resolve(source)
     if path.is_file():
