@@ -18,12 +18,16 @@
 #                (versions as in this venv), carried as ".whl"
 #   families     mlxfun bench: Gemma 3 4B and Qwen3-30B-A3B (24 of 48 layers) shapes ($FAMILY_SHAPES), batch
 #                1/8/32/128, q4 and bf16 ($FAMILY_DTYPES), mlx-lm beside (installed from .whl, as for serve)
+#   moe          mlxfun bench: the Qwen3-30B-A3B shape (24 of 48 layers), $FAMILY_DTYPES (q4), batch 1/8/32/128,
+#                mlx-lm beside; on a CUDA-graph launch failure, again at batch 1/8 with MLX_USE_CUDA_GRAPHS=0
 #   sampling     benchmarks/sampling_search.py: top-k/top-p by threshold search against $AB_REF's sort (128K vocab)
 #   ab-static    this tree against the package in $AB_REF (default .ab/ref, made here by
 #                `echo /.ab/ >> .git/info/exclude; mkdir -p .ab/ref; git archive REV mlxfun | tar -x -C .ab/ref`
 #                and carried with the device tool's `carry: [".gpu-b", ".ab"]`), alternating processes:
 #                1B bf16 batch 1/8/32/128 (ABBA), 8B bf16 (AB); ratios by benchmarks/ab_compare.py
 #   ab-continuous  the same for --continuous 32 (1B, ABBA)
+#   ab-inprocess benchmarks/ab_inprocess.py: this tree and $AB_REF alternating in ONE process (1B, 128 rows,
+#                3 rounds), each run after a host calibration: a gap the process causes hits both alike
 #   ab-profile   benchmarks/host_profile.py (1B, 128 rows) for this tree and $AB_REF: host time by function
 #   ab-1B        the 1B part of ab-static only, in the order $AB_ORDER (default "ref ours ours ref"),
 #                at batch sizes $AB_BATCHES (default 1,8,32,128)
@@ -66,9 +70,18 @@ for suite in "$@"; do
     families)
       wheels
       for shape in ${FAMILY_SHAPES:-gemma3-4B qwen3-30B-A3B-24L}; do
-        bench 540 --shape $shape --batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 64 \
+        bench ${FAMILY_TIMEOUT:-540} --shape $shape --batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 64 \
           --dtypes ${FAMILY_DTYPES:-q4,bfloat16} --mlx-lm --json "$OUT/families-$shape.json"
       done ;;
+    moe)  # the Qwen3-MoE shape beside mlx-lm; if MLX's CUDA graph launch fails, again without CUDA graphs
+      wheels
+      log=$OUT/moe-${FAMILY_DTYPES:-q4}.log
+      bench ${FAMILY_TIMEOUT:-330} --shape qwen3-30B-A3B-24L --batch-sizes 1,8,32,128 --prompt-tokens 128 \
+        --gen-tokens 64 --dtypes ${FAMILY_DTYPES:-q4} --mlx-lm --json "$OUT/moe-${FAMILY_DTYPES:-q4}.json" 2>&1 | tee "$log" | grep -v "^$" | tail -30
+      if grep -q "cuGraph" "$log"; then
+        MLX_USE_CUDA_GRAPHS=0 bench 150 --shape qwen3-30B-A3B-24L --batch-sizes 1,8 --prompt-tokens 128 --gen-tokens 32 \
+          --dtypes ${FAMILY_DTYPES:-q4} --json "$OUT/moe-nographs.json" 2>&1 | grep -v "^$" | tail -12
+      fi ;;
     sampling) timeout 200 python3 benchmarks/sampling_search.py --ref "$AB_REF" --json "$OUT/sampling.json" ;;
     ab-static|ab-1B)
       static=(--batch-sizes "${AB_BATCHES:-1,8,32,128}" --prompt-tokens 128 --dtypes bfloat16)
@@ -86,6 +99,8 @@ for suite in "$@"; do
         dir=$AB_REF; [ $who = ours ] && dir=$here
         bench_at "$dir" 200 --shape 1B --continuous 32 --prompts 256 --json "$OUT/ab-continuous-1B-$who-$RANDOM.json" | tail -4
       done ;;
+    ab-inprocess) timeout ${AB_TIMEOUT:-300} python3 benchmarks/ab_inprocess.py --ours . --ref "$AB_REF" --shape 1B \
+      --rows 128 --rounds 3 --json "$OUT/ab-inprocess-1B-128.json" | tail -30 ;;
     ab-profile)
       for who in ours ref; do
         dir=$AB_REF; [ $who = ours ] && dir=$here

@@ -237,9 +237,12 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
             warm = prompts[len(prompts) // 2:][:n]  # other prompts: nothing of the measured ones is cached
             drive(server.url + "/v1", warm, n, args.arrival, 4, mode == "seeded", procs)
             before = engine_counters(server.url) if name == "mlxfun" else {}
+            threads = thread_cpu(server.proc.pid)
             results, cpu = drive(server.url + "/v1", prompts[:requests], n, args.arrival, args.gen_tokens,
                                  mode == "seeded", procs)
             row = dict(server=name, mode=mode, rows=args.rows or n, clients=n, **summarize(results, cpu))
+            row["server_cpu_us_per_token"] = cpu_per_token(threads, thread_cpu(server.proc.pid), row["tokens"])
+            print(f"  {name} {mode}: server CPU us per token by thread {row['server_cpu_us_per_token']}", flush=True)
             if before:
                 row.update(occupancy(before, engine_counters(server.url), args.rows or n, row))
             row["first_sampled_ttft"], row["warm_sampled_ttft"] = cold, first_sampled_ttft(server.url + "/v1",
@@ -264,6 +267,28 @@ def engine_counters(url: str) -> dict[str, float]:
         if name.removeprefix("mlxfun_") in names:
             out[name.removeprefix("mlxfun_")] = float(value)
     return out
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of process `pid`, summed by thread name (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    """Each server thread's CPU microseconds per generated token over a run: where the host's time
+    goes (the engine thread launching steps, the event loop's HTTP and JSON, MLX's own threads)."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    return {k: round(1e6 * v / max(tokens, 1), 1) for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v > 0}
 
 
 def occupancy(before: dict, after: dict, rows: int, row: dict) -> dict:

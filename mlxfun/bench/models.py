@@ -7,6 +7,8 @@ measured without downloads.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 import platform
 import subprocess
@@ -124,11 +126,16 @@ def workload_model(args) -> Model:
 
 
 def mlx_lm_available() -> bool:
+    """Whether mlx-lm is installed, found without importing it: it and what it imports (transformers)
+    stay out of the process until mlxfun's own rows are measured."""
+    return importlib.util.find_spec("mlx_lm") is not None
+
+
+def mlx_lm_version() -> str:
     try:
-        import mlx_lm  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        return importlib.metadata.version("mlx-lm")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
 
 
 def machine() -> dict:
@@ -145,7 +152,5 @@ def machine() -> dict:
         except (OSError, subprocess.SubprocessError):
             pass
     if mlx_lm_available():
-        import mlx_lm
-
-        info["mlx_lm"] = getattr(mlx_lm, "__version__", "?")
+        info["mlx_lm"] = mlx_lm_version()
     return info

@@ -203,11 +203,13 @@ async def _stream(served: Served, chat: bool, body: Common, reqs: list[Request],
     parsers = [tools.reader(fmt) if fmt is not None else None for _ in ids]
     want_usage = body.stream_options is not None and body.stream_options.include_usage
 
+    # Every chunk shares its envelope: serialized once, only the choices per token (the event loop's
+    # JSON is a large part of a streamed token's host time).
+    head, _, tail = json.dumps(api.envelope(rid_, created, served.name, kind, [0]) | (
+        {"usage": None} if want_usage else {}), ensure_ascii=False).partition('"choices": [0]')
+
     def chunk(choices: list[dict]) -> str:
-        out = api.envelope(rid_, created, served.name, kind, choices)
-        if want_usage:
-            out["usage"] = None
-        return _sse(out)
+        return f'data: {head}"choices": {json.dumps(choices, ensure_ascii=False)}{tail}\n\n'
 
     def render(event, record: Record | None) -> str:
         """One token's chunk ("" when it brings neither text nor logprobs nor the end)."""

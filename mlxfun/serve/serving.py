@@ -13,6 +13,7 @@ compiles on the request path; until then `ready` is False (/health answers 503).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import logging
 import sys
@@ -48,6 +49,16 @@ class NotReady(Busy):
 
 class EngineFailed(RuntimeError):
     """The engine raised while a request was in it; the request ends with this error (HTTP 500)."""
+
+
+def name_os_thread(name: str) -> None:
+    """Show the calling thread as `name` (15 bytes) where the OS lists threads (/proc, top -H,
+    profilers), so a server's CPU can be read by thread; Linux only, else nothing."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+        except (OSError, AttributeError):
+            pass
 
 
 class Bridge:
@@ -165,6 +176,7 @@ class Bridge:
     # ---- the engine thread ----
 
     def _run(self) -> None:
+        name_os_thread(self._thread.name)
         try:
             self._serve()
         finally:
