@@ -38,7 +38,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 here=$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-bench() { timeout "$1" python3 -m mlxfun.bench "${@:2}"; }
+bench() { timeout -s INT -k 30 "$1" python3 -m mlxfun.bench "${@:2}"; }  # SIGINT: bench keeps the rows measured
 # The server's extra, the openai client and mlx-lm (side by side) from the wheels in .whl/ (see serve).
 wheels() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}; }

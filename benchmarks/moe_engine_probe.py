@@ -25,7 +25,8 @@ for layers in [int(n) for n in os.environ.get("PROBE_LAYERS", "2,24").split(",")
             prefill.EARLY_LAUNCH_TOKENS = early
             for B in (1, 8):
                 try:
-                    stats, _, dense = run_batch(model, bench.random_prompts(c.vocab_size, B, 128), 8, None)
+                    stats, _, dense = run_batch(model, bench.random_prompts(c.vocab_size, B, 128),
+                                                int(os.environ.get("PROBE_MAX_TOKENS", "8")), None)
                     print(f"layers {layers} q4 {quant} early {early} B {B}: ok {stats.generation_tps:.1f} tok/s",
                           flush=True)
                 except Exception as e:

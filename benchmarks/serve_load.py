@@ -420,6 +420,8 @@ def main(argv=None) -> int:
                     rows += measure(name, argv_for, n, procs, modes, prompts, args, log)
         runs = rows
         rows = best_runs(runs)
+        if args.json:  # the servers' log beside the results
+            Path(args.json).with_suffix(".server.log").write_text(log.read_text())
         if any(r["failed"] for r in rows):
             print(f"some requests failed; the servers' log: {log.read_text()[-3000:]}")
     print()

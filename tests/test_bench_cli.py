@@ -83,3 +83,47 @@ def test_ctrl_c_keeps_the_rows_measured(tmp_path):
     assert result["interrupted"] is True
     assert [(r["weights"], r["batch"]) for r in result["rows"]] == [("float32", 1)]
     assert result["rows"][0]["gen_tps"] > 0
+
+
+# The same bench with `--mlx-lm` against a stand-in `mlx_lm` module (mlx-lm is never installed for
+# the tests) whose batch_generate fails at 4 rows, as the real one did on CUDA at 128 rows of a
+# Qwen3-MoE shape: mlxfun's rows and mlx-lm's figures before the failure are kept and written.
+SIDE_FAILS = """
+import importlib.machinery, sys, types
+sys.path.insert(0, "tests")
+from helpers import tiny_config
+from mlxfun.bench import main as bench
+from mlxfun.cli.main import main
+
+class Stats:
+    prompt_tokens, prompt_time, generation_tps = 4, 0.5, 100.0
+
+def batch_generate(model, tokenizer, prompts, max_tokens, **options):
+    if len(prompts) == 4:
+        raise RuntimeError("cuGraphAddKernelNode(...) failed: invalid argument")
+    return types.SimpleNamespace(stats=Stats())
+
+fake = types.ModuleType("mlx_lm")
+fake.__spec__ = importlib.machinery.ModuleSpec("mlx_lm", None)
+fake.load = lambda folder: (None, types.SimpleNamespace())
+fake.batch_generate = batch_generate
+sys.modules["mlx_lm"] = fake
+bench.SHAPES["135M"] = tiny_config(num_layers=2)
+sys.exit(main(["bench", "--shape", "135M", "--dtypes", "float32", "--batch-sizes", "1,4,8", "--prompt-tokens", "4",
+               "--gen-tokens", "3", "--mlx-lm", "--json", sys.argv[1]]))
+"""
+
+
+def test_a_failing_mlx_lm_keeps_every_row(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-c", SIDE_FAILS, str(out)], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "mlx-lm float32   batch    4: failed (RuntimeError: cuGraphAddKernelNode" in run.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["mlx_lm_gen_tps"], r["mlx_lm_error"] is None) for r in rows] == [
+        (1, 100.0, True), (4, None, False), (8, None, False)]
+    assert all(r["gen_tps"] > 0 for r in rows)
+    assert rows[0]["ratio"] == rows[0]["gen_tps"] / 100.0
+    table = run.stdout[run.stdout.index("weights "):].splitlines()
+    assert table[3].split()[-2:] == ["failed", "-"] and table[4].split()[-2:] == ["failed", "-"]

@@ -156,6 +156,29 @@ def test_quantized_experts_equal_their_dequantized_copy(family):
     assert strategy.dense_bytes(model.config, q) == sum(p.weight.size * 4 for p in maps if p is not None)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_routes_beyond_one_launch_go_in_slices(monkeypatch, family, quantized):
+    """A gathered product takes at most `llama.MAX_ROUTES` sorted routes (CUDA's grid-z cap of 65,535
+    broke a 16,384-token chunk of a Qwen3-MoE shape at 8 experts each): more are cut into slices
+    of sorted routes, with the same answer bit for bit. A limit of 7 here: uneven slices, and
+    a token's routes split across two."""
+    model = model_for(family, seed=9, hidden_size=64, intermediate_size=64)
+    params = weights.quantize(model.config, model.params, bits=4, group_size=32) if quantized else model.params
+    tokens, positions = padded_rows(96, [40, 30])  # 140 or 160 routes: sorted
+    whole = logits(model.config, params, tokens, positions)
+    launches = []
+    product = llama.expert_product
+    monkeypatch.setattr(llama, "expert_product", lambda p, x, index, grouped: launches.append(index.size) or
+                        product(p, x, index, grouped))
+    monkeypatch.setattr(llama, "MAX_ROUTES", 7)
+    sliced = logits(model.config, params, tokens, positions)
+    routes = 80 * model.config.experts_per_tok
+    moe_layers = sum(model.config.moe_layers)
+    assert launches.count(7) == 2 * moe_layers * (routes // 7) and max(launches) == 7  # gate_up and down
+    assert np.array_equal(sliced, whole)
+
+
 def test_shards_of_experts_sum_to_the_whole():
     """Tensor parallelism splits every expert's hidden units across ranks, the router whole: the
     ranks' partial outputs add up to the layer's (what `llama.reduce` all-sums)."""

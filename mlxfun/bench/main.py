@@ -57,6 +57,7 @@ class Row:
     mlx_lm_prompt_tps: float | None = None
     mlx_lm_gen_tps: float | None = None
     mlx_lm_peak_gb: float | None = None
+    mlx_lm_error: str | None = None  # mlx-lm failed at this batch (and was not run at larger ones)
 
     @property
     def ratio(self) -> float | None:
@@ -129,20 +130,28 @@ def bench_mlx_lm(folder: Path, vocab_size: int, name: str, rows: list[Row], args
 
     model, tokenizer = mlx_lm.load(str(folder))
     tokenizer.eos_token_ids = set()  # ignore EOS, as mlxfun's runs do
-    for row in rows:
+    for i, row in enumerate(rows):
         prompts = random_prompts(vocab_size, row.batch, args.prompt_tokens)
         # Every row in one batch: mlx-lm's defaults would decode at most 32 and prefill 8 at a time.
         options = dict(completion_batch_size=row.batch, prefill_batch_size=row.batch)
-        mlx_lm.batch_generate(model, tokenizer, prompts, max_tokens=args.warmup_tokens, **options)
-        for _ in range(args.repeats):  # the best of the repeats, as for mlxfun
-            gc.collect()
-            mx.clear_cache()
-            mx.reset_peak_memory()
-            stats = mlx_lm.batch_generate(model, tokenizer, prompts, max_tokens=args.gen_tokens, **options).stats
-            if row.mlx_lm_gen_tps is None or stats.generation_tps > row.mlx_lm_gen_tps:
-                row.mlx_lm_prompt_tps = stats.prompt_tokens / stats.prompt_time if stats.prompt_time else 0.0
-                row.mlx_lm_gen_tps = stats.generation_tps
-                row.mlx_lm_peak_gb = mx.get_peak_memory() / 1e9
+        try:
+            mlx_lm.batch_generate(model, tokenizer, prompts, max_tokens=args.warmup_tokens, **options)
+            for _ in range(args.repeats):  # the best of the repeats, as for mlxfun
+                gc.collect()
+                mx.clear_cache()
+                mx.reset_peak_memory()
+                stats = mlx_lm.batch_generate(model, tokenizer, prompts, max_tokens=args.gen_tokens, **options).stats
+                if row.mlx_lm_gen_tps is None or stats.generation_tps > row.mlx_lm_gen_tps:
+                    row.mlx_lm_prompt_tps = stats.prompt_tokens / stats.prompt_time if stats.prompt_time else 0.0
+                    row.mlx_lm_gen_tps = stats.generation_tps
+                    row.mlx_lm_peak_gb = mx.get_peak_memory() / 1e9
+        except Exception as e:  # mlx-lm's failure is a result too; mlxfun's rows are kept and written
+            row.mlx_lm_gen_tps = None
+            for later in rows[i:]:
+                later.mlx_lm_error = f"{type(e).__name__}: {e}"[:300]
+            print(f"  mlx-lm {name:9s} batch {row.batch:4d}: failed ({row.mlx_lm_error}); not run at larger batches",
+                  flush=True)
+            return
         print(f"  mlx-lm {name:9s} batch {row.batch:4d}: gen {row.mlx_lm_gen_tps:9.1f} tok/s "
               f"(ratio {row.ratio:.2f})", flush=True)
 
@@ -191,7 +200,8 @@ def table(rows: list[Row]) -> str:
         name = r.weights + ("*" if r.dense_copy else "")
         line = f"{name:10s} {r.batch:5d} {r.prompt_tps:12.1f} {r.gen_tps:10.1f} {ms:8.2f} {r.peak_gb:8.3f}"
         if side:
-            line += (f" {r.mlx_lm_gen_tps:10.1f} {r.ratio:6.2f}" if r.mlx_lm_gen_tps else f" {'-':>10s} {'-':>6s}")
+            line += (f" {r.mlx_lm_gen_tps:10.1f} {r.ratio:6.2f}" if r.mlx_lm_gen_tps else
+                     f" {'failed' if r.mlx_lm_error else '-':>10s} {'-':>6s}")
         lines.append(line)
     if any(r.dense_copy for r in rows):
         lines.append("* quantized weights run as a dense copy at this batch size (mlxfun.engine.strategy)")

@@ -375,6 +375,11 @@ def gelu_tanh(x: mx.array) -> mx.array:
 # then reads each expert's weights once for all its tokens (`mx.gather_mm`'s sorted form), as
 # mlx-lm's SwitchGLU does at the same size.
 SORT_ROUTES = 64
+# Sorted routes through one gathered product at most: MLX's CUDA 4-bit product (`qmm_sm80`) puts
+# one route per block along the grid's z, which CUDA caps at 65,535, so a prefill chunk of more
+# than 8,191 tokens at 8 experts each failed to launch ("cuGraphAddKernelNode ... invalid
+# argument"). Each slice of the sorted routes is still sorted.
+MAX_ROUTES = 65535
 
 
 def moe(config: ModelConfig, experts: Experts, x: mx.array) -> mx.array:
@@ -392,8 +397,9 @@ def moe(config: ModelConfig, experts: Experts, x: mx.array) -> mx.array:
     if N * k >= SORT_ROUTES:
         routes = chosen.flatten()  # (N k,)
         order = mx.argsort(routes)
-        rows = flat[order // k][:, None]  # (N k, 1, E) the routes' tokens, grouped by expert
-        y = expert_mlp(config, experts, rows, routes[order], True)[mx.argsort(order)]  # (N k, 1, E)
+        rows, index = flat[order // k][:, None], routes[order]  # (N k, 1, E), (N k,): grouped by expert
+        y = mx.concatenate([expert_mlp(config, experts, rows[s:s + MAX_ROUTES], index[s:s + MAX_ROUTES], True)
+                            for s in range(0, N * k, MAX_ROUTES)])[mx.argsort(order)]  # (N k, 1, E)
     else:
         y = expert_mlp(config, experts, flat[:, None, None], chosen, False)  # (N, k, 1, E)
     y = y.reshape(N, k, E)
