@@ -245,6 +245,10 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
             print(f"  {name} {mode}: server CPU us per token by thread {row['server_cpu_us_per_token']}", flush=True)
             if before:
                 row.update(occupancy(before, engine_counters(server.url), args.rows or n, row))
+                if row.get("admissions"):
+                    full, each = 100 * (row["row_occupancy"] or 0), 1e3 * (row["admission_s"] or 0) / row["admissions"]
+                    print(f"  {name} {mode}: rows {full:.0f}% full, {row['admissions']:.0f} admissions, {each:.1f} ms "
+                          f"of host time each, {row['traces']:.0f} traces", flush=True)
             row["first_sampled_ttft"], row["warm_sampled_ttft"] = cold, first_sampled_ttft(server.url + "/v1",
                                                                                             prompts[-2], 8)
             out.append(row)
@@ -260,7 +264,8 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
 def engine_counters(url: str) -> dict[str, float]:
     """The mlxfun server's step counters from /metrics."""
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    names = ("steps_total", "busy_row_steps_total", "admissions_total", "step_traces_total", "preemptions_total")
+    names = ("steps_total", "busy_row_steps_total", "admissions_total", "admission_seconds_total", "step_traces_total",
+             "preemptions_total")
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -299,7 +304,8 @@ def occupancy(before: dict, after: dict, rows: int, row: dict) -> dict:
     steps = d.get("steps_total", 0.0)
     return {"engine_steps": steps, "steps_per_s": steps / row["wall_s"] if row.get("wall_s") else None,
             "row_occupancy": d.get("busy_row_steps_total", 0.0) / (steps * rows) if steps else None,
-            "admissions": d.get("admissions_total"), "traces": d.get("step_traces_total"),
+            "admissions": d.get("admissions_total"), "admission_s": d.get("admission_seconds_total"),
+            "traces": d.get("step_traces_total"),
             "preemptions": d.get("preemptions_total")}
 
 

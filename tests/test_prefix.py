@@ -251,4 +251,5 @@ def test_prompt_speed_counts_computed_tokens_and_shows_reused_apart():
     s = engine.stats
     assert s.prompt_tokens == 160 and s.cached_tokens == 64 and s.timed_prompt_tokens == 96
     assert s.prompt_tps == s.timed_prompt_tokens / s.prompt_time
+    assert s.admissions == 2 and s.admission_seconds >= s.prompt_time > 0  # idle admissions: both timed whole
     assert s.summary().startswith(f"Prompt: 160 tokens (64 reused), {s.prompt_tps:.1f} tokens/s computed\n")

@@ -310,6 +310,7 @@ class Engine:
             mx.eval([o[0] for o in outs], self.runner.state)
             self.stats.prompt_time += time.perf_counter() - t0
             self.stats.timed_prompt_tokens += sum(len(r.prompt) - r.cached_tokens for r in records)
+        self.stats.admission_seconds += time.perf_counter() - t0
         return events
 
     def _prefill(self, params, records: list[Record], free: list[int], wait: bool = False

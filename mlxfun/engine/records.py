@@ -73,6 +73,9 @@ class EngineStats(Stats):
     busy_row_steps: int = 0  # sum over decode steps of the rows holding a live request
     rows: int = 0
     admissions: int = 0  # times new requests were prefilled (each one prefill per length group)
+    # Host seconds inside admissions: building and queueing the prefill (the kernels a new chunk
+    # shape needs are built here on a GPU, at first sight), and its wait when no row decodes.
+    admission_seconds: float = 0.0
     requests: int = 0  # requests finished (any reason)
     queued: int = 0  # waiting for a row, at the last step
     running: int = 0  # holding a row, at the last step

@@ -284,7 +284,10 @@ def metrics_text(engine: Engine, tokens_per_second: float) -> str:
             ("steps_total", "counter", "Decode steps run (all rows at once).", s.steps),
             ("busy_row_steps_total", "counter", "Rows holding a request, summed over decode steps (divided by "
              "steps times rows: how full the rows were).", s.busy_row_steps),
-            ("admissions_total", "counter", "Times waiting requests were prefilled into free rows.", s.admissions)):
+            ("admissions_total", "counter", "Times waiting requests were prefilled into free rows.", s.admissions),
+            ("admission_seconds_total", "counter", "Host seconds spent admitting (prefill graphs built and queued, "
+             "kernels built at a chunk shape's first sight, waits while no row decodes).",
+             f"{s.admission_seconds:.6f}")):
         lines.append(f"{family(name, kind, help_)} {value}")
     for name, window, help_ in (
             ("time_to_first_token_seconds", s.ttft, "Time to first token over the last requests (a window)."),
