@@ -23,7 +23,8 @@ from mlxfun.model import cache as kv
 from mlxfun.model import llama
 
 
-def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed: int) -> dict:
+def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed: int,
+                   softcap: float | None = None) -> dict:
     """The kernel reads keys and values through a shuffled block table (the paged layout)."""
     mx.random.seed(seed)
     bs = kv.BLOCK
@@ -38,15 +39,16 @@ def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed
     last = mx.arange(S) == S - 1
     visible = visible | last  # the current token's slot is always visible
     visible = mx.where(mx.arange(B)[:, None, None] == 0, last, visible)  # row 0: that key only
-    got = kernels.decode_attention(qk, keys, values, table, visible, H).astype(mx.float32)
+    got = kernels.decode_attention(qk, keys, values, table, visible, H, softcap).astype(mx.float32)
     with mx.stream(mx.cpu):  # exact float32 (CUDA matmuls may use TF32)
         f32 = [a.astype(mx.float32) for a in (qk, keys, values)]
         want = llama.grouped_attention(f32[0][:, :H], kv.gather(f32[1], table, bs), kv.gather(f32[2], table, bs),
-                                       visible, D**-0.5)  # (B, H, 1, D)
+                                       visible, D**-0.5, softcap)  # (B, H, 1, D)
         want = want.reshape(B, H * D)
         err = mx.abs(got - want).max().item()
     tol = {mx.float32: 1e-4, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}[dtype]
-    out = dict(kernel="decode_attention", B=B, H=H, K=K, D=D, S=S, dtype=str(dtype), max_err=err, ok=err < tol)
+    out = dict(kernel="decode_attention", B=B, H=H, K=K, D=D, S=S, dtype=str(dtype), softcap=softcap, max_err=err,
+               ok=err < tol)
     print(json.dumps(out), flush=True)
     return out
 
@@ -148,6 +150,9 @@ def main(argv=None) -> int:
             if args.only not in (None, "attention") or not kernels.attention_fits(D, H // K, dtype):
                 continue
             results.append(attention_case(B, H, K, D, S, dtype, seed=B * S))
+        for B, H, K, D, S in ((3, 16, 8, 256, 512), (64, 8, 4, 256, 300)):  # Gemma 2's heads and soft-cap
+            if args.only in (None, "attention") and kernels.attention_fits(D, H // K, dtype):
+                results.append(attention_case(B, H, K, D, S, dtype, seed=B * S, softcap=1.0))
         for M, OUT, IN, gs, R in ((1, 6144, 4096, 64, 4), (3, 100, 14336, 64, 2), (8, 4096, 576, 32, 4),
                                   (5, 33, 256, 128, 1), (2, 1026, 4096, 64, 4)):
             if args.only in (None, "qmv"):

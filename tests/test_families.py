@@ -198,12 +198,13 @@ def test_unsupported_models_are_named():
         cfg.from_hf({"model_type": "gpt2", "vocab_size": 10})
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_moe"])
-def test_decode_kernel_serves_normed_and_rescaled_heads(monkeypatch, family):
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "qwen3_moe"])
+def test_decode_kernel_serves_normed_capped_and_rescaled_heads(monkeypatch, family):
     """A one-token step on mlxfun's CUDA decode-attention kernel (its source run on the CPU by
-    `cuda_emulator`) equals MLX's ops for heads with q/k norms (Gemma 3, Qwen3) and a scale other
-    than 1 / sqrt(D) (this Gemma 3's query_pre_attn_scalar 20 with D 16): the step hands the kernel
-    its normed, rotated and rescaled queries and keys. Gemma 2's soft-capped scores stay on MLX's ops."""
+    `cuda_emulator`) equals MLX's ops for heads with q/k norms (Gemma 3, Qwen3), a scale other
+    than 1 / sqrt(D) (query_pre_attn_scalar 20 with D 16) and Gemma 2's soft-capped scores (a cap
+    of 4 here, so it bites): the step hands the kernel its normed, rotated and rescaled queries
+    and keys, and the cap."""
     from cuda_emulator import run
 
     from mlxfun.kernels import attention as kernels
@@ -211,16 +212,16 @@ def test_decode_kernel_serves_normed_and_rescaled_heads(monkeypatch, family):
 
     calls = []
 
-    def emulated(qk, keys, values, table, mask, H):
+    def emulated(qk, keys, values, table, mask, H, softcap=None):
         B, _, _, D = qk.shape
         K, bs = keys.shape[1], mask.shape[-1] // table.shape[1]
         per, warps, P = kernels.launch(B, K, mask.shape[-1], D, H // K, mx.float32)
-        calls.append(P)
+        calls.append(softcap)
         inputs = dict(qk=np.array(qk), keys=np.array(keys), values=np.array(values), table=np.array(table),
                       mask=np.array(mask))
         template = [("T", 0), ("D", D), ("G", H // K), ("PER", per), ("NW", warps), ("BS", bs)]
         assert P == 1
-        out = run(kernels._ATTENTION + kernels._WHOLE, inputs, {"out": (B, 1, H * D)}, template,
+        out = run(kernels.attention_source(softcap) + kernels._WHOLE, inputs, {"out": (B, 1, H * D)}, template,
                   (32 * warps, K, B), 32 * warps)[0]
         return mx.array(out.reshape(B, H * D))
 
@@ -235,12 +236,15 @@ def test_decode_kernel_serves_normed_and_rescaled_heads(monkeypatch, family):
     step, at = mx.array([[5], [7]]), mx.array(positions[:, -1:] + 1)
     plain, _ = llama.hidden(config, params, step, at, None, cache)
     fast, _ = llama.hidden(config, params, step, at, None, cache, fast=True)
-    assert len(calls) == config.num_layers
+    assert calls == [config.attn_softcap] * config.num_layers
     assert rel_error(np.array(fast), np.array(plain)) < 1e-5
-    if family == "gemma3_text":
+    if family != "qwen3_moe":
         assert config.attention_scale != config.head_dim ** -0.5
-    gemma2 = model_for("gemma2").config
-    assert not llama.step_attention_kernel(gemma2, model_for("gemma2").params)
+    if family == "gemma2":  # the cap bites: without it the kernel's answer is another
+        assert config.attn_softcap == 4.0
+        monkeypatch.setattr(kernels, "attention_source", lambda softcap: kernels._ATTENTION)
+        uncapped, _ = llama.hidden(config, params, step, at, None, cache, fast=True)
+        assert rel_error(np.array(uncapped), np.array(plain)) > 1e-3
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "qwen3_moe"])

@@ -80,7 +80,7 @@ def emulated_attention(qk, keys, values, mask, num_heads, source=None, block_siz
     return out, P
 
 
-def attention_case(B, H, K, D, S, seed):
+def attention_case(B, H, K, D, S, seed, softcap=None):
     rng = np.random.default_rng(seed)
     qk = rng.standard_normal((B, H + K, 1, D)).astype(np.float32)
     keys, values = (rng.standard_normal((B, K, S, D)).astype(np.float32) for _ in range(2))
@@ -90,6 +90,8 @@ def attention_case(B, H, K, D, S, seed):
     G = H // K
     q = qk[:, :H, 0].astype(np.float64).reshape(B, K, G, D)
     scores = np.einsum("bkgd,bksd->bkgs", q, keys.astype(np.float64)) / np.sqrt(D)
+    if softcap:
+        scores = softcap * np.tanh(scores / softcap)
     scores = np.where(mask[:, :, None, :], scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
@@ -108,6 +110,18 @@ def test_emulated_kernel_matches_reference(B, H, K, D, S, parts):
     got, P = emulated_attention(*inputs, H)
     assert P == parts
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("B,H,K,D,S,parts", [(3, 6, 3, 32, 77, 1), (2, 8, 2, 64, 300, 2)])
+def test_emulated_kernel_soft_caps_its_scores(B, H, K, D, S, parts):
+    """Gemma 2's cap * tanh(score / cap), in one block and across parts; a cap of 0.5 bites hard
+    (scores of these random heads reach several units), so the uncapped kernel is far off."""
+    inputs, want = attention_case(B, H, K, D, S, seed=B * S + 1, softcap=0.5)
+    got, P = emulated_attention(*inputs, H, source=kernels.attention_source(0.5))
+    assert P == parts
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    plain, _ = emulated_attention(*inputs, H)
+    assert not np.allclose(plain, want, atol=1e-2)
 
 
 def test_emulator_catches_a_wrong_part_index():

@@ -21,6 +21,11 @@ def compact(source: str) -> str:
 
 
 _ATTENTION = compact(r"""
+    // CAP2: a soft-cap on the scores (Gemma 2: cap * tanh(score / cap)), in the base-2 units the
+    // softmax runs in, defined by `attention_source`; 0 for none.
+    #ifndef CAP2
+    #define CAP2 0.f
+    #endif
     // One block of NW warps per (row b, key head kh, part p of the keys); the G query heads of
     // the group share each key read. A warp takes KPW keys at once (LPK lanes per key, PER
     // elements per lane, 16-byte loads), U rounds of them per iteration so loads overlap.
@@ -72,6 +77,7 @@ _ATTENTION = compact(r"""
                 for (int i = 0; i < PER; ++i) score += q[g][i] * static_cast<float>(kv[u][i]);
                 #pragma unroll
                 for (int off = LPK / 2; off > 0; off >>= 1) score += __shfl_xor_sync(0xffffffff, score, off);
+                if (CAP2 > 0.f) score = CAP2 * tanhf(score / CAP2);
                 if (seen[u]) {
                     const float m_new = fmaxf(m[g], score);
                     const float f = exp2f(m[g] - m_new), e = exp2f(score - m_new);
@@ -160,6 +166,19 @@ _MERGE = compact(r"""
 _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
+def attention_source(softcap: float | None) -> str:
+    """The decode-attention kernel's body for scores soft-capped at `softcap` (None: uncapped).
+    The kernel's scores are in base 2 (q carries log2(e)), so the cap is too."""
+    if not softcap:
+        return _ATTENTION
+    return f"#define CAP2 {float(softcap) * 1.4426950408889634:.9g}f\n" + _ATTENTION
+
+
+def _name(base: str, softcap: float | None) -> str:
+    """A kernel's name per cap: MLX finds a compiled module by its name."""
+    return base if not softcap else f"{base}_cap{float(softcap):g}".replace(".", "p").replace("-", "m")
+
+
 def available(dtype: mx.Dtype) -> bool:
     """Whether the kernels can run for activations of `dtype`: CUDA is the default device."""
     return dtype in _DTYPES and mx.default_device() == mx.gpu and mx.cuda.is_available()
@@ -210,10 +229,11 @@ def launch(batch: int, num_kv_heads: int, keys: int, head_dim: int, group: int, 
 
 
 def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, table: mx.array, mask: mx.array,
-                     num_heads: int) -> mx.array:
+                     num_heads: int, softcap: float | None = None) -> mx.array:
     """qk (B, H + K, 1, D) rotated queries then keys, keys/values (N * bs, K, 1, D) pools after this
     step's write, table (B, W) int32 each row's blocks, mask (B, 1, W * bs) bool -> (B, H * D):
-    softmax(q k^T / sqrt(D)) v over the visible keys."""
+    softmax(q k^T / sqrt(D)) v over the visible keys, the scores soft-capped where `softcap` is
+    given (softcap * tanh(score / softcap))."""
     B, _, _, D = qk.shape
     S, K = mask.shape[-1], keys.shape[1]
     bs = S // table.shape[1]
@@ -223,12 +243,12 @@ def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, table: mx.a
     inputs, names = [qk, keys, values, table, mask], ["qk", "keys", "values", "table", "mask"]
     grid, block = (32 * warps, K * P, B), (32 * warps, 1, 1)
     if P == 1:  # MLX caches each compiled module by name and source
-        kernel = mx.fast.cuda_kernel(name="mlxfun_decode_attention", input_names=names, output_names=["out"],
-                                     source=_ATTENTION + _WHOLE)
+        kernel = mx.fast.cuda_kernel(name=_name("mlxfun_decode_attention", softcap), input_names=names,
+                                     output_names=["out"], source=attention_source(softcap) + _WHOLE)
         return kernel(inputs=inputs, template=template, grid=grid, threadgroup=block,
                       output_shapes=[(B, num_heads * D)], output_dtypes=[qk.dtype])[0]
-    kernel = mx.fast.cuda_kernel(name="mlxfun_decode_attention_parts", input_names=names,
-                                 output_names=["po", "pm", "pl"], source=_ATTENTION + _PART)
+    kernel = mx.fast.cuda_kernel(name=_name("mlxfun_decode_attention_parts", softcap), input_names=names,
+                                 output_names=["po", "pm", "pl"], source=attention_source(softcap) + _PART)
     po, pm, pl = kernel(inputs=inputs, template=template, grid=grid, threadgroup=block,
                         output_shapes=[(B, K, P, G, D), (B, K, P, G), (B, K, P, G)],
                         output_dtypes=[mx.float32] * 3)

@@ -243,13 +243,13 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
             written = (kv.write_run(cache.keys, k, cache.run), kv.write_run(cache.values, v, cache.run))
         else:
             written = (kv.write(cache.keys, k, cache.slots), kv.write(cache.values, v, cache.slots))
-        if fast and x.ndim == 2 and kernel_scores(config) and kernels.serves_attention(D, H // K, x.dtype):
+        if fast and x.ndim == 2 and kernels.serves_attention(D, H // K, x.dtype):
             # The kernel scales by 1 / sqrt(D): another scale (Gemma's query_pre_attn_scalar) goes on q.
             if scale != D ** -0.5:
                 q = q * (scale * D ** 0.5)
             if layer.q_norm is not None or scale != D ** -0.5:
                 qk = mx.concatenate([q, k], axis=1)  # (B, H + K, 1, D)
-            out = kernels.decode_attention(qk, *written, cache.table, mask, H)  # (B, H * D)
+            out = kernels.decode_attention(qk, *written, cache.table, mask, H, cap)  # (B, H * D)
             return reduce(config, linear(layer.o, out, fast)), written
         if cache.fresh:
             keys, values = k, v  # (B, K, T, D): nothing to read from the pool
@@ -532,16 +532,10 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
     return h, kv.KVCache(tuple(new_keys), tuple(new_values), held, cache.table)
 
 
-def kernel_scores(config: ModelConfig) -> bool:
-    """Whether mlxfun's decode-attention kernel computes this model's scores: a softmax of scaled
-    q.k, without Gemma 2's soft-cap."""
-    return config.attn_softcap is None
-
-
 def step_attention_kernel(config: ModelConfig, params: Params) -> bool:
     """Whether a one-token step's attention runs mlxfun's kernel (`attention`, with `fast`): CUDA,
     and a head layout the kernel serves."""
-    return bool(params.layers) and kernel_scores(config) and \
+    return bool(params.layers) and \
         kernels.serves_attention(config.head_dim, config.num_heads // config.num_kv_heads, params.norm.dtype)
 
 
