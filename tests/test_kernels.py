@@ -292,9 +292,9 @@ def test_kernels_run_in_steps_only(monkeypatch):
     monkeypatch.setattr(kernels, "available", lambda x: True)
     monkeypatch.setattr(qmv, "product", stand_in("qmv", lambda x, w, s, b, gs: mx.quantized_matmul(
         x, w, s, b, group_size=gs, bits=4)))
-    monkeypatch.setattr(kernels, "decode_attention", stand_in("attention", lambda qk, k, v, t, m, h: (
+    monkeypatch.setattr(kernels, "decode_attention", stand_in("attention", lambda qk, k, v, t, m, h, cap: (
         llama.grouped_attention(qk[:, :h], kv.gather(k, t, m.shape[-1] // t.shape[1]),
-                                kv.gather(v, t, m.shape[-1] // t.shape[1]), m, k.shape[-1]**-0.5)
+                                kv.gather(v, t, m.shape[-1] // t.shape[1]), m, k.shape[-1]**-0.5, cap)
         .reshape(qk.shape[0], -1))))
     tokens, positions = mx.array([[5], [9]]), mx.array([[0], [0]])
     cache = kv.empty(config, 2, 8, mx.float32)
