@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,7 +27,7 @@ from mlxfun.engine.core import Engine
 from mlxfun.engine.options import GenerationConfig, requests
 from mlxfun.engine.step import Steps, compiled_steps
 from mlxfun.model.load import Model
-from mlxfun.serve.serving import Bridge, EngineFailed
+from mlxfun.serve.serving import Bridge, EngineFailed, NotReady
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -355,14 +356,27 @@ def test_engine_failure_fails_requests_in_flight_then_serves_again():
 
         return real._replace(decode=decode)
 
-    bridge = Bridge(lambda: Engine(model, 2, steps=steps), max_queued=4)
+    made, seen = [], []
+
+    def make() -> Engine:
+        seen.append([r() is not None for r in made])  # the engines made before: still alive?
+        engine = Engine(model, 2, steps=steps)
+        made.append(weakref.ref(engine))
+        return engine
+
+    bridge = Bridge(make, max_queued=4)
     bridge.start()
     reqs = requests(model, [[5, 6, 7]], GenerationConfig(max_tokens=6, ignore_eos=True))
 
     async def run():
         out = []
         for _ in range(2):
-            ids, q = bridge.submit(reqs)
+            while True:  # while the failed engine is replaced, a request is refused (503) for a moment
+                try:
+                    ids, q = bridge.submit(reqs)
+                    break
+                except NotReady:
+                    await asyncio.sleep(0.01)
             while True:
                 event, record = await asyncio.wait_for(q.get(), 30)
                 if isinstance(event, EngineFailed) or record is not None:
@@ -376,6 +390,8 @@ def test_engine_failure_fails_requests_in_flight_then_serves_again():
         bridge.stop()
     assert isinstance(failed, EngineFailed) and "device lost" in str(failed)
     assert served == mlxfun.generate(model, [[5, 6, 7]], max_tokens=6, ignore_eos=True).token_ids[0]
+    # The failed engine (its KV pool with it) was freed before the fresh one was made.
+    assert seen == [[], [False]] and bridge.rows == 2
 
 
 def test_serve_takes_rows_once(capsys):

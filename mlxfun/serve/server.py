@@ -280,7 +280,7 @@ async def complete(served: Served, body: Common, chat: bool, http: HTTPRequest):
         reqs = build(served.model, prompts, config, body.n, explicit)
     except InputError as e:
         return _json_error(400, api.field_error(str(e), chat, body))
-    capacity = served.bridge.engine.rows + served.bridge.max_queued
+    capacity = served.bridge.rows + served.bridge.max_queued
     if len(reqs) > capacity:  # more than the rows and the queue hold: it would never fit, so no 429 to retry
         param = "n" if body.n > 1 else "messages" if chat else "prompt"
         return _json_error(400, api.error(f"{param}: the request asks for {len(reqs)} choices ({len(prompts)} prompts, "
@@ -361,9 +361,10 @@ def make_app(served: Served, shutdown_timeout: float = 30.0) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        bridge = served.bridge
-        return PlainTextResponse(metrics_text(bridge.engine, bridge.tokens_per_second()),
-                                 media_type="text/plain; version=0.0.4")
+        bridge, engine, kind = served.bridge, served.bridge.engine, "text/plain; version=0.0.4"
+        if engine is None:  # a failed engine is being replaced: its counters went with it
+            return PlainTextResponse("# the engine is restarting\n", status_code=503, media_type=kind)
+        return PlainTextResponse(metrics_text(engine, bridge.tokens_per_second()), media_type=kind)
 
     return app
 

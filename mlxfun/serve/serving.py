@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import gc
 import logging
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from typing import Callable
 
@@ -71,7 +73,8 @@ class Bridge:
         self.max_queued = max_queued
         self.warm = warm  # compile every step before taking requests (the engine must have fixed shapes)
         self.warmup: Warmup | None = None  # the last warm-up's cost
-        self.engine: Engine | None = None
+        self.engine: Engine | None = None  # None while a failed engine is replaced
+        self.rows = 0  # the engine's rows, the same for every engine it makes (set once it has one)
         self._warm = threading.Event()  # set once the engine takes requests
         self._cut = False
         self._lock = threading.Lock()  # guards _targets and the engine swap after a failure
@@ -120,8 +123,8 @@ class Bridge:
                 raise Busy("the server is shutting down")
             if not self._warm.is_set():
                 raise NotReady("the server is warming up (compiling its steps); /health answers 200 once it is ready")
-            if len(self._targets) + len(requests) > self.engine.rows + self.max_queued:
-                raise Busy(f"{len(self._targets)} requests in flight; the server takes {self.engine.rows} rows "
+            if len(self._targets) + len(requests) > self.rows + self.max_queued:
+                raise Busy(f"{len(self._targets)} requests in flight; the server takes {self.rows} rows "
                            f"and {self.max_queued} queued")
             ids = []
             try:
@@ -166,9 +169,10 @@ class Bridge:
 
     def tokens_per_second(self) -> float:
         """Generated tokens/s over the last RATE_WINDOW seconds."""
-        if self.engine is None or not self._samples:
+        engine = self.engine
+        if engine is None or not self._samples:
             return 0.0
-        now, total = time.perf_counter(), self.engine.stats.generation_tokens
+        now, total = time.perf_counter(), engine.stats.generation_tokens
         samples = self._samples.copy()  # atomic, unlike iterating a deque the engine thread appends to
         then = next((s for s in reversed(samples) if s[0] <= now - RATE_WINDOW), samples[0])
         return (total - then[1]) / (now - then[0]) if now > then[0] else 0.0
@@ -187,6 +191,7 @@ class Bridge:
     def _serve(self) -> None:
         try:
             self.engine = self._make_engine()
+            self.rows = self.engine.rows
         except BaseException as e:  # reported by start()
             self._start_error = e
             return
@@ -199,8 +204,11 @@ class Bridge:
                     self._dispatch(events)
                 return
             except Exception as e:  # a bug or a device error: no request may wait forever for it
-                log.exception("the engine failed; requests in flight end with an error, a fresh engine starts")
-                self._fail_all(e)
+                failure = e
+                # Logged as text: a log handler that kept the traceback would keep the failed engine.
+                log.error("the engine failed; requests in flight end with an error, a fresh engine starts\n%s",
+                          "".join(traceback.format_exception(e)).rstrip())
+            self._fail_all(failure)
 
     def _warms(self) -> bool:
         return self.warm and self.engine.fixed and not self._stop.is_set()
@@ -233,11 +241,20 @@ class Bridge:
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
             targets, self._targets = self._targets, {}
-            self.engine = self._make_engine()
-            if self._warms():  # new requests wait (503) until the fresh engine has compiled its steps
-                self._warm.clear()
+            self._warm.clear()  # new requests wait (503) until the fresh engine is made and warm
+            self.engine = None
+            self._samples.clear()  # the fresh engine counts its tokens from 0
         failed = (EngineFailed(f"the engine failed: {type(error).__name__}: {error}"), None)
         _deliver([(target, failed) for target in dict.fromkeys(targets.values())])  # one per request's queue
+        # The failed engine, its KV pool (most of a GPU's memory, in a server) included, is freed
+        # before the fresh one allocates its own: its traceback's frames hold it too. (A fresh engine
+        # made beside it ran out of memory building its first CUDA graph, on an H100.)
+        error.__traceback__ = None
+        gc.collect()
+        mx.clear_cache()
+        engine = self._make_engine()
+        with self._lock:
+            self.engine = engine
         self._warm_up()
 
 
