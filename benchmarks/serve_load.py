@@ -115,8 +115,8 @@ def drive(base_url: str, prompts: list[str], clients: int, arrival: float, gen_t
 
 
 def summarize(results: list[dict], client_cpu_s: float) -> dict:
-    ok = [r for r in results if r["error"] is None and r["times"]]
-    ttft = [r["times"][0] - r["sent"] for r in ok]
+    ok = [r for r in results if r["error"] is None]  # a request may end at once (EOS first): no text, no failure
+    ttft = [r["times"][0] - r["sent"] for r in ok if r["times"]]
     itl = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
     start, end = min(r["sent"] for r in results), max(r["end"] for r in results)
     tokens = sum(r["tokens"] for r in ok)
