@@ -16,6 +16,7 @@
 #                --python-version 3.12 --platform manylinux2014_x86_64 -d .whl fastapi starlette uvicorn pydantic
 #                pydantic-core typing-inspection annotated-types openai jiter sniffio distro [mlx-lm]`
 #                (versions as in this venv), carried as ".whl"
+#   serve-gil    serve_load.py (1B, 32 clients, 256 requests) with CPython's GIL switch interval at 5 ms, then 0.5 ms
 #   families     mlxfun bench: Gemma 3 4B and Qwen3-30B-A3B (24 of 48 layers) shapes ($FAMILY_SHAPES), batch
 #                1/8/32/128, q4 and bf16 ($FAMILY_DTYPES), mlx-lm beside (installed from .whl, as for serve)
 #   moe          mlxfun bench: the Qwen3-30B-A3B shape (24 of 48 layers), $FAMILY_DTYPES (q4), batch 1/8/32/128,
@@ -67,6 +68,13 @@ for suite in "$@"; do
       timeout 500 python3 benchmarks/serve_load.py --shape 1B --clients ${SERVE_CLIENTS:-32} \
         --requests $((8 * ${SERVE_CLIENTS:-32})) --modes greedy,seeded --offline "${lm[@]}" \
         --json "$OUT/serve-1B-${SERVE_CLIENTS:-32}.json" ;;
+    serve-gil)  # the serve load (no mlx-lm, no offline) with CPython's GIL switch interval at 5 ms, then 0.5 ms
+      wheels
+      for sw in default 0.0005; do
+        flag=(); [ $sw = default ] || flag=(--switch-interval $sw)
+        timeout 280 python3 benchmarks/serve_load.py --shape 1B --clients 32 --requests 256 --modes greedy,seeded \
+          "${flag[@]}" --json "$OUT/serve-gil-$sw.json" | grep -v "^$" | tail -8
+      done ;;
     families)
       wheels
       for shape in ${FAMILY_SHAPES:-gemma3-4B qwen3-30B-A3B-24L}; do

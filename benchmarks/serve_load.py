@@ -171,9 +171,15 @@ class Server:
         self.log.close()
 
 
-def mlxfun_argv(folder: Path, port: int, rows: int, gen_tokens: int) -> list[str]:
-    return [sys.executable, "-m", "mlxfun", "serve", "--model", str(folder), "--port", str(port), "--rows", str(rows),
-            "--max-tokens", str(gen_tokens), "--log-level", "warning"]
+def mlxfun_argv(folder: Path, port: int, rows: int, gen_tokens: int, switch_interval: float | None = None
+                ) -> list[str]:
+    flags = ["serve", "--model", str(folder), "--port", str(port), "--rows", str(rows), "--max-tokens", str(gen_tokens),
+             "--log-level", "warning"]
+    if switch_interval is None:
+        return [sys.executable, "-m", "mlxfun", *flags]
+    # How often CPython hands the GIL between the engine thread and the event loop (5 ms by default).
+    return [sys.executable, "-c", f"import sys; sys.setswitchinterval({switch_interval!r}); "
+            f"from mlxfun.cli.main import main; sys.exit(main({flags!r}))"]
 
 
 def mlx_lm_argv(python: str, folder: Path, port: int, rows: int, gen_tokens: int, extra: list[str]) -> list[str]:
@@ -384,6 +390,8 @@ def main(argv=None) -> int:
                    help="runs per server and client count, the servers' order alternating; the best is kept")
     p.add_argument("--offline", action="store_true",
                    help="also time mlxfun.generate(batch_size=rows) on the same prompts (the engine alone)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="run mlxfun's server with sys.setswitchinterval(S) (default: CPython's 0.005)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",")]
@@ -414,7 +422,7 @@ def main(argv=None) -> int:
         folder = save(model, Path(tmp) / "model")
         del model
         log = Path(tmp) / "server.log"
-        servers = [("mlxfun", lambda port, r: mlxfun_argv(folder, port, r, args.gen_tokens))]
+        servers = [("mlxfun", lambda port, r: mlxfun_argv(folder, port, r, args.gen_tokens, args.switch_interval))]
         if args.mlx_lm:
             servers.append(("mlx-lm", lambda port, r: mlx_lm_argv(args.mlx_lm_python, folder, port, r, args.gen_tokens,
                                                                   args.mlx_lm_args.split())))
