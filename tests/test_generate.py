@@ -56,6 +56,28 @@ def test_tiny_batch_equals_alone_across_chunks_and_buckets():
     assert len(batched[-1]) == 20  # 250 + 20 crosses the 256-slot bucket
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tiny_batch_equals_alone_in_16_bits_on_the_cpu(dtype):
+    """On the CPU (MLX's bundled BLAS, as the suite runs) batched == alone holds bit for bit in 16-bit
+    weights too, as the README says: tokens and log-probs, batched and reversed."""
+    import mlx.core as mx
+
+    from mlxfun.model.load import Model
+    from mlxfun.model.weights import cast
+
+    tiny = tiny_model(tiny_config(vocab_size=97, max_position_embeddings=512), seed=3)
+    model = Model(tiny.config, cast(tiny.config, tiny.params, getattr(mx, dtype)), tiny.tokenizer, "tiny")
+    assert model.params.norm.dtype == getattr(mx, dtype)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 97) for _ in range(n)] for n in (1, 5, 33, 90)]
+    kw = dict(max_tokens=12, ignore_eos=True, logprobs=0)
+    batched, reverse = generate(model, prompts, **kw), generate(model, prompts[::-1], **kw)
+    for i, p in enumerate(prompts):
+        one = generate(model, [p], **kw)
+        assert batched.token_ids[i] == one.token_ids[0] == reverse.token_ids[-1 - i]
+        assert batched.logprobs[i] == one.logprobs[0] == reverse.logprobs[-1 - i]
+
+
 def test_prefill_groups_bound_padding():
     lengths = [300, 110, 75, 55, 3, 1, 120, 290]
     groups = plan_groups(lengths)
