@@ -78,6 +78,7 @@ def gguf_to_hf(config: ModelConfig, tensors: dict[str, mx.array]) -> dict[str, m
 
 
 def _moe_block(config: ModelConfig) -> str:
+    """Where a layer's experts and router live in Hugging Face and mlx-lm names (GGUF, load, save)."""
     return "block_sparse_moe" if config.model_type == "mixtral" else "mlp"
 
 
@@ -154,7 +155,7 @@ def _unnorm(v: mx.array, config: ModelConfig) -> mx.array:
 def _experts(t: dict, p: str, config: ModelConfig) -> Experts:
     """A layer's experts, from one tensor per expert (Hugging Face) or stacked (mlx-lm's `switch_mlp`)."""
     E, I, n = config.hidden_size, config.moe_intermediate_size, config.num_experts
-    block = f"{p}.block_sparse_moe" if config.model_type == "mixtral" else f"{p}.mlp"
+    block = f"{p}.{_moe_block(config)}"
     names = {"gate": "w1", "up": "w3", "down": "w2"} if config.model_type == "mixtral" else \
         {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
     shapes = {"gate": (I, E), "up": (I, E), "down": (E, I)}
@@ -254,7 +255,7 @@ def params_to_hf(config: ModelConfig, params: Params) -> dict[str, mx.array]:
                 _put(out, f"{p}.self_attn.{n}_proj", part)
         _put(out, f"{p}.self_attn.o_proj", layer.o)
         if layer.experts is not None:
-            block = f"{p}.block_sparse_moe" if config.model_type == "mixtral" else f"{p}.mlp"
+            block = f"{p}.{_moe_block(config)}"
             _put(out, f"{block}.gate", layer.experts.router)
             M = config.moe_intermediate_size
             for n, part in zip(("gate", "up"), _split(layer.experts.gate_up, [M, M], axis=1)):
