@@ -198,7 +198,7 @@ def test_unsupported_models_are_named():
         cfg.from_hf({"model_type": "gpt2", "vocab_size": 10})
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "qwen3_moe", "phi3"])
 def test_decode_kernel_serves_normed_capped_and_rescaled_heads(monkeypatch, family):
     """A one-token step on mlxfun's CUDA decode-attention kernel (its source run on the CPU by
     `cuda_emulator`) equals MLX's ops for heads with q/k norms (Gemma 3, Qwen3), a scale other
@@ -238,7 +238,7 @@ def test_decode_kernel_serves_normed_capped_and_rescaled_heads(monkeypatch, fami
     fast, _ = llama.hidden(config, params, step, at, None, cache, fast=True)
     assert calls == [config.attn_softcap] * config.num_layers
     assert rel_error(np.array(fast), np.array(plain)) < 1e-5
-    if family != "qwen3_moe":
+    if family in ("gemma2", "gemma3_text"):
         assert config.attention_scale != config.head_dim ** -0.5
     if family == "gemma2":  # the cap bites: without it the kernel's answer is another
         assert config.attn_softcap == 4.0
@@ -247,7 +247,7 @@ def test_decode_kernel_serves_normed_capped_and_rescaled_heads(monkeypatch, fami
         assert rel_error(np.array(uncapped), np.array(plain)) > 1e-3
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "qwen3_moe"])
 def test_speculative_rings_and_prefixes_keep_each_answer(family):
     """Every family through the engine's other paths: speculative verify rounds (a draft model,
     and prompt lookup, forced on every round), a `max_kv_size` ring with its sinks on top of the

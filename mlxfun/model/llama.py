@@ -398,8 +398,12 @@ def moe(config: ModelConfig, experts: Experts, x: mx.array) -> mx.array:
         routes = chosen.flatten()  # (N k,)
         order = mx.argsort(routes)
         rows, index = flat[order // k][:, None], routes[order]  # (N k, 1, E), (N k,): grouped by expert
-        y = mx.concatenate([expert_mlp(config, experts, rows[s:s + MAX_ROUTES], index[s:s + MAX_ROUTES], True)
-                            for s in range(0, N * k, MAX_ROUTES)])[mx.argsort(order)]  # (N k, 1, E)
+        if N * k <= MAX_ROUTES:  # nearly always: one product, no slicing or copying
+            y = expert_mlp(config, experts, rows, index, True)
+        else:
+            y = mx.concatenate([expert_mlp(config, experts, rows[s:s + MAX_ROUTES], index[s:s + MAX_ROUTES], True)
+                                for s in range(0, N * k, MAX_ROUTES)])
+        y = y[mx.argsort(order)]  # (N k, 1, E) back in route order
     else:
         y = expert_mlp(config, experts, flat[:, None, None], chosen, False)  # (N, k, 1, E)
     y = y.reshape(N, k, E)
@@ -535,8 +539,8 @@ def hidden(config: ModelConfig, params: Params, tokens: mx.array, positions: mx.
 def step_attention_kernel(config: ModelConfig, params: Params) -> bool:
     """Whether a one-token step's attention runs mlxfun's kernel (`attention`, with `fast`): CUDA,
     and a head layout the kernel serves."""
-    return bool(params.layers) and \
-        kernels.serves_attention(config.head_dim, config.num_heads // config.num_kv_heads, params.norm.dtype)
+    group = config.num_heads // config.num_kv_heads
+    return bool(params.layers) and kernels.serves_attention(config.head_dim, group, params.norm.dtype)
 
 
 def logits(config: ModelConfig, params: Params, h: mx.array, fast: bool = False) -> mx.array:

@@ -71,9 +71,7 @@ def gguf_to_hf(config: ModelConfig, tensors: dict[str, mx.array]) -> dict[str, m
             hf = _GGUF_TOP[stem]
         else:
             raise ModelError(f"unexpected GGUF tensor {name!r}")
-        if config.model_type in GEMMA and stem.endswith("norm"):
-            value = value.astype(mx.float32) - 1
-        out[f"{hf}.{kind}"] = value
+        out[f"{hf}.{kind}"] = _unnorm(value, config) if stem.endswith("norm") else value
     return out
 
 
@@ -149,6 +147,8 @@ def _norm(t: dict, name: str, size: int, config: ModelConfig) -> mx.array:
 
 
 def _unnorm(v: mx.array, config: ModelConfig) -> mx.array:
+    """A Gemma norm as a scale of 1 + w (the decoder's folded weight, a GGUF's) -> w, as Hugging Face
+    stores it; other families' as they are."""
     return (v.astype(mx.float32) - 1).astype(v.dtype) if config.model_type in GEMMA else v
 
 
