@@ -84,11 +84,11 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
 
-def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+def _spm_merges(tokens: list[str], scores: list[float], ids: dict[str, int]) -> list[tuple[str, str]]:
     """BPE merges equivalent to SentencePiece's BPE: every split of a piece into two pieces of the
     vocabulary, in order of the whole piece's score (highest first), as Transformers derives them.
-    SentencePiece merges the adjacent pair whose union scores highest; BPE applies the lowest rank."""
-    ids = {t: i for i, t in enumerate(tokens)}
+    SentencePiece merges the adjacent pair whose union scores highest; BPE applies the lowest rank.
+    `ids`: each piece's id."""
     merges = []
     for i in sorted(range(len(tokens)), key=lambda i: -scores[i]):  # stable: ties keep id order
         piece = tokens[i]
@@ -117,7 +117,8 @@ def _spm_backend(metadata: dict, tokens: list[str], unk: int | None) -> HFTokeni
     scores = [float(s) for s in metadata["tokenizer.ggml.scores"].tolist()]
     if len(scores) != len(tokens):
         raise ModelError(f"GGUF metadata has {len(tokens)} tokens but {len(scores)} scores")
-    backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_spm_merges(tokens, scores),
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, vocab),
                                      unk_token=None if unk is None else tokens[unk],
                                      fuse_unk=True, byte_fallback=True))
     # llama.cpp prefixes a space to the text and to each piece of text after a special token;
