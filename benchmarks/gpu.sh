@@ -5,6 +5,8 @@
 # Suites (each writes JSON to $OUT, default /tmp/mlxfun-out):
 #   smoke        batched == alone in float32, the decode kernels on (benchmarks/smoke.py)
 #   kernels      the CUDA kernels against MLX references (benchmarks/kernels_check.py)
+#   invariance   benchmarks/invariance.py: a row's product alone vs inside batches of 2-257, plain and at one fixed
+#                row count (bf16, fp16, 4-bit), and each way's time
 #   static       mlxfun bench: 1B and 8B shapes, batch 1/8/32/128, bf16 and q4, mlx-lm beside if installed
 #   continuous   mlxfun bench --continuous 32: 256 mixed requests, static batches vs continuous (1B)
 #   prefix       mlxfun bench --prefix: 256 requests sharing a 2,000-token prefix, cache off vs on (1B)
@@ -16,7 +18,8 @@
 #                --python-version 3.12 --platform manylinux2014_x86_64 -d .whl fastapi starlette uvicorn pydantic
 #                pydantic-core typing-inspection annotated-types openai jiter sniffio distro [mlx-lm]`
 #                (versions as in this venv), carried as ".whl"
-#   serve-gil    serve_load.py (1B, 32 clients, 256 requests) with CPython's GIL switch interval at 5 ms, then 0.5 ms
+#   serve-process  serve_load.py (1B, 32 clients, 256 requests, greedy and seeded) against offline generate: the
+#                engine in its own process (the default) and on the server's thread (--engine-thread), one run
 #   families     mlxfun bench: Gemma 3 4B and Qwen3-30B-A3B (24 of 48 layers) shapes ($FAMILY_SHAPES), batch
 #                1/8/32/128, q4 and bf16 ($FAMILY_DTYPES), mlx-lm beside (installed from .whl, as for serve)
 #   moe          mlxfun bench: the Qwen3-30B-A3B shape (24 of 48 layers), $FAMILY_DTYPES (q4), batch 1/8/32/128,
@@ -50,6 +53,7 @@ for suite in "$@"; do
   case "$suite" in
     smoke) timeout 150 python3 benchmarks/smoke.py --json "$OUT/smoke.json" ;;
     kernels) timeout 240 python3 benchmarks/kernels_check.py --json "$OUT/kernels.json" ;;
+    invariance) timeout 240 python3 benchmarks/invariance.py --json "$OUT/invariance.json" ;;
     static)
       for shape in 1B 8B; do
         bench 420 --shape $shape --batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 \
@@ -68,13 +72,10 @@ for suite in "$@"; do
       timeout 500 python3 benchmarks/serve_load.py --shape 1B --clients ${SERVE_CLIENTS:-32} \
         --requests $((8 * ${SERVE_CLIENTS:-32})) --modes greedy,seeded --offline "${lm[@]}" \
         --json "$OUT/serve-1B-${SERVE_CLIENTS:-32}.json" ;;
-    serve-gil)  # the serve load (no mlx-lm, no offline) with CPython's GIL switch interval at 5 ms, then 0.5 ms
+    serve-process)  # no mlx-lm: the engine's own process against its thread in the server's, and offline
       wheels
-      for sw in default 0.0005; do
-        flag=(); [ $sw = default ] || flag=(--switch-interval $sw)
-        timeout 280 python3 benchmarks/serve_load.py --shape 1B --clients 32 --requests 256 --modes greedy,seeded \
-          "${flag[@]}" --json "$OUT/serve-gil-$sw.json" | grep -v "^$" | tail -8
-      done ;;
+      timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape 1B --clients 32 --requests 256 \
+        --modes ${SERVE_MODES:-greedy,seeded} --offline --engine-thread-too --json "$OUT/serve-process-1B-32.json" ;;
     families)
       wheels
       for shape in ${FAMILY_SHAPES:-gemma3-4B qwen3-30B-A3B-24L}; do

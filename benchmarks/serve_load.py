@@ -171,15 +171,9 @@ class Server:
         self.log.close()
 
 
-def mlxfun_argv(folder: Path, port: int, rows: int, gen_tokens: int, switch_interval: float | None = None
-                ) -> list[str]:
-    flags = ["serve", "--model", str(folder), "--port", str(port), "--rows", str(rows), "--max-tokens", str(gen_tokens),
-             "--log-level", "warning"]
-    if switch_interval is None:
-        return [sys.executable, "-m", "mlxfun", *flags]
-    # How often CPython hands the GIL between the engine thread and the event loop (5 ms by default).
-    return [sys.executable, "-c", f"import sys; sys.setswitchinterval({switch_interval!r}); "
-            f"from mlxfun.cli.main import main; sys.exit(main({flags!r}))"]
+def mlxfun_argv(folder: Path, port: int, rows: int, gen_tokens: int, engine_thread: bool = False) -> list[str]:
+    return [sys.executable, "-m", "mlxfun", "serve", "--model", str(folder), "--port", str(port), "--rows", str(rows),
+            "--max-tokens", str(gen_tokens), "--log-level", "warning", *(["--engine-thread"] if engine_thread else [])]
 
 
 def mlx_lm_argv(python: str, folder: Path, port: int, rows: int, gen_tokens: int, extra: list[str]) -> list[str]:
@@ -242,12 +236,12 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
             requests = args.requests or n
             warm = prompts[len(prompts) // 2:][:n]  # other prompts: nothing of the measured ones is cached
             drive(server.url + "/v1", warm, n, args.arrival, 4, mode == "seeded", procs)
-            before = engine_counters(server.url) if name == "mlxfun" else {}
-            threads = thread_cpu(server.proc.pid)
+            before = engine_counters(server.url) if name.startswith("mlxfun") else {}
+            threads = server_cpu(server.proc.pid)
             results, cpu = drive(server.url + "/v1", prompts[:requests], n, args.arrival, args.gen_tokens,
                                  mode == "seeded", procs)
             row = dict(server=name, mode=mode, rows=args.rows or n, clients=n, **summarize(results, cpu))
-            row["server_cpu_us_per_token"] = cpu_per_token(threads, thread_cpu(server.proc.pid), row["tokens"])
+            row["server_cpu_us_per_token"] = cpu_per_token(threads, server_cpu(server.proc.pid), row["tokens"])
             print(f"  {name} {mode}: server CPU us per token by thread {row['server_cpu_us_per_token']}", flush=True)
             if before:
                 row.update(occupancy(before, engine_counters(server.url), args.rows or n, row))
@@ -292,6 +286,15 @@ def thread_cpu(pid: int) -> dict[str, float]:
         name = stat[stat.index("(") + 1:stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2:].split()
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def server_cpu(pid: int) -> dict[str, float]:
+    """`thread_cpu` of the server's process and its children's (mlxfun's engine process)."""
+    out = thread_cpu(pid)
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split() if Path(f"/proc/{pid}").exists() else []:
+        for name, seconds in thread_cpu(int(child)).items():
+            out[f"child:{name}"] = out.get(f"child:{name}", 0.0) + seconds
     return out
 
 
@@ -390,8 +393,9 @@ def main(argv=None) -> int:
                    help="runs per server and client count, the servers' order alternating; the best is kept")
     p.add_argument("--offline", action="store_true",
                    help="also time mlxfun.generate(batch_size=rows) on the same prompts (the engine alone)")
-    p.add_argument("--switch-interval", type=float, default=None,
-                   help="run mlxfun's server with sys.setswitchinterval(S) (default: CPython's 0.005)")
+    p.add_argument("--engine-thread-too", action="store_true",
+                   help="also run `mlxfun serve --engine-thread` (the engine on a thread of the server's process, "
+                        "sharing its GIL), reported as mlxfun-thread")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",")]
@@ -422,7 +426,9 @@ def main(argv=None) -> int:
         folder = save(model, Path(tmp) / "model")
         del model
         log = Path(tmp) / "server.log"
-        servers = [("mlxfun", lambda port, r: mlxfun_argv(folder, port, r, args.gen_tokens, args.switch_interval))]
+        servers = [("mlxfun", lambda port, r: mlxfun_argv(folder, port, r, args.gen_tokens))]
+        if args.engine_thread_too:
+            servers.append(("mlxfun-thread", lambda port, r: mlxfun_argv(folder, port, r, args.gen_tokens, True)))
         if args.mlx_lm:
             servers.append(("mlx-lm", lambda port, r: mlx_lm_argv(args.mlx_lm_python, folder, port, r, args.gen_tokens,
                                                                   args.mlx_lm_args.split())))

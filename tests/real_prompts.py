@@ -1,4 +1,4 @@
-"""The real-model prompts of the batched == alone checks: one token to ~165, chat and raw, several scripts."""
+"""The real-model prompts of the batched == alone checks: one token to ~110, chat and raw, several scripts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ REAL_TOKENS = int(os.environ.get("MLXFUN_REAL_TOKENS", "12"))
 
 LONG = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
         "Constantinople. Its legions built roads, aqueducts and fortifications across Europe, North Africa and "
-        "the Middle East, and its law, language and institutions shaped the societies that followed. ") * 3
+        "the Middle East, and its law, language and institutions shaped the societies that followed. ") * 2
 
 REAL_PROMPTS = [
     {"text": "Hi"},  # one token
@@ -25,8 +25,8 @@ REAL_PROMPTS = [
     {"text": "1, 2, 3, 4, 5,"},
     {"text": "Привет! Как дела?"},
     {"text": "import numpy as np\nx = np.arange(10)\nprint("},
-    {"text": "Summarize: " + LONG[:400], "chat": True},
-    {"text": LONG},  # about 165 tokens
+    {"text": "Summarize: " + LONG[:200], "chat": True},
+    {"text": LONG},  # about 110 tokens
 ]
 
 

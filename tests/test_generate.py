@@ -20,7 +20,7 @@ def alone_q4(model_q4):
 
 def test_real_prompts_span_lengths(alone_q4):
     lengths = sorted(len(p) for p in alone_q4[0])
-    assert lengths[0] == 1 and lengths[-1] >= 150, lengths
+    assert lengths[0] == 1 and lengths[-1] >= 100, lengths
 
 
 def test_real_batch_equals_alone_q4(alone_q4, model_q4):
@@ -37,7 +37,7 @@ def test_real_shuffled_and_sub_batches(model_q4, alone_q4):
     model, (prompts, each) = model_q4, alone_q4
     order = list(range(len(prompts)))
     random.Random(1).shuffle(order)
-    sub = order[:4]  # shuffled (1 token to ~165 among them): new neighbours, row positions and padding
+    sub = order[:4]  # shuffled (1 token to ~110 among them): new neighbours, row positions and padding
     out = generate(model, [prompts[i] for i in sub], max_tokens=REAL_TOKENS).token_ids
     for i, ids in zip(sub, out):
         assert ids == each[i], f"prompt {i} depends on its neighbours"

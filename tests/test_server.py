@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import signal
 import socket
 import subprocess
@@ -89,7 +91,9 @@ class Server:
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
     """The default model, 16 rows."""
-    server = Server("--rows", "16", "--max-tokens", "8", log_path=tmp_path_factory.mktemp("real") / "log")
+    # No warm-up: test_serve_warmup checks it; here it would compile every step variant of 16 rows first.
+    server = Server("--rows", "16", "--max-tokens", "8", "--no-warmup",
+                    log_path=tmp_path_factory.mktemp("real") / "log")
     yield server
     server.stop()
 
@@ -329,6 +333,40 @@ def test_shutdown_finishes_what_fits_the_grace_period_then_exits_0(slow_model_di
         client.completions.create(model="x", prompt="t1", max_tokens=1)
 
 
+def test_a_killed_engine_process_fails_its_requests_then_a_fresh_one_serves(slow_model_dir, tmp_path):
+    """The engine runs in a process of its own: when it dies (here SIGKILL, as the OOM killer
+    sends), the stream in it ends with an error event, /health says 503, and a fresh engine
+    process answers the next request as offline `generate` does."""
+    log = tmp_path / "log"
+    server = Server("--model", str(slow_model_dir), "--rows", "2", "--no-warmup", log_path=log)
+    try:
+        client = server.client()
+        pid = int(re.search(r"the engine runs in process (\d+)", log.read_text()).group(1))
+        assert pid != server.proc.pid
+        stream = client.completions.create(model="x", prompt=words(1), max_tokens=4000, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="engine failed"):
+            for _ in chunks:
+                pass
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if urllib.request.urlopen(server.url + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        after = client.completions.create(model="x", prompt=words(3), max_tokens=6, extra_body={"ignore_eos": True})
+        assert "the engine process died (exit code -9)" in log.read_text()
+        assert server.metrics()["mlxfun_requests_finished_total"] == 1  # the fresh engine's count
+    finally:
+        assert server.stop() == 0
+    model = mlxfun.load(str(slow_model_dir))
+    assert after.choices[0].text == mlxfun.generate(model, words(3), max_tokens=6, ignore_eos=True).texts[0]
+
+
 def test_bad_flags_exit_2_naming_the_flag(slow_model_dir):
     run = subprocess.run([sys.executable, "-m", "mlxfun", "serve", "--model", str(slow_model_dir), "--top-p", "2",
                           "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -373,14 +411,14 @@ def test_engine_failure_fails_requests_in_flight_then_serves_again():
         for _ in range(2):
             while True:  # while the failed engine is replaced, a request is refused (503) for a moment
                 try:
-                    ids, q = bridge.submit(reqs)
+                    ids, q = await bridge.submit(reqs)
                     break
                 except NotReady:
                     await asyncio.sleep(0.01)
             while True:
                 event, record = await asyncio.wait_for(q.get(), 30)
                 if isinstance(event, EngineFailed) or record is not None:
-                    out.append(event if record is None else record.row.token_ids)
+                    out.append(event if record is None else record.token_ids)
                     break
         return out
 

@@ -102,7 +102,7 @@ def test_real_model_each_row_its_own_schema(model_q4):
         for text, schema, reason in zip(out.texts, SCHEMAS, out.finish_reasons):
             assert reason == "stop", text
             jsonschema.validate(json.loads(text), schema)
-        rows = range(8) if not options else (0, 5)  # sampled: two rows alone (the CPU is slow)
+        rows = (0, 3, 5, 6) if not options else (0, 5)  # half the rows alone (the CPU is slow)
         for i in rows:
             alone = generate(model_q4, [prompts[i]], max_tokens=40, response_format=formats[i],
                              **({"temperature": 0.8, "seed": i} if options else {}))

@@ -71,6 +71,7 @@ class Constraint:
     starts: list[Any]
     grammar_eos: frozenset[int]  # the EOS ids llguidance allows where the grammar may end
     build: Callable[[], Any]  # compiles one more start matcher
+    source: tuple[str, str, str]  # (kind, label, payload): what `compiled` compiles again in another process
     turn: Iterator[int] = field(default_factory=itertools.count)  # whose copy the next row gets
     lock: threading.Lock = field(default_factory=threading.Lock)  # rows are added from any thread
 
@@ -244,6 +245,11 @@ def _parse(fmt, where: str) -> tuple[str, str, str] | None:
     return kind, f"{kind} {value!r:.60}", value
 
 
+def compiled(tokenizer: Tokenizer, vocab_size: int, source: tuple[str, str, str]) -> Constraint:
+    """A Constraint's `source` compiled for `tokenizer` (cached, as for its first compile)."""
+    return _compile(tokenizer, vocab_size, *source)
+
+
 @lru_cache(maxsize=256)
 def _compile(tokenizer: Tokenizer, vocab_size: int, kind: str, label: str, payload: str) -> Constraint:
     """Cached per (tokenizer, vocab size, response_format); errors (InputError) are not cached."""
@@ -268,7 +274,7 @@ def _compile(tokenizer: Tokenizer, vocab_size: int, kind: str, label: str, paylo
     first = build()
     if first.is_error():
         raise InputError(f"{label}: {first.get_error()}")
-    return Constraint(kind, label, vocab_size, [first], frozenset(ll.eos_tokens), build)
+    return Constraint(kind, label, vocab_size, [first], frozenset(ll.eos_tokens), build, (kind, label, payload))
 
 
 @lru_cache(maxsize=4)

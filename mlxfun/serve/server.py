@@ -34,15 +34,14 @@ except ImportError as e:  # pragma: no cover
     raise ImportError(f'mlxfun serve needs its extra: pip install "mlxfun[server]" ({e})') from None
 
 from mlxfun.cli.main import add_generation_flags, add_model_flags, flag_message, generation_config
-from mlxfun.engine.core import Engine, engine_for
 from mlxfun.engine.options import GenerationConfig, Request, requests
-from mlxfun.engine.records import Record
 from mlxfun.errors import InputError, MlxfunError, check_positive_int
 from mlxfun.model.load import Model
 from mlxfun.serve import openai_api as api
 from mlxfun.serve import tools
+from mlxfun.serve.engine_process import EngineProcess, EngineSpec
 from mlxfun.serve.openai_api import ChatRequest, Common, CompletionRequest
-from mlxfun.serve.serving import Bridge, Busy, EngineFailed, NotReady, finished, metrics_text
+from mlxfun.serve.serving import Bridge, Busy, EngineFailed, NotReady, Outcome
 
 SHUT_DOWN = "the server shut down before the request finished (--shutdown-timeout ran out)"
 ENGINE_FAILED = "the engine failed while generating (the server's log has the details); a fresh engine takes the " \
@@ -54,7 +53,7 @@ DEFAULT_ROWS = 32
 
 class Served(NamedTuple):
     model: Model
-    bridge: Bridge
+    bridge: Bridge | EngineProcess
     defaults: GenerationConfig  # the command's generation flags; request fields override them
     name: str  # the model id clients see
     created: int
@@ -142,9 +141,9 @@ async def _disconnected(http: HTTPRequest) -> None:
         pass
 
 
-async def _records(served: Served, ids: list[int], q: asyncio.Queue, http: HTTPRequest) -> dict[int, Record] | None:
-    """Every request's closing Record, or None when the client disconnects first (its rows are freed)."""
-    records: dict[int, Record] = {}
+async def _records(served: Served, ids: list[int], q: asyncio.Queue, http: HTTPRequest) -> dict[int, Outcome] | None:
+    """Every request's Outcome, or None when the client disconnects first (its rows are freed)."""
+    records: dict[int, Outcome] = {}
     gone = asyncio.ensure_future(_disconnected(http))
     try:
         while len(records) < len(ids):
@@ -167,14 +166,14 @@ async def _records(served: Served, ids: list[int], q: asyncio.Queue, http: HTTPR
 
 
 def _whole(served: Served, chat: bool, body: Common, reqs: list[Request], ids: list[int],
-           records: dict[int, Record], fmt: tools.Format | None) -> dict:
+           records: dict[int, Outcome], fmt: tools.Format | None) -> dict:
     tk = served.model.tokenizer
     choices, completion = [], 0
     for i, rid in enumerate(ids):
         record = records[rid]
-        tokens, lps, top = finished(record)
+        tokens, lps, top = record.token_ids, record.logprobs, record.top
         completion += len(tokens)
-        text, reason = record.row.text.final_text, record.finish_reason
+        text, reason = record.text, record.finish_reason
         if chat:
             lp = api.chat_logprobs(tk, tokens, lps, top) if reqs[i].logprobs >= 0 else None
             content, calls = tools.parse(fmt, text) if fmt is not None else (text, [])
@@ -211,7 +210,7 @@ async def _stream(served: Served, chat: bool, body: Common, reqs: list[Request],
     def chunk(choices: list[dict]) -> str:
         return f'data: {head}"choices": {json.dumps(choices, ensure_ascii=False)}{tail}\n\n'
 
-    def render(event, record: Record | None) -> str:
+    def render(event, record: Outcome | None) -> str:
         """One token's chunk ("" when it brings neither text nor logprobs nor the end)."""
         i = choice[event.index]
         lp = None
@@ -222,7 +221,7 @@ async def _stream(served: Served, chat: bool, body: Common, reqs: list[Request],
         offsets[i] += len(event.text)
         if record is not None:
             open_.discard(event.index)
-            counts["completion"] += len(record.row.token_ids)
+            counts["completion"] += len(record.token_ids)
             counts["cached"] += record.cached_tokens if i % body.n == 0 else 0
         reason = event.finish_reason
         if chat and parsers[i] is not None:
@@ -286,7 +285,7 @@ async def complete(served: Served, body: Common, chat: bool, http: HTTPRequest):
         return _json_error(400, api.error(f"{param}: the request asks for {len(reqs)} choices ({len(prompts)} prompts, "
                                           f"n={body.n}); this server takes {capacity} at once", param))
     try:
-        ids, q = served.bridge.submit(reqs)
+        ids, q = await served.bridge.submit(reqs)
     except NotReady as e:
         return _json_error(503, api.error(str(e), None, "server_error"), {"Retry-After": "5"})
     except Busy as e:
@@ -361,10 +360,11 @@ def make_app(served: Served, shutdown_timeout: float = 30.0) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        bridge, engine, kind = served.bridge, served.bridge.engine, "text/plain; version=0.0.4"
-        if engine is None:  # a failed engine is being replaced: its counters went with it
+        kind = "text/plain; version=0.0.4"
+        text = await served.bridge.metrics()
+        if text is None:  # a failed engine is being replaced: its counters went with it
             return PlainTextResponse("# the engine is restarting\n", status_code=503, media_type=kind)
-        return PlainTextResponse(metrics_text(engine, bridge.tokens_per_second()), media_type=kind)
+        return PlainTextResponse(text, media_type=kind)
 
     return app
 
@@ -389,6 +389,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-warmup", action="store_true",
                    help="take requests at once, without compiling every step first (tests; the first requests "
                         "of each kind then wait for their compile)")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="run the engine on a thread of the server's process, not in a process of its own (one "
+                        "GIL for HTTP and the engine: about half the tokens/s under load; for debugging)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests may finish after Ctrl-C / SIGTERM before they are cut (default: 30)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -400,7 +403,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 CUT_GRACE = 5.0
 
 
-def _uvicorn_server(app: FastAPI, args: argparse.Namespace, bridge: Bridge) -> uvicorn.Server:
+def _uvicorn_server(app: FastAPI, args: argparse.Namespace, bridge: Bridge | EngineProcess) -> uvicorn.Server:
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
@@ -445,32 +448,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import mlx.core as mx
 
-    from mlxfun.model.load import load
-
     rows = DEFAULT_ROWS if args.rows is None else args.rows
-    loaded: list[Model] = []
-
-    def make_engine() -> Engine:
-        # Runs on the engine thread: the model's arrays are made there too (MLX streams are per thread).
-        # The flags' scheduler options too: the prefix cache, a prompt cache, a draft model.
-        if not loaded:
-            loaded.append(load(args.model, dtype=args.dtype))
-            mx.eval(loaded[0].params)
-        return engine_for(loaded[0], rows, defaults, kv_memory, fixed_shapes=True)
-
-    bridge = Bridge(make_engine, args.max_queued, warm=not args.no_warmup)
+    bridge: Bridge | EngineProcess | None = None
     try:
         check_positive_int("rows", rows)
         check_positive_int("max_queued", args.max_queued)
-        kv_memory = kv_memory_flag(args.kv_memory)
-        defaults = generation_config(args)
+        # The engine's model is made where it runs (MLX streams are per thread), with the flags'
+        # scheduler options: the prefix cache, a prompt cache, a draft model.
+        spec = EngineSpec(args.model, args.dtype, rows, generation_config(args), kv_memory_flag(args.kv_memory))
+        if args.engine_thread:
+            bridge = Bridge(spec.maker(), args.max_queued, warm=not args.no_warmup)
+        else:
+            # This process only checks requests and builds settings: on the CPU, so that the device
+            # (a GPU's memory) is the engine process' alone.
+            mx.set_default_device(mx.cpu)
+            bridge = EngineProcess(spec, args.max_queued, warm=not args.no_warmup)
         bridge.start()
-        model = bridge.engine.model
-        requests(model, [[0]], dataclasses.replace(defaults, max_tokens=1))  # the flags, checked now
+        model = bridge.model
+        requests(model, [[0]], dataclasses.replace(spec.defaults, max_tokens=1))  # the flags, checked now
     except (MlxfunError, OSError) as e:
         print(f"mlxfun: error: {flag_message(str(e))}", file=sys.stderr)
-        bridge.stop()
+        if bridge is not None:
+            bridge.stop()
         return 2
+    defaults = spec.defaults
+    if isinstance(bridge, EngineProcess):
+        print(f"mlxfun serve: the engine runs in process {bridge.pid}", file=sys.stderr, flush=True)
     served = Served(model, bridge, defaults, args.served_model_name or Path(model.source).name or "mlxfun", api.now())
     server = _uvicorn_server(make_app(served, args.shutdown_timeout), args, bridge)
     server.run()

@@ -4,7 +4,9 @@ One thread owns the engine and MLX's decode loop (`Engine.rounds`). The event lo
 cancels through the engine's thread-safe inbox (`Bridge.submit`, `Bridge.cancel`). Each step's
 events reach the event loop in one `call_soon_threadsafe` (one wake-up per step, not per token),
 which puts each in its HTTP request's asyncio queue; a request's closing event carries its
-Record, released (`Engine.take`) on the engine thread. The engine never waits for the HTTP side.
+`Outcome`, its Record being released (`Engine.take`) on the engine thread. The engine never waits
+for the HTTP side. `mlxfun serve` runs this Bridge in a process of its own (`engine_process`),
+whose `deliver` sends each step's items down a pipe instead.
 
 Before it takes requests the engine compiles every step it may run (`warmup.warm_up`), so none
 compiles on the request path; until then `ready` is False (/health answers 503).
@@ -22,7 +24,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -63,22 +65,53 @@ def name_os_thread(name: str) -> None:
             pass
 
 
-class Bridge:
-    """`submit` requests from the event loop; read (Event, Record | None) items from the returned
-    asyncio queue: the Record comes with each request's closing event. An engine error ends every
-    request in flight with an `EngineFailed` item and a fresh engine takes over."""
+class Outcome(NamedTuple):
+    """What a finished request's answer needs of its Record (the Record itself is released on the
+    engine's side; this crosses threads and processes)."""
 
-    def __init__(self, make_engine: Callable[[], Engine], max_queued: int, warm: bool = True):
+    token_ids: list[int]
+    logprobs: list[float]  # the chosen tokens' (empty unless asked)
+    top: list | None  # per token, (id, logprob) pairs; None unless top logprobs were asked
+    text: str
+    finish_reason: str
+    cached_tokens: int  # prompt tokens the prefix cache held
+
+
+def outcome(record: Record) -> Outcome:
+    """A closed request's generated ids and, when asked, their logprobs and top logprobs (trimmed to the ids)."""
+    row = record.row
+    ids = row.token_ids
+    return Outcome(list(ids), list(row.logprobs[: len(ids)]), list(row.top[: len(ids)]) if row.top_n > 0 else None,
+                   row.text.final_text, record.finish_reason, record.cached_tokens)
+
+
+Target = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
+
+
+class Bridge:
+    """`submit` requests from the event loop; read (Event, Outcome | None) items from the returned
+    asyncio queue: the Outcome comes with each request's closing event. An engine error ends every
+    request in flight with an `EngineFailed` item and a fresh engine takes over.
+
+    `deliver` takes each step's [(target, item)] (by default a target is (loop, queue): one call
+    into each event loop); `on_ready(bool)` hears when requests start and stop being taken (the
+    engine process forwards both to the server's process)."""
+
+    def __init__(self, make_engine: Callable[[], Engine], max_queued: int, warm: bool = True,
+                 deliver: Callable[[list[tuple[Any, tuple]]], None] | None = None,
+                 on_ready: Callable[[bool], None] | None = None):
         self._make_engine = make_engine
         self.max_queued = max_queued
         self.warm = warm  # compile every step before taking requests (the engine must have fixed shapes)
+        self._deliver = deliver or _deliver
+        self._on_ready = on_ready or (lambda ready: None)
         self.warmup: Warmup | None = None  # the last warm-up's cost
         self.engine: Engine | None = None  # None while a failed engine is replaced
         self.rows = 0  # the engine's rows, the same for every engine it makes (set once it has one)
         self._warm = threading.Event()  # set once the engine takes requests
         self._cut = False
         self._lock = threading.Lock()  # guards _targets and the engine swap after a failure
-        self._targets: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._targets: dict[int, Any] = {}
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -99,6 +132,10 @@ class Bridge:
         return self._thread.is_alive() and not self._stop.is_set()
 
     @property
+    def model(self):
+        return self.engine.model
+
+    @property
     def ready(self) -> bool:
         """Alive and warmed up: requests are taken."""
         return self.alive and self._warm.is_set()
@@ -110,14 +147,18 @@ class Bridge:
     def in_flight(self) -> int:
         return len(self._targets)
 
-    def submit(self, requests: list[Request]) -> tuple[list[int], asyncio.Queue]:
-        """Queue the requests together (all or none); their events share one asyncio queue.
+    async def submit(self, requests: list[Request]) -> tuple[list[int], asyncio.Queue]:
+        """Queue the requests together (all or none); their items share one asyncio queue.
         Raises Busy when the rows and the queue are full, InputError when one could never fit."""
+        q = asyncio.Queue()
+        return self.submit_to(requests, (asyncio.get_running_loop(), q)), q
+
+    def submit_to(self, requests: list[Request], target) -> list[int]:
+        """`submit`, delivering the requests' items to `target` (what `deliver` takes)."""
         # MLX streams are per thread: the engine thread gets settings copied from host memory, never
         # arrays computed here (`options.requests` slices them lazily).
         requests = [dataclasses.replace(r, settings=sampling.Settings(*(mx.array(np.array(f)) for f in r.settings)))
                     for r in requests]
-        loop, q = asyncio.get_running_loop(), asyncio.Queue()
         with self._lock:
             if not self.alive:
                 raise Busy("the server is shutting down")
@@ -130,13 +171,13 @@ class Bridge:
             try:
                 for r in requests:
                     ids.append(self.engine.submit(r))
-                    self._targets[ids[-1]] = (loop, q)
+                    self._targets[ids[-1]] = target
             except Exception:
                 for rid in ids:
                     self._targets.pop(rid, None)
                     self.engine.cancel(rid)
                 raise
-        return ids, q
+        return ids
 
     def cancel(self, rid: int) -> None:
         """Free the request's row within one decode step (its closing event still arrives, unread)."""
@@ -176,6 +217,14 @@ class Bridge:
         samples = self._samples.copy()  # atomic, unlike iterating a deque the engine thread appends to
         then = next((s for s in reversed(samples) if s[0] <= now - RATE_WINDOW), samples[0])
         return (total - then[1]) / (now - then[0]) if now > then[0] else 0.0
+
+    async def metrics(self) -> str | None:
+        return self.metrics_now()
+
+    def metrics_now(self) -> str | None:
+        """/metrics' text; None while a failed engine is replaced (its counters went with it)."""
+        engine = self.engine
+        return None if engine is None else metrics_text(engine, self.tokens_per_second())
 
     # ---- the engine thread ----
 
@@ -222,18 +271,19 @@ class Bridge:
                   f"tokens) and ran a request in {w.seconds:.1f} s ({parts}; first tokens and a request "
                   f"{w.rest_seconds:.1f} s); ready", file=sys.stderr, flush=True)
         self._warm.set()
+        self._on_ready(True)
 
     def _dispatch(self, events: list[Event]) -> None:
         """One step's events to their requests' queues: one call into each event loop."""
         engine = self.engine
-        records = [engine.take(e.index) if e.finish_reason is not None else None for e in events]
+        outcomes = [outcome(engine.take(e.index)) if e.finish_reason is not None else None for e in events]
         sends = []
         with self._lock:
-            for event, record in zip(events, records):
+            for event, record in zip(events, outcomes):
                 target = self._targets.get(event.index) if record is None else self._targets.pop(event.index, None)
                 if target is not None:
                     sends.append((target, (event, record)))
-        _deliver(sends)
+        self._deliver(sends)
         now = time.perf_counter()
         if not self._samples or now - self._samples[-1][0] >= 0.25:
             self._samples.append((now, engine.stats.generation_tokens))
@@ -244,8 +294,9 @@ class Bridge:
             self._warm.clear()  # new requests wait (503) until the fresh engine is made and warm
             self.engine = None
             self._samples.clear()  # the fresh engine counts its tokens from 0
+        self._on_ready(False)
         failed = (EngineFailed(f"the engine failed: {type(error).__name__}: {error}"), None)
-        _deliver([(target, failed) for target in dict.fromkeys(targets.values())])  # one per request's queue
+        self._deliver([(target, failed) for target in dict.fromkeys(targets.values())])  # one per request's queue
         # The failed engine, its KV pool (most of a GPU's memory, in a server) included, is freed
         # before the fresh one allocates its own: its traceback's frames hold it too. (A fresh engine
         # made beside it ran out of memory building its first CUDA graph, on an H100.)
@@ -258,7 +309,7 @@ class Bridge:
         self._warm_up()
 
 
-def _deliver(sends: list[tuple[tuple[asyncio.AbstractEventLoop, asyncio.Queue], tuple]]) -> None:
+def _deliver(sends: list[tuple[Target, tuple]]) -> None:
     """Put each item in its target's queue: one call into each event loop, run on its thread."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for (loop, q), item in sends:
@@ -316,10 +367,3 @@ def metrics_text(engine: Engine, tokens_per_second: float) -> str:
             lines.append(f'{full}{{quantile="{q}"}} {v:.6f}')
         lines += [f"{full}_sum {sum(values):.6f}", f"{full}_count {len(values)}"]
     return "\n".join(lines) + "\n"
-
-
-def finished(record: Record) -> tuple[list[int], list[float], list | None]:
-    """A closed request's generated ids and, when asked, their logprobs and top logprobs (trimmed to the ids)."""
-    row = record.row
-    ids = row.token_ids
-    return ids, row.logprobs[: len(ids)], row.top[: len(ids)] if row.top_n > 0 else None
