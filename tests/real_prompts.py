@@ -36,7 +36,7 @@ def ids(model, p):
     return model.tokenizer.encode(p["text"])
 
 
-def alone(model):
-    """(prompt ids, each prompt's output alone)."""
-    prompts = [ids(model, p) for p in REAL_PROMPTS]
+def alone(model, which: list[dict] | None = None):
+    """(prompt ids, each prompt's output alone) for `which` (default: REAL_PROMPTS)."""
+    prompts = [ids(model, p) for p in (REAL_PROMPTS if which is None else which)]
     return prompts, [generate(model, [p], max_tokens=REAL_TOKENS).token_ids[0] for p in prompts]

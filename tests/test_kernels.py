@@ -103,7 +103,7 @@ def attention_case(B, H, K, D, S, seed, softcap=None):
     (1, 8, 2, 128, 40, 1),  # 32 lanes per key (float32), 16 warps
     (3, 6, 3, 32, 77, 1),  # 8 lanes per key: 4 keys per warp at once
     (2, 8, 2, 64, 300, 2),  # a row's keys in two blocks, merged
-    (16, 4, 4, 64, 96, 2),  # 64 blocks: 4 warps each, and two parts
+    (64, 4, 4, 64, 96, 2),  # 256 blocks: 4 warps each, and two parts
 ])
 def test_emulated_kernel_matches_reference(B, H, K, D, S, parts):
     inputs, want = attention_case(B, H, K, D, S, seed=B * S)

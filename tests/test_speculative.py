@@ -652,11 +652,10 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny):
 
 
 def test_real_model_float32_target_with_its_4bit_weights_as_draft(model_q4, model_f32):
-    """12 prompts of mixed lengths batched: with the 4-bit model drafting, the float32 model's
+    """6 prompts of mixed lengths batched: with the 4-bit model drafting, the float32 model's
     greedy tokens are the ones it gives without speculation (prompt lookup: the tiny tests above)."""
-    texts = ["Hi", "The capital of France is", "def add(a, b):", "1, 2, 3, 4,", "Once upon a time",
-             "The quick brown fox jumps over the lazy dog. The quick brown fox", "import numpy as np",
-             "Water boils at", "Roses are red, violets are", "SELECT * FROM", "My name is", "A B C D E F G"]
+    texts = ["Hi", "The capital of France is", "def add(a, b):", "The quick brown fox jumps over the lazy dog. "
+             "The quick brown fox", "Water boils at", "A B C D E F G"]
     prompts = [model_f32.tokenizer.encode(t) for t in texts]
     plain = generate(model_f32, prompts, max_tokens=5, ignore_eos=True).token_ids
     out, engine = run(model_f32, prompts, draft=model_q4, k=2, max_tokens=5, ignore_eos=True)

@@ -101,14 +101,17 @@ def chunk_arrays(tokens: list[list[int]], starts: list[int], offset: int, size: 
 def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, rows: list[int],
                  prompts: list[list[int]], starts: list[int], chunk: int, multiple: int = 1,
                  chains: Sequence[Callable[[], Chain]] | None = None,
-                 before_launch: Callable[[], None] | None = None) -> tuple[mx.array, KVCache]:
+                 before_launch: Callable[[], None] | None = None,
+                 settle: Callable[[KVCache], None] | None = None) -> tuple[mx.array, KVCache]:
     """Each row's prompt from its start (the end of its cached prefix) on, in chunks of at most
     `chunk` tokens (the group's longest rounded up to `multiple`) -> (the hidden state of each
     row's last token (G, E), cache with the table `cache.table`), queued, not evaluated. `pages`
     allocates each chunk's blocks (the device pool grows to match), and the prefix cache learns
     each full block once its chunk is queued (`chains`: each prompt's `blocks.chain`, computed
     then, while the device runs the chunk). `before_launch` runs once, after the first chunk's
-    host work and graph and before its launch (the engine waits there for the group before)."""
+    host work and graph and before its launch (the engine waits there for the group before).
+    `settle(cache)` runs before each chunk is queued (`Runner.settle`: a large pool is written only
+    once the write queued before has run)."""
     tokens = [p[s:] for p, s in zip(prompts, starts)]
     longest = max(len(t) for t in tokens)
     length = -(-longest // multiple) * multiple
@@ -133,6 +136,8 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
         # at the prompts' size, `Engine.admit`; otherwise it is the host's pool already).
         if max(int(slots.max()) // pages.bs, int(pages.table[rows].max())) >= cache.positions.shape[0]:
             cache = ensure_pool(cache, pages.pool.size)
+        if settle is not None:
+            settle(cache)
         # A first chunk with nothing to wait for starts its first layers while the host builds the rest.
         launch = mx.async_eval if offset == 0 and before_launch is None and ids.size <= EARLY_LAUNCH_TOKENS else None
         out, cache = steps.prefill(params, mx.array(ids), mx.array(positions), cache._replace(

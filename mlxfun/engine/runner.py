@@ -9,6 +9,9 @@ It decides nothing: the scheduler says which rows hold what, and the engine pass
 In-place writes. A step writes the KV pool in place only when nothing else references the old
 pool, so no method keeps a reference to a state it has replaced (an extra reference makes MLX
 copy the whole pool first: a 134 MB pool took 74 ms per write on a 2-core CPU against 0.07).
+Work still in flight is such a reference: it holds its outputs until it has run, and a write
+queued behind it copies. So a large pool is written only once the write queued before has run
+(`settle`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ from mlxfun.model.load import Model
 # Settings for a row that holds no request (its tokens are discarded).
 IDLE = sampling.make_settings(1, seed=0)
 
+# From this many bytes of KV pool on, a step that writes the pool waits for the write queued before
+# it (`Runner.settle`) rather than queue behind it, which would copy the pool (a 1 GB pool on this
+# 2-core CPU: 900 ms a step against 0.1 ms; `benchmarks/closed_loop.py` measures a server's engine).
+# A smaller pool copies in less time than the wait costs a GPU's pipeline. The CPU always waits: its
+# device is these cores, so the pipeline saves little there.
+SETTLE_BYTES = 1 << 30
+
 
 class Runner:
     def __init__(self, model: Model, config: ModelConfig, rows: int, strategy: WeightStrategy,
@@ -47,9 +57,20 @@ class Runner:
         self.step_params = weights.with_transposed(config, self.params)
         self.state: DecodeState | None = None
         self.settings: sampling.Settings | None = None  # per-row settings of the state's rows
+        # Pools of at least this many bytes are written after the write before has run (None: never).
+        self.settle_bytes: int | None = 0 if mx.default_device() == mx.cpu else SETTLE_BYTES
+        self._writes_queued = False  # a pool write may still be in flight
 
     def steps_for(self, mode: Mode) -> Steps:
         return self.steps(self.config, mode)
+
+    def settle(self, cache: kv.KVCache | None = None) -> None:
+        """Before queuing a write into the pool (`cache`'s, else the state's): wait for the write
+        queued before it, if the pool is large enough that copying it would cost more."""
+        cache = cache if cache is not None else self.state.cache
+        if self._writes_queued and self.settle_bytes is not None and _pool_bytes(cache) >= self.settle_bytes:
+            mx.synchronize()
+        self._writes_queued = True  # the caller queues its write next
 
     # ---- the state ----
 
@@ -123,6 +144,7 @@ class Runner:
         """Queue one decode step for every row (rows without a request decode idly)."""
         out, state = steps.decode(self.step_params, self.input_state(penalties), self.settings)
         self._advanced(state)  # the old state unreferenced: the step writes the KV pool in place
+        self.settle()
         mx.async_eval(out, self.state)
         return out
 
@@ -130,6 +152,7 @@ class Runner:
         """Queue a decode step's forward pass (the masked decode's first half) -> logits."""
         logits, state = steps.forward(self.step_params, self.input_state(penalties))
         self._advanced(state)
+        self.settle()
         mx.async_eval(logits, self.state)
         return logits
 
@@ -144,6 +167,7 @@ class Runner:
         """Queue a verify round: every row's drafts (B, k) checked by one forward pass."""
         out, state = steps.verify(self.step_params, self.state._replace(counts=None), drafts, valid, q, self.settings)
         self.state = state._replace(counts=self.state.counts)
+        self.settle()
         mx.async_eval(out, self.state)
         return out
 
@@ -161,7 +185,8 @@ class Runner:
         # Passed on as a temporary: no reference to the pool may outlive the call (this frame's
         # included), or the chunks' writes would copy the whole pool rather than write it in place.
         h, cache = prefill.prefill_rows(self.steps(self.config, Mode()), params, self._detach_cache(), pages, rows,
-                                        prompts, starts, self.prefill_step, self.pad_multiple, chains, previous)
+                                        prompts, starts, self.prefill_step, self.pad_multiple, chains, previous,
+                                        self.settle)
         self.state = self.state._replace(cache=cache)
         return h
 
@@ -202,6 +227,10 @@ class Runner:
                                 steps=kv.updated(s.steps, r, steps + 1),
                                 counts=kv.updated(s.counts, r, sampling.update_counts(before, out.tokens)))
         return out
+
+
+def _pool_bytes(cache: kv.KVCache) -> int:
+    return sum(k.nbytes for k in cache.keys) + sum(v.nbytes for v in cache.values)
 
 
 def _rows(a: mx.array, keep: list[int], width: int, fill) -> mx.array:
