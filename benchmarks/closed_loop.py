@@ -89,8 +89,11 @@ def main(argv=None) -> int:
     runs = []
     for run in args.runs.split(","):
         gb, settle = run.split(":")
-        r = closed_loop(model, args.rows, args.requests, args.prompt_tokens, args.gen_tokens,
-                        int(float(gb) * 1e9) or None, settle)
+        try:
+            r = closed_loop(model, args.rows, args.requests, args.prompt_tokens, args.gen_tokens,
+                            int(float(gb) * 1e9) or None, settle)
+        except RuntimeError as e:  # a device out of memory, say: the other runs still count
+            r = dict(kv=gb, settle=settle, error=f"{type(e).__name__}: {e}")
         runs.append(r)
         print(json.dumps(r), flush=True)
         mx.clear_cache()  # the last run's engine is gone: its pool goes back before the next is sized
