@@ -48,7 +48,7 @@ from mlxfun.engine.outputs import hand_out
 from mlxfun.engine.paging import MIN_BLOCKS, MIN_BLOCKS_CPU, Pages, ladder, pool_size
 from mlxfun.engine.records import EngineStats, Record, fixed_mode, mode_for, request_mode
 from mlxfun.engine.rows import Row
-from mlxfun.engine.runner import Runner
+from mlxfun.engine.runner import SETTLE_BYTES, Runner
 from mlxfun.engine.scheduler import Scheduler
 from mlxfun.engine.step import Mode, StepCache, StepOut, Steps, compiled_steps
 from mlxfun.engine.strategy import WeightStrategy, default_strategy, free_memory, memory_limit
@@ -102,7 +102,7 @@ class Engine:
         on_gpu = mx.default_device() == mx.gpu
         # Chunk lengths rounded up on a GPU, so attention kernels are built for few shapes.
         self.runner = Runner(model, self.config, rows, strategy, steps, block_size, prefill_step,
-                             pad_multiple or prefill.pad_multiple())
+                             pad_multiple or prefill.pad_multiple(), settle_bytes(fixed_shapes))
         # Bytes the cache may take: a share of the device's memory beside what is in use now (weights).
         self.kv_memory = kv_memory or max(0, int(strategy.memory_fraction * memory_limit()) - mx.get_active_memory())
         free = free_memory() if fixed_shapes and kv_memory is None else None
@@ -519,6 +519,16 @@ class Engine:
                 runner.compact(*plan)
         self.stats.record_memory(self.scheduler, self.runner.state is not None, self.block_bytes)
 
+
+
+def settle_bytes(fixed_shapes: bool) -> int | None:
+    """From what KV pool size a pool write waits for the one queued before (`Runner.settle`): on
+    the CPU always; on a GPU in a server's engine, whose pool (most of the device) is allocated at
+    once, from 1 GB. An offline engine's pool holds what its requests need, and its steps stay
+    pipelined (what waiting would cost them there is not measured yet)."""
+    if mx.default_device() == mx.cpu:
+        return 0
+    return SETTLE_BYTES if fixed_shapes else None
 
 
 def engine_for(model: Model, rows: int, config: GenerationConfig, kv_memory: int | None = None,

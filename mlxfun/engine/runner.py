@@ -35,17 +35,17 @@ from mlxfun.model.load import Model
 # Settings for a row that holds no request (its tokens are discarded).
 IDLE = sampling.make_settings(1, seed=0)
 
-# From this many bytes of KV pool on, a step that writes the pool waits for the write queued before
-# it (`Runner.settle`) rather than queue behind it, which would copy the pool (a 1 GB pool on this
-# 2-core CPU: 900 ms a step against 0.1 ms; `benchmarks/closed_loop.py` measures a server's engine).
-# A smaller pool copies in less time than the wait costs a GPU's pipeline. The CPU always waits: its
-# device is these cores, so the pipeline saves little there.
+# From this many bytes of a server's KV pool on, a step that writes the pool waits for the write
+# queued before it (`Runner.settle`) rather than queue behind it, which would copy the pool (a 1 GB
+# pool on this 2-core CPU: 900 ms a step against 0.1 ms; `benchmarks/closed_loop.py` measures a
+# server's engine). A smaller pool copies in less time than the wait costs a GPU's pipeline.
 SETTLE_BYTES = 1 << 30
 
 
 class Runner:
     def __init__(self, model: Model, config: ModelConfig, rows: int, strategy: WeightStrategy,
-                 steps: Callable[[ModelConfig, Mode], Steps], block_size: int, prefill_step: int, pad_multiple: int):
+                 steps: Callable[[ModelConfig, Mode], Steps], block_size: int, prefill_step: int, pad_multiple: int,
+                 settle_bytes: int | None = 0):
         self.config, self.strategy, self.steps = config, strategy, steps
         self.block_size, self.prefill_step, self.pad_multiple = block_size, prefill_step, pad_multiple
         # Quantized weights may run as a dense copy for this many rows (mlxfun.engine.strategy).
@@ -58,7 +58,7 @@ class Runner:
         self.state: DecodeState | None = None
         self.settings: sampling.Settings | None = None  # per-row settings of the state's rows
         # Pools of at least this many bytes are written after the write before has run (None: never).
-        self.settle_bytes: int | None = 0 if mx.default_device() == mx.cpu else SETTLE_BYTES
+        self.settle_bytes = settle_bytes
         self._writes_queued = False  # a pool write may still be in flight
 
     def steps_for(self, mode: Mode) -> Steps:
