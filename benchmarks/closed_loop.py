@@ -83,9 +83,13 @@ def main(argv=None) -> int:
     p.add_argument("--gen-tokens", type=int, default=128, help="mean generated tokens (spread over 0.5-1.5x)")
     p.add_argument("--runs", default="0:never,0:default,0.5:default,0.5:always",
                    help="KV_GB:SETTLE per run, comma-separated (KV_GB 0: the server's default)")
+    p.add_argument("--cache-limit", type=float, default=None,
+                   help="GB of freed buffers MLX keeps for reuse (mx.set_cache_limit; default: MLX's)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     model = bench.random_model(bench.SHAPES[args.shape])
+    if args.cache_limit is not None:
+        mx.set_cache_limit(int(args.cache_limit * 1e9))
     runs = []
     for run in args.runs.split(","):
         gb, settle = run.split(":")

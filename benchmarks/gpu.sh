@@ -80,7 +80,7 @@ for suite in "$@"; do
       timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape 1B --clients 32 --requests 256 \
         --modes ${SERVE_MODES:-greedy,seeded} --offline --engine-thread-too --json "$OUT/serve-process-1B-32.json" ;;
     closed-loop) timeout ${CLOSED_TIMEOUT:-420} python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 \
-      --runs ${CLOSED_RUNS:-0:default,0.5:default,0.5:always,0:never} --json "$OUT/closed-loop-1B.json" ;;
+      --runs ${CLOSED_RUNS:-0:default,0.5:default,0.5:always,0:never} ${CLOSED_ARGS:-} --json "$OUT/closed-loop-1B$RANDOM.json" ;;
     families)
       wheels
       for shape in ${FAMILY_SHAPES:-gemma3-4B qwen3-30B-A3B-24L}; do

@@ -48,7 +48,7 @@ from mlxfun.engine.outputs import hand_out
 from mlxfun.engine.paging import MIN_BLOCKS, MIN_BLOCKS_CPU, Pages, ladder, pool_size
 from mlxfun.engine.records import EngineStats, Record, fixed_mode, mode_for, request_mode
 from mlxfun.engine.rows import Row
-from mlxfun.engine.runner import SETTLE_BYTES, Runner
+from mlxfun.engine.runner import Runner
 from mlxfun.engine.scheduler import Scheduler
 from mlxfun.engine.step import Mode, StepCache, StepOut, Steps, compiled_steps
 from mlxfun.engine.strategy import WeightStrategy, default_strategy, free_memory, memory_limit
@@ -522,13 +522,22 @@ class Engine:
 
 
 def settle_bytes(fixed_shapes: bool) -> int | None:
-    """From what KV pool size a pool write waits for the one queued before (`Runner.settle`): on
-    the CPU always; on a GPU in a server's engine, whose pool (most of the device) is allocated at
-    once, from 1 GB. An offline engine's pool holds what its requests need, and its steps stay
-    pipelined (what waiting would cost them there is not measured yet)."""
+    """From what KV pool size a pool write waits for the one queued before (`Runner.settle`).
+    The CPU: always (a write queued behind work in flight copies the pool there). A server's GPU
+    engine, whose pool is most of the device: from 1 GB. On H100s, servers lost requests to
+    out-of-memory errors in prefills in 2 of 4 load runs without the wait (one perhaps because the
+    server before it was still exiting) and in none of 4 with it; under a closed loop without HTTP
+    the engine ran 4,523 tok/s waiting against 5,028 pipelined (one run each,
+    `benchmarks/closed_loop.py`). Requests kept are worth a tenth of the rate until the stalls
+    there are understood. An offline engine's pool holds only what its requests need: its steps
+    stay pipelined."""
     if mx.default_device() == mx.cpu:
         return 0
-    return SETTLE_BYTES if fixed_shapes else None
+    return SERVER_SETTLE_BYTES if fixed_shapes else None
+
+
+# A server's GPU pool from this size on is written only after the write before it has run.
+SERVER_SETTLE_BYTES = 1 << 30
 
 
 def engine_for(model: Model, rows: int, config: GenerationConfig, kv_memory: int | None = None,

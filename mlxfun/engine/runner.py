@@ -9,9 +9,10 @@ It decides nothing: the scheduler says which rows hold what, and the engine pass
 In-place writes. A step writes the KV pool in place only when nothing else references the old
 pool, so no method keeps a reference to a state it has replaced (an extra reference makes MLX
 copy the whole pool first: a 134 MB pool took 74 ms per write on a 2-core CPU against 0.07).
-Work still in flight is such a reference: it holds its outputs until it has run, and a write
-queued behind it copies. So a large pool is written only once the write queued before has run
-(`settle`).
+On the CPU, work still in flight is such a reference: it holds its outputs until it has run, and a
+write queued behind it copies (a 1 GB pool: 900 ms a step against 0.1 ms). There, and for a
+server's large pool on a GPU, a write into the pool waits for the one queued before it (`settle`,
+`core.settle_bytes`).
 """
 
 from __future__ import annotations
@@ -35,11 +36,6 @@ from mlxfun.model.load import Model
 # Settings for a row that holds no request (its tokens are discarded).
 IDLE = sampling.make_settings(1, seed=0)
 
-# From this many bytes of a server's KV pool on, a step that writes the pool waits for the write
-# queued before it (`Runner.settle`) rather than queue behind it, which would copy the pool (a 1 GB
-# pool on this 2-core CPU: 900 ms a step against 0.1 ms; `benchmarks/closed_loop.py` measures a
-# server's engine). A smaller pool copies in less time than the wait costs a GPU's pipeline.
-SETTLE_BYTES = 1 << 30
 
 
 class Runner:
