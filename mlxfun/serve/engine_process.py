@@ -35,7 +35,7 @@ from mlxfun.engine.options import GenerationConfig, Request
 from mlxfun.errors import InputError, MlxfunError
 from mlxfun.features import structured
 from mlxfun.model.load import Model
-from mlxfun.serve.serving import Bridge, Busy, EngineFailed, NotReady, name_os_thread
+from mlxfun.serve.serving import Bridge, Busy, EngineFailed, NotReady, name_os_thread, to_loops
 
 log = logging.getLogger("mlxfun.serve")
 
@@ -332,13 +332,13 @@ class EngineProcess:
 
     def _items(self, sends: list) -> None:
         """One step's items to their requests' queues: one call into each event loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        out = []
         with self._lock:
             for token, item in sends:
                 entry = self._queues.get(token)
                 if entry is None:
                     continue
-                (loop, q), (event, outcome) = entry[0], item
+                event, outcome = item
                 if isinstance(event, EngineFailed):
                     del self._queues[token]
                     for rid in [r for r, t in self._open.items() if t == token]:
@@ -349,8 +349,8 @@ class EngineProcess:
                     self._close(token)
                 elif event.index not in self._open:
                     continue
-                by_loop.setdefault(loop, []).append((q, item))
-        _put(by_loop)
+                out.append((entry[0], item))
+        to_loops(out)
 
     def _gone(self, exitcode: int | None) -> None:
         """The engine process has ended: on purpose, or it died and a fresh one takes over."""
@@ -363,10 +363,7 @@ class EngineProcess:
             self._started.set()
             return
         failed = (EngineFailed(f"the engine process died (exit code {exitcode})"), None)
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for (loop, q), _ in queues.values():
-            by_loop.setdefault(loop, []).append((q, failed))
-        _put(by_loop)
+        to_loops([(target, failed) for target, _ in queues.values()])
         for w in waiting.values():
             _resolve(w, w[2])
         if self._stopping:
@@ -388,14 +385,3 @@ def _resolve(waiting: tuple[asyncio.AbstractEventLoop, asyncio.Future, object], 
     except RuntimeError:  # the loop has closed
         pass
 
-
-def _put(by_loop: dict[asyncio.AbstractEventLoop, list]) -> None:
-    for loop, items in by_loop.items():
-        def put(items=items) -> None:
-            for q, item in items:
-                q.put_nowait(item)
-
-        try:
-            loop.call_soon_threadsafe(put)
-        except RuntimeError:
-            pass

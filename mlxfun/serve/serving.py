@@ -103,7 +103,7 @@ class Bridge:
         self._make_engine = make_engine
         self.max_queued = max_queued
         self.warm = warm  # compile every step before taking requests (the engine must have fixed shapes)
-        self._deliver = deliver or _deliver
+        self._deliver = deliver or to_loops
         self._on_ready = on_ready or (lambda ready: None)
         self.warmup: Warmup | None = None  # the last warm-up's cost
         self.engine: Engine | None = None  # None while a failed engine is replaced
@@ -309,7 +309,7 @@ class Bridge:
         self._warm_up()
 
 
-def _deliver(sends: list[tuple[Target, tuple]]) -> None:
+def to_loops(sends: list[tuple[Target, tuple]]) -> None:
     """Put each item in its target's queue: one call into each event loop, run on its thread."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for (loop, q), item in sends:
