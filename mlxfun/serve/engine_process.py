@@ -259,6 +259,9 @@ class EngineProcess:
         self._send(("cancel", rid))
 
     async def metrics(self) -> str | None:
+        """/metrics' text; None while no engine runs (a fresh process still loads its model)."""
+        if not self._started.is_set() or self._start_error is not None:
+            return None
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
         with self._lock:
