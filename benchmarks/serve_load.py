@@ -291,8 +291,8 @@ def thread_cpu(pid: int) -> dict[str, float]:
 
 def server_cpu(pid: int) -> dict[str, float]:
     """`thread_cpu` of the server's process and its children's (mlxfun's engine process)."""
-    out = thread_cpu(pid)
-    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split() if Path(f"/proc/{pid}").exists() else []:
+    out, children = thread_cpu(pid), Path(f"/proc/{pid}/task/{pid}/children")
+    for child in children.read_text().split() if children.exists() else []:
         for name, seconds in thread_cpu(int(child)).items():
             out[f"child:{name}"] = out.get(f"child:{name}", 0.0) + seconds
     return out

@@ -37,7 +37,6 @@ from mlxfun.model.load import Model
 IDLE = sampling.make_settings(1, seed=0)
 
 
-
 class Runner:
     def __init__(self, model: Model, config: ModelConfig, rows: int, strategy: WeightStrategy,
                  steps: Callable[[ModelConfig, Mode], Steps], block_size: int, prefill_step: int, pad_multiple: int,
@@ -55,7 +54,6 @@ class Runner:
         self.settings: sampling.Settings | None = None  # per-row settings of the state's rows
         # Pools of at least this many bytes are written after the write before has run (None: never).
         self.settle_bytes = settle_bytes
-        self._writes_queued = False  # a pool write may still be in flight
 
     def steps_for(self, mode: Mode) -> Steps:
         return self.steps(self.config, mode)
@@ -63,10 +61,11 @@ class Runner:
     def settle(self, cache: kv.KVCache | None = None) -> None:
         """Before queuing a write into the pool (`cache`'s, else the state's): wait for the write
         queued before it, if the pool is large enough that copying it would cost more."""
-        cache = cache if cache is not None else self.state.cache
-        if self._writes_queued and self.settle_bytes is not None and _pool_bytes(cache) >= self.settle_bytes:
-            mx.synchronize()
-        self._writes_queued = True  # the caller queues its write next
+        if self.settle_bytes is None:
+            return
+        if self.settle_bytes and _pool_bytes(cache if cache is not None else self.state.cache) < self.settle_bytes:
+            return
+        mx.synchronize()
 
     # ---- the state ----
 

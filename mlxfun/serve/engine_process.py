@@ -27,6 +27,7 @@ import signal
 import threading
 from typing import Callable, NamedTuple
 
+import mlx.core as mx
 import numpy as np
 
 from mlxfun.engine import sampling
@@ -34,7 +35,7 @@ from mlxfun.engine.core import Engine, engine_for
 from mlxfun.engine.options import GenerationConfig, Request
 from mlxfun.errors import InputError, MlxfunError
 from mlxfun.features import structured
-from mlxfun.model.load import Model
+from mlxfun.model.load import Model, load
 from mlxfun.serve.serving import Bridge, Busy, EngineFailed, NotReady, name_os_thread, to_loops
 
 log = logging.getLogger("mlxfun.serve")
@@ -54,10 +55,6 @@ class EngineSpec(NamedTuple):
         loaded: list[Model] = []
 
         def make() -> Engine:
-            import mlx.core as mx
-
-            from mlxfun.model.load import load
-
             if not loaded:
                 loaded.append(load(self.model, dtype=self.dtype))
                 mx.eval(loaded[0].params)
@@ -196,13 +193,6 @@ class EngineProcess:
     def ready(self) -> bool:
         return self.alive and self._warm.is_set()
 
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        return self._warm.wait(timeout)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._open)
-
     @property
     def cut_off(self) -> bool:
         return self._cut
@@ -308,7 +298,7 @@ class EngineProcess:
                     self._abandoned.discard(token)
                     if ids is not None and not abandoned:
                         self._open.update((rid, token) for rid in ids)
-                    elif ids is None or abandoned:
+                    else:
                         self._queues.pop(token, None)
                     waiting = self._waiting.pop(token, None)
                 if abandoned and ids is not None:

@@ -143,10 +143,6 @@ class Bridge:
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._warm.wait(timeout)
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._targets)
-
     async def submit(self, requests: list[Request]) -> tuple[list[int], asyncio.Queue]:
         """Queue the requests together (all or none); their items share one asyncio queue.
         Raises Busy when the rows and the queue are full, InputError when one could never fit."""
@@ -279,10 +275,10 @@ class Bridge:
         outcomes = [outcome(engine.take(e.index)) if e.finish_reason is not None else None for e in events]
         sends = []
         with self._lock:
-            for event, record in zip(events, outcomes):
-                target = self._targets.get(event.index) if record is None else self._targets.pop(event.index, None)
+            for event, done in zip(events, outcomes):
+                target = self._targets.get(event.index) if done is None else self._targets.pop(event.index, None)
                 if target is not None:
-                    sends.append((target, (event, record)))
+                    sends.append((target, (event, done)))
         self._deliver(sends)
         now = time.perf_counter()
         if not self._samples or now - self._samples[-1][0] >= 0.25:
