@@ -335,8 +335,8 @@ def test_shutdown_finishes_what_fits_the_grace_period_then_exits_0(slow_model_di
 
 def test_a_killed_engine_process_fails_its_requests_then_a_fresh_one_serves(slow_model_dir, tmp_path):
     """The engine runs in a process of its own: when it dies (here SIGKILL, as the OOM killer
-    sends), the stream in it ends with an error event, /health says 503, and a fresh engine
-    process answers the next request as offline `generate` does."""
+    sends), the stream in it ends with an error event, and a fresh engine process, once /health
+    answers 200 again, answers the next request as offline `generate` does."""
     log = tmp_path / "log"
     server = Server("--model", str(slow_model_dir), "--rows", "2", "--no-warmup", log_path=log)
     try:
