@@ -1,0 +1,86 @@
+"""Does a new allocation stall beside a large resident pool (diagnostic, CUDA)? Each phase times
+`--sizes` allocations of sizes MLX's buffer cache has never held (1-30 MB, as a prefill's
+activations), each evaluated, synchronized and freed:
+
+- alone: nothing else held;
+- pool: beside `--pool-gb` of resident arrays, 2 per layer as a server's KV pool;
+- pool-again: the same, new sizes (does the cost repeat?);
+- keep: after `cuda_pool.keep_freed(--headroom-gb)` (the pool keeps freed memory, headroom mapped);
+- keep-again: new sizes once more.
+
+Run: python benchmarks/alloc_probe.py --pool-gb 60 --json PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from mlxfun.engine import cuda_pool
+
+
+def timed_allocations(sizes: list[int]) -> list[float]:
+    out = []
+    for n in sizes:
+        t = time.perf_counter()
+        a = mx.zeros((n,), mx.uint8)
+        mx.eval(a)
+        mx.synchronize()
+        out.append(time.perf_counter() - t)
+        del a
+    return out
+
+
+def summary(name: str, seconds: list[float]) -> dict:
+    ms = np.array(seconds) * 1e3
+    stats = cuda_pool.stats()
+    return dict(phase=name, median_ms=round(float(np.median(ms)), 3), max_ms=round(float(ms.max()), 2),
+                total_ms=round(float(ms.sum()), 1), over_10ms=int((ms > 10).sum()),
+                reserved_gb=None if stats is None else round(stats.reserved / 1e9, 2),
+                used_gb=None if stats is None else round(stats.used / 1e9, 2),
+                mlx_active_gb=round(mx.get_active_memory() / 1e9, 2),
+                mlx_cache_gb=round(mx.get_cache_memory() / 1e9, 2))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pool-gb", type=float, default=60.0)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--headroom-gb", type=float, default=4.0)
+    p.add_argument("--sizes", type=int, default=48)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    phase = iter(range(100))
+
+    def sizes() -> list[int]:  # 1-30 MB, every phase its own (7% apart: beyond MLX's 32 KB reuse)
+        k = next(phase)
+        return [int(2**20 * 1.07 ** (i + 0.5 * k / 5)) // 4096 * 4096 + 4096 * k for i in range(args.sizes)]
+
+    phases = [summary("alone", timed_allocations(sizes()))]
+    mx.clear_cache()
+    per = int(args.pool_gb * 1e9 / (2 * args.layers))
+    pool = [mx.zeros((per,), mx.uint8) for _ in range(2 * args.layers)]
+    mx.eval(pool)
+    phases.append(summary("pool", timed_allocations(sizes())))
+    phases.append(summary("pool-again", timed_allocations(sizes())))
+    t = time.perf_counter()
+    kept = cuda_pool.keep_freed(int(args.headroom_gb * 1e9))
+    keep_s = time.perf_counter() - t
+    phases.append(summary("keep", timed_allocations(sizes())))
+    phases.append(summary("keep-again", timed_allocations(sizes())))
+    for ph in phases:
+        print(json.dumps(ph), flush=True)
+    result = {"device": str(mx.default_device()), "args": vars(args), "kept": kept, "keep_freed_s": keep_s,
+              "phases": phases}
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
