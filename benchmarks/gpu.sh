@@ -8,6 +8,7 @@
 #   invariance   benchmarks/invariance.py: a row's product alone vs inside batches of 2-257, plain and at one fixed
 #                row count (bf16, fp16, 4-bit), and each way's time
 #   static       mlxfun bench: 1B and 8B shapes, batch 1/8/32/128, bf16 and q4, mlx-lm beside if installed
+#   quant        mlxfun bench: 1B and 8B ($QUANT_SHAPES), batch 1/8/32/128, bf16 against 4- and 8-bit (peak memory too)
 #   continuous   mlxfun bench --continuous 32: 256 mixed requests, static batches vs continuous (1B)
 #   prefix       mlxfun bench --prefix: 256 requests sharing a 2,000-token prefix, cache off vs on (1B)
 #   speculative  mlxfun bench --speculative --rule-only (1B target, 135M draft)
@@ -63,6 +64,11 @@ for suite in "$@"; do
       for shape in 1B 8B; do
         bench 420 --shape $shape --batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 \
           --dtypes bfloat16,q4 --mlx-lm --json "$OUT/static-$shape.json"
+      done ;;
+    quant)  # issue 53: 4- and 8-bit against bf16, decode and prefill, peak memory
+      for shape in ${QUANT_SHAPES:-1B 8B}; do
+        bench ${QUANT_TIMEOUT:-280} --shape $shape --batch-sizes ${QUANT_BATCHES:-1,8,32,128} --prompt-tokens 128 \
+          --gen-tokens 128 --dtypes ${QUANT_DTYPES:-bfloat16,q4,q8} --json "$OUT/quant-$shape.json"
       done ;;
     continuous) bench 300 --shape 1B --continuous 32 --prompts 256 --json "$OUT/continuous-1B.json" ;;
     prefix) bench 300 --shape 1B --prefix --prompts 256 --rows 256 --json "$OUT/prefix-1B.json" ;;

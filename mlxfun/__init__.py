@@ -3,6 +3,7 @@
 # isort: off
 from mlxfun.kernels import blas  # noqa: F401  (first: loads $MLXFUN_BLAS, if set, before anything imports MLX)
 # isort: on
+from mlxfun.engine.core import Engine
 from mlxfun.engine.events import Event
 from mlxfun.engine.options import GenerationConfig
 from mlxfun.engine.rows import GenerationResult
@@ -13,6 +14,6 @@ from mlxfun.model.load import Model, load, save
 from mlxfun.parallel.shard import shard, sharded_load
 from mlxfun.scoring import score
 
-__all__ = ["Event", "GenerationConfig", "GenerationResult", "InputError", "MlxfunError", "Model", "ModelError",
+__all__ = ["Engine", "Event", "GenerationConfig", "GenerationResult", "InputError", "MlxfunError", "Model", "ModelError",
            "PromptCache", "cache_prompt", "generate", "load", "load_prompt_cache", "save", "score", "shard",
            "sharded_load", "stream_generate"]

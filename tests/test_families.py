@@ -242,7 +242,7 @@ def test_decode_kernel_serves_normed_capped_and_rescaled_heads(monkeypatch, fami
         assert config.attention_scale != config.head_dim ** -0.5
     if family == "gemma2":  # the cap bites: without it the kernel's answer is another
         assert config.attn_softcap == 4.0
-        monkeypatch.setattr(kernels, "attention_source", lambda softcap: kernels._ATTENTION)
+        monkeypatch.setattr(kernels, "attention_source", lambda softcap, chunk=0: kernels._ATTENTION)
         uncapped, _ = llama.hidden(config, params, step, at, None, cache, fast=True)
         assert rel_error(np.array(uncapped), np.array(plain)) > 1e-3
 

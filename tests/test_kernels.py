@@ -124,6 +124,45 @@ def test_emulated_kernel_soft_caps_its_scores(B, H, K, D, S, parts):
     assert not np.allclose(plain, want, atol=1e-2)
 
 
+def emulated_invariant_attention(qk, keys, values, mask, num_heads, block_size=16, seed=0):
+    """`kernels.decode_attention(..., invariant=True)`'s launches, emulated: parts of
+    INVARIANT_CHUNK keys, INVARIANT_WARPS warps, then the merge."""
+    B, _, _, D = qk.shape
+    keys, values, table, mask = paged(keys, values, mask, block_size, seed=seed)
+    K, S = keys.shape[1], table.shape[1] * block_size
+    G, chunk, warps = num_heads // K, kernels.INVARIANT_CHUNK, kernels.INVARIANT_WARPS
+    P = -(-S // chunk)
+    template = [("T", 0), ("D", D), ("G", G), ("PER", kernels._lane_split(D, mx.float32)), ("NW", warps),
+                ("BS", block_size)]
+    inputs = dict(qk=qk, keys=keys, values=values, table=table, mask=mask)
+    po, pm, pl = run(kernels.attention_source(None, chunk) + kernels._PART, inputs,
+                     {"po": (B, K, P, G, D), "pm": (B, K, P, G), "pl": (B, K, P, G)}, template,
+                     (32 * warps, K * P, B), 32 * warps)
+    return run(kernels._MERGE, dict(po=po, pm=pm, pl=pl), {"out": (B, 1, num_heads * D)},
+               [("T", 0), ("D", D), ("G", G)], (D, num_heads, B), D)[0]
+
+
+def test_emulated_invariant_attention_is_the_same_bits_in_any_batch():
+    """Batch-invariant launches: a row's output alone (300 keys: two parts) and as the middle row of
+    a batch whose table is 1000 slots wide (four parts, two of them empty for it; a launch that
+    follows the cache's width splits its keys elsewhere and fails this) are the same bits, and
+    match the usual launch to rounding."""
+    (qk, keys, values, mask), _ = attention_case(1, 8, 2, 64, 300, seed=11)
+    mask[0, 0, :250] = np.random.default_rng(1).random(250) < 0.5  # holes among the row's own keys
+    alone = emulated_invariant_attention(qk, keys, values, mask, 8)
+    rng = np.random.default_rng(2)
+    big_qk = rng.standard_normal((3, 10, 1, 64)).astype(np.float32)
+    big_keys, big_values = (rng.standard_normal((3, 2, 1000, 64)).astype(np.float32) for _ in range(2))
+    big_mask = np.ones((3, 1, 1000), bool)
+    big_qk[1], big_keys[1, :, :300], big_values[1, :, :300] = qk[0], keys[0], values[0]
+    big_mask[1] = False
+    big_mask[1, :, :300] = mask[0]
+    batched = emulated_invariant_attention(big_qk, big_keys, big_values, big_mask, 8, seed=5)
+    assert np.array_equal(batched[1], alone[0])
+    got, _ = emulated_attention(qk, keys, values, mask, 8)  # the usual launch: the same to rounding
+    np.testing.assert_allclose(alone, got, atol=1e-5)
+
+
 def test_emulator_catches_a_wrong_part_index():
     inputs, want = attention_case(2, 8, 2, 64, 300, seed=600)
     broken = kernels._ATTENTION.replace("p = blockIdx.y % P", "p = 0")
@@ -224,19 +263,42 @@ def test_emulated_qmv_mma_row_is_the_same_bits_in_any_batch():
 @pytest.mark.parametrize("M,OUT,IN,launch", [(2, 70, 256, dmv.Launch(4, 2)), (5, 33, 576, dmv.Launch(2, 1)),
                                              (8, 40, 512, dmv.Launch(4, 4)), (3, 17, 96, dmv.Launch(8, 1)),
                                              (7, 16, 2048, dmv.Launch(16, 2)), (4, 9, 64, dmv.Launch(1, 4)),
-                                             (13, 20, 128, dmv.Launch(2, 2)), (32, 17, 64, dmv.Launch(1, 1))])
+                                             (13, 20, 128, dmv.Launch(2, 2)), (32, 17, 64, dmv.Launch(1, 1)),
+                                             (75, 18, 96, dmv.Launch(2, 1))])
 def test_emulated_dense_product_matches_reference(M, OUT, IN, launch):
     """The few-row dense product on tensor cores, through PTX's fragment layouts: features past
     OUT (not a multiple of 16), rows past M (M < 8), blocks of inputs past a warp's share (warps
     with none: 3 blocks of 32 for 8 warps; 2 blocks with 4 in flight), the warps' partial sums,
-    and tiles of 8 rows sharing each A fragment (13 rows: a part-filled second tile; 32: four)."""
+    tiles of 8 rows sharing each A fragment (13 rows: a part-filled second tile; 32: four), and
+    blocks along y for more rows (75: three rows of blocks, the last part-filled)."""
     rng = np.random.default_rng(M * OUT + IN)
     x = rng.standard_normal((M, IN)).astype(np.float32)
     w = (rng.standard_normal((OUT, IN)) * IN**-0.5).astype(np.float32)
-    grid, block = dmv.grid(OUT, launch)  # as dmv.product launches it
-    template = [("T", 0), ("M", M), ("N", -(-M // 8)), ("KW", launch.warps), ("U", launch.in_flight)]
-    (got,) = run(dmv._MMA, dict(x=x, w=w), {"y": (M, OUT)}, template, (grid, 1, 1), block, header=QMV_HEADER)
-    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), atol=1e-4)
+    np.testing.assert_allclose(emulated_dmv(x, w, launch), x.astype(np.float64) @ w.T.astype(np.float64), atol=1e-4)
+
+
+def emulated_dmv(x: np.ndarray, w: np.ndarray, launch) -> np.ndarray:
+    M, OUT = x.shape[0], w.shape[0]
+    grid, block = dmv.grid(OUT, launch, M)  # as dmv.product launches it
+    template = [("T", 0), ("N", dmv.tiles(M)), ("KW", launch.warps), ("U", launch.in_flight)]
+    return run(dmv._MMA, dict(x=x, w=w), {"y": (M, OUT)}, template, grid, block, header=QMV_HEADER)[0]
+
+
+def test_emulated_dense_product_row_is_the_same_bits_in_any_batch():
+    """As the 4-bit product: a row alone and inside batches of 2-75 rows, at any place, gives the
+    same bits (the batch-invariant mode runs every dense product through it)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((75, 256)).astype(np.float32)
+    w = (rng.standard_normal((20, 256)) * 256**-0.5).astype(np.float32)
+    launch = dmv.Launch(4, 2)
+    alone = {i: emulated_dmv(x[i:i + 1], w, launch)[0] for i in (0, 30, 74)}
+    for M in (2, 9, 33, 75):
+        places = {0: 0, M - 1: 74, **({M // 2: 30} if M > 2 else {})}  # place in the batch -> row of x
+        batch = x[:M].copy()
+        batch[list(places)] = x[list(places.values())]
+        got = emulated_dmv(batch, w, launch)
+        for place, i in places.items():
+            assert np.array_equal(got[place], alone[i]), (M, place)
 
 
 def test_dense_product_limits(monkeypatch):

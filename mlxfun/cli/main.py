@@ -28,7 +28,8 @@ FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-
          "logprobs": "--logprobs", "max_kv_size": "--max-kv-size", "prefill_step": "--prefill-step",
          "batch_size": "--batch-size", "stop": "--stop", "extra_eos_tokens": "--extra-eos-token",
          "ignore_eos": "--ignore-eos", "sequence_length": "--sequence-length", "response_format": "--response-format",
-         "num_draft_tokens": "--num-draft-tokens", "draft_model": "--draft-model"}
+         "num_draft_tokens": "--num-draft-tokens", "draft_model": "--draft-model",
+         "batch_invariant": "--batch-invariant"}
 # Rows decoded at once when --batch-size is not given: every prompt, up to this many.
 DEFAULT_ROWS = 32
 INTERRUPTED = 130
@@ -86,6 +87,9 @@ def add_generation_flags(p: argparse.ArgumentParser, batch: bool = True, batch_s
                         "every token still sees (attention sinks) (default: the whole context)")
     g.add_argument("--prefill-step", type=int, default=d.prefill_step, metavar="TOKENS",
                    help="prompt tokens per prefill chunk")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="each prompt's tokens and logprobs the same bits whatever else is in its batch (bf16 / "
+                        "fp16 on CUDA: kernels whose sums do not depend on the batch, at some cost in speed)")
     g.add_argument("--response-format", metavar="JSON",
                    help="structured output, as OpenAI's response_format, or @FILE holding it: "
                         "'{\"type\": \"json_object\"}', json_schema, regex, choice or grammar")
@@ -117,7 +121,7 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
         ignore_eos=args.ignore_eos, extra_eos_tokens=tuple(args.extra_eos_tokens), batch_size=args.batch_size,
         prefill_step=args.prefill_step, max_kv_size=args.max_kv_size, prefix_cache=not args.no_prefix_cache,
         prompt_cache=args.prompt_cache_file, draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
-        response_format=_json_flag("--response-format", args.response_format))
+        response_format=_json_flag("--response-format", args.response_format), batch_invariant=args.batch_invariant)
 
 
 def _json_flag(flag: str, value: str | None):

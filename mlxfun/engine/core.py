@@ -88,11 +88,15 @@ class Engine:
                  prefix_cache_bytes: int | None = None, block_size: int = kv.BLOCK, draft=None,
                  num_draft_tokens: int = 4, policy: speculative.Policy | None = None,
                  shrink_rows: bool | None = None, steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps,
-                 fixed_shapes: bool = False):
+                 fixed_shapes: bool = False, batch_invariant: bool = False):
         _check_options(rows, prefill_step, block_size, max_kv_size, admit_min, pad_multiple, kv_memory,
                        prefix_cache, prefix_cache_bytes, num_draft_tokens)
+        check_bool("batch_invariant", batch_invariant)
         # With max_kv_size every query sees at most that many positions: rows become rings.
-        self.model, self.config, self.rows = model, model.config.with_max_kv_size(max_kv_size), rows
+        self.config = model.config.with_max_kv_size(max_kv_size).with_batch_invariant(batch_invariant)
+        self.model, self.rows = model, rows
+        if batch_invariant:
+            check_invariant(self.config)
         check_bool("fixed_shapes", fixed_shapes)
         self.fixed = fixed_shapes
         if fixed_shapes and steps is compiled_steps:
@@ -547,10 +551,20 @@ def engine_for(model: Model, rows: int, config: GenerationConfig, kv_memory: int
     server sets it; `fixed_shapes`: a server's engine (see `Engine`)."""
     engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size,
                     prefix_cache=config.prefix_cache, draft=config.draft_model,
-                    num_draft_tokens=config.num_draft_tokens, kv_memory=kv_memory, fixed_shapes=fixed_shapes)
+                    num_draft_tokens=config.num_draft_tokens, kv_memory=kv_memory, fixed_shapes=fixed_shapes,
+                    batch_invariant=config.batch_invariant)
     if config.prompt_cache is not None:
         engine.add_prompt_cache(config.prompt_cache)
     return engine
+
+
+def check_invariant(config: ModelConfig) -> None:
+    """batch_invariant covers full-attention models with dense MLPs: a ring's prefill chunks may
+    overwrite keys their own queries read, and experts are gathered per batch."""
+    if config.max_window is not None or any(w is not None for w in config.layer_windows):
+        raise InputError("batch_invariant does not support windowed attention or max_kv_size (a ring) yet")
+    if config.num_experts:
+        raise InputError("batch_invariant does not support mixture-of-experts models yet")
 
 
 def _check_options(rows, prefill_step, block_size, max_kv_size, admit_min, pad_multiple, kv_memory, prefix_cache,

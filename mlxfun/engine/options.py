@@ -57,6 +57,9 @@ class GenerationConfig:
     prompt_cache: Any = None  # a `prompt_cache.PromptCache` (or its file) whose prefix prompts may start with
     draft_model: Any = None  # speculative decoding: a draft Model (or its path), same tokenizer, or "prompt-lookup"
     num_draft_tokens: int = 4  # tokens each row drafts per verify round
+    # A row's tokens and logprobs are the same bits whatever else is in its batch (bf16 / fp16 on
+    # CUDA: products and attention whose sums do not depend on the batch; `Engine`).
+    batch_invariant: bool = False
     # Data parallel: an mx.distributed.Group whose ranks each generate a share of the prompts and
     # all return the whole result (mlxfun.parallel.distributed). Every rank passes the same prompts.
     group: Any = None
@@ -232,6 +235,7 @@ def check_scheduler(config: GenerationConfig) -> None:
     check_bool("ignore_eos", config.ignore_eos)
     check_bool("chat", config.chat)
     check_bool("prefix_cache", config.prefix_cache)
+    check_bool("batch_invariant", config.batch_invariant)
     check_positive_int("num_draft_tokens", config.num_draft_tokens)
     if config.group is not None and not isinstance(config.group, mx.distributed.Group):
         raise InputError(f"group must be an mx.distributed.Group or None, got {type(config.group).__name__}")

@@ -113,8 +113,13 @@ def prefill_chunk(config: ModelConfig, params: Params, tokens: mx.array, positio
     row (B, E), cache). `wraps`: whether the chunk may overwrite slots its queries see; `fresh`:
     the rows hold nothing before it; `run`: the slots are one run from there (written by slice
     updates); `launch`: starts the first layers early (see `llama.hidden`)."""
-    h, cache = llama.hidden(config, params, tokens, positions, None, cache, slots=slots, run=run, wraps=wraps,
-                            fresh=fresh, fast=True, check=False, launch=launch)  # (B, T, E)
+    if config.batch_invariant and llama.step_attention_kernel(config, params):
+        # Each token as a row of its own, through the one-token kernels whose sums do not depend on
+        # the batch: a token's hidden state is then the same bits in any chunk, as in a decode step.
+        h, cache = verify_hidden(config, params, tokens, positions, cache, flatten=True)  # (B, T, E)
+    else:
+        h, cache = llama.hidden(config, params, tokens, positions, None, cache, slots=slots, run=run, wraps=wraps,
+                                fresh=fresh, fast=True, check=False, launch=launch)  # (B, T, E)
     return mx.take_along_axis(h, last[:, None, None], axis=1)[:, 0], cache
 
 

@@ -41,7 +41,12 @@ _ATTENTION = compact(r"""
     const T* vp = values + kh * D;
     const int32_t* tp = table + (int64_t)b * W;
     const bool* mp = mask + (int64_t)b * S;
-    const int chunk = (S + P - 1) / P, first = p * chunk, end = min(S, first + chunk);
+    // CHUNK > 0 (batch-invariant launches): parts of CHUNK keys each, whatever S, so a row's keys
+    // split the same way in any batch (parts past its keys see none and merge as nothing).
+    #ifndef CHUNK
+    #define CHUNK 0
+    #endif
+    const int chunk = CHUNK > 0 ? CHUNK : (S + P - 1) / P, first = p * chunk, end = min(S, first + chunk);
 
     const float scale = rsqrtf((float)D) * 1.44269504088896341f;  // softmax in base 2
     float q[G][PER], o[G][PER], m[G], l[G];
@@ -166,17 +171,20 @@ _MERGE = compact(r"""
 _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
-def attention_source(softcap: float | None) -> str:
-    """The decode-attention kernel's body for scores soft-capped at `softcap` (None: uncapped).
-    The kernel's scores are in base 2 (q carries log2(e)), so the cap is too."""
+def attention_source(softcap: float | None, chunk: int = 0) -> str:
+    """The decode-attention kernel's body for scores soft-capped at `softcap` (None: uncapped), in
+    parts of `chunk` keys (0: the launch's parts share the keys). The kernel's scores are in base 2
+    (q carries log2(e)), so the cap is too."""
+    source = _ATTENTION if not chunk else f"#define CHUNK {chunk}\n" + _ATTENTION
     if not softcap:
-        return _ATTENTION
-    return f"#define CAP2 {float(softcap) * 1.4426950408889634:.9g}f\n" + _ATTENTION
+        return source
+    return f"#define CAP2 {float(softcap) * 1.4426950408889634:.9g}f\n" + source
 
 
-def _name(base: str, softcap: float | None) -> str:
-    """A kernel's name per cap: MLX finds a compiled module by its name."""
-    return base if not softcap else f"{base}_cap{float(softcap):g}".replace(".", "p").replace("-", "m")
+def _name(base: str, softcap: float | None, chunk: int = 0) -> str:
+    """A kernel's name per cap and chunk: MLX finds a compiled module by its name."""
+    name = base if not chunk else f"{base}_chunk{chunk}"
+    return name if not softcap else f"{name}_cap{float(softcap):g}".replace(".", "p").replace("-", "m")
 
 
 def available(dtype: mx.Dtype) -> bool:
@@ -228,27 +236,38 @@ def launch(batch: int, num_kv_heads: int, keys: int, head_dim: int, group: int, 
     return per, warps, parts_for(batch * num_kv_heads, keys, keys_per_round)
 
 
+# Batch-invariant launches: parts of this many keys, blocks of this many warps, whatever the batch.
+INVARIANT_CHUNK = 256
+INVARIANT_WARPS = 4
+
+
 def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, table: mx.array, mask: mx.array,
-                     num_heads: int, softcap: float | None = None) -> mx.array:
+                     num_heads: int, softcap: float | None = None, invariant: bool = False) -> mx.array:
     """qk (B, H + K, 1, D) rotated queries then keys, keys/values (N * bs, K, 1, D) pools after this
     step's write, table (B, W) int32 each row's blocks, mask (B, 1, W * bs) bool -> (B, H * D):
     softmax(q k^T / sqrt(D)) v over the visible keys, the scores soft-capped where `softcap` is
-    given (softcap * tanh(score / softcap))."""
+    given (softcap * tanh(score / softcap)). `invariant`: a row's output is the same bits in any
+    batch and at any cache width (parts of INVARIANT_CHUNK keys, INVARIANT_WARPS warps, merged
+    in order; the launch otherwise follows the batch's size)."""
     B, _, _, D = qk.shape
     S, K = mask.shape[-1], keys.shape[1]
     bs = S // table.shape[1]
     G = num_heads // K
-    per, warps, P = launch(B, K, S, D, G, qk.dtype)
+    chunk = INVARIANT_CHUNK if invariant else 0
+    if invariant:
+        per, warps, P = _lane_split(D, qk.dtype), INVARIANT_WARPS, -(-S // chunk)
+    else:
+        per, warps, P = launch(B, K, S, D, G, qk.dtype)
     template = [("T", qk.dtype), ("D", D), ("G", G), ("PER", per), ("NW", warps), ("BS", bs)]
     inputs, names = [qk, keys, values, table, mask], ["qk", "keys", "values", "table", "mask"]
     grid, block = (32 * warps, K * P, B), (32 * warps, 1, 1)
-    if P == 1:  # MLX caches each compiled module by name and source
+    if P == 1 and not invariant:  # MLX caches each compiled module by name and source
         kernel = mx.fast.cuda_kernel(name=_name("mlxfun_decode_attention", softcap), input_names=names,
                                      output_names=["out"], source=attention_source(softcap) + _WHOLE)
         return kernel(inputs=inputs, template=template, grid=grid, threadgroup=block,
                       output_shapes=[(B, num_heads * D)], output_dtypes=[qk.dtype])[0]
-    kernel = mx.fast.cuda_kernel(name=_name("mlxfun_decode_attention_parts", softcap), input_names=names,
-                                 output_names=["po", "pm", "pl"], source=attention_source(softcap) + _PART)
+    kernel = mx.fast.cuda_kernel(name=_name("mlxfun_decode_attention_parts", softcap, chunk), input_names=names,
+                                 output_names=["po", "pm", "pl"], source=attention_source(softcap, chunk) + _PART)
     po, pm, pl = kernel(inputs=inputs, template=template, grid=grid, threadgroup=block,
                         output_shapes=[(B, K, P, G, D), (B, K, P, G), (B, K, P, G)],
                         output_dtypes=[mx.float32] * 3)

@@ -30,23 +30,25 @@ from mlxfun.kernels.attention import compact
 from mlxfun.kernels.qmv import MMA_HEADER
 
 _MMA = compact(r"""
-    // y (M, OUT) = x (M, IN) W^T for M <= 8 N rows, W dense, on tensor cores: mma m16n8k16 with
-    // A = 16 features x 16 inputs of W, B = 16 inputs x 8 rows of x, N tiles of 8 rows sharing
-    // each A (rows past M read row M - 1, never stored). A dot product may take its inputs in any
+    // y (M, OUT) = x (M, IN) W^T, W dense, on tensor cores: mma m16n8k16 with A = 16 features x
+    // 16 inputs of W, B = 16 inputs x 8 rows of x, N tiles of 8 rows sharing each A (block row
+    // blockIdx.y: rows 8 N y ...; rows past M read row M - 1, never stored). A dot product may take its inputs in any
     // order, so lane (g, t) = (lane / 4, lane % 4) fills its A and B slots from the same 8 inputs
     // of each 32: 8 t .. 8 t + 7, one 16-byte load each from features g and g + 8 and from row g of
     // each tile. (A CUDA-core version spent M x 8 FMAs per 16 bytes of W: at 5-8 rows it was
     // bound by arithmetic, not by the reads.) The KW warps of a block take every KW-th 32 inputs,
     // U of them in flight, each U with its own accumulators (consecutive mma on one accumulator
-    // wait for each other); shared memory sums the warps' partials.
-    const int IN = x_shape[1], OUT = w_shape[0], blocks = IN / 32;
+    // wait for each other); shared memory sums the warps' partials. The order of every sum is fixed
+    // by IN, KW and U alone: a row's outputs are the same bits whatever the other rows, their
+    // number or the row's place among them (`batch_invariant`).
+    const int M = x_shape[0], IN = x_shape[1], OUT = w_shape[0], blocks = IN / 32;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int f0 = blockIdx.x * 16;
+    const int f0 = blockIdx.x * 16, row0 = blockIdx.y * 8 * N;
     const T* wa = w + (int64_t)min(f0 + g, OUT - 1) * IN;  // past OUT: recomputes the last, never stored
     const T* wb = w + (int64_t)min(f0 + g + 8, OUT - 1) * IN;
     const T* xr[N];
     #pragma unroll
-    for (int n = 0; n < N; ++n) xr[n] = x + (int64_t)min(8 * n + g, M - 1) * IN;
+    for (int n = 0; n < N; ++n) xr[n] = x + (int64_t)min(row0 + 8 * n + g, M - 1) * IN;
     float c[U][N][4];
     #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -104,7 +106,7 @@ _MMA = compact(r"""
             float v = 0.f;
             #pragma unroll
             for (int k = 0; k < KW; ++k) v += partial[k][lane][i];
-            const int j = i % 4, f = f0 + g + 8 * (j >> 1), row = 8 * (i / 4) + 2 * t + (j & 1);
+            const int j = i % 4, f = f0 + g + 8 * (j >> 1), row = row0 + 8 * (i / 4) + 2 * t + (j & 1);
             if (f < OUT && row < M) y[(int64_t)row * OUT + f] = static_cast<T>(v);
         }
     }
@@ -134,6 +136,12 @@ MIN_ROWS = 2  # one row: MLX's matrix-vector kernel; more than MAX_ROWS: its mat
 _DTYPES = (mx.bfloat16, mx.float16)
 
 
+def invariant_fits(x: mx.array, w: mx.array) -> bool:
+    """Whether `product` takes x at any row count (batch-invariant mode): bf16 or fp16 on both,
+    inputs in whole blocks of 32."""
+    return x.dtype in _DTYPES and w.dtype == x.dtype and x.shape[-1] % 32 == 0
+
+
 def fits(x: mx.array, w: mx.array) -> bool:
     """x (M, IN), w (OUT, IN): 2 to MAX_ROWS rows, bf16 or fp16 on both, inputs in whole blocks of 32."""
     return (ENABLED and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and w.dtype == x.dtype
@@ -145,9 +153,17 @@ class Launch(NamedTuple):
     in_flight: int = 2  # U: 32-input blocks a warp loads at once
 
 
-def grid(out_features: int, launch: Launch) -> tuple[int, int]:
-    """(threads in the grid, threads per block): a block per 16 output features."""
-    return 32 * launch.warps * -(-out_features // 16), 32 * launch.warps
+TILES = 4  # tiles of 8 rows a block takes at most
+
+
+def tiles(rows: int) -> int:
+    """N, the tiles of 8 rows per block: a power of two up to TILES (few kernel variants)."""
+    return min(TILES, 1 << (-(-rows // 8) - 1).bit_length())
+
+
+def grid(out_features: int, launch: Launch, rows: int = 1) -> tuple[tuple[int, int, int], int]:
+    """(grid in threads, threads per block): a block per 16 output features and 8 `tiles(rows)` rows."""
+    return (32 * launch.warps * -(-out_features // 16), -(-rows // (8 * tiles(rows))), 1), 32 * launch.warps
 
 
 # The fastest launch per (OUT, IN) at 5 rows, the maps of the 8B and 1B shapes timed on an H200
@@ -172,12 +188,13 @@ def launch_for(out_features: int, in_features: int) -> Launch:
 
 
 def product(x: mx.array, w: mx.array, launch: Launch | None = None) -> mx.array:
-    """x (M, IN) @ w (OUT, IN)^T -> (M, OUT), each weight read once; needs `fits`."""
+    """x (M, IN) @ w (OUT, IN)^T -> (M, OUT), each weight read once per 8 `tiles(M)` rows; needs
+    `fits`, or (batch-invariant products) any M with `invariant_fits`."""
     M, out = x.shape[0], w.shape[0]
     launch = launch_for(out, x.shape[1]) if launch is None else launch
     kernel = mx.fast.cuda_kernel(name="mlxfun_dmv_mma", input_names=["x", "w"], output_names=["y"], source=_MMA,
                                  header=MMA_HEADER)
-    threads, block = grid(out, launch)
-    template = [("T", x.dtype), ("M", M), ("N", -(-M // 8)), ("KW", launch.warps), ("U", launch.in_flight)]
-    return kernel(inputs=[x, w], template=template, grid=(threads, 1, 1), threadgroup=(block, 1, 1),
+    threads, block = grid(out, launch, M)
+    template = [("T", x.dtype), ("N", tiles(M)), ("KW", launch.warps), ("U", launch.in_flight)]
+    return kernel(inputs=[x, w], template=template, grid=threads, threadgroup=(block, 1, 1),
                   output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]

@@ -89,6 +89,10 @@ class ModelConfig:
     # layer; head counts and intermediate_size above are then this rank's. Compiled steps close over the
     # config, so the group reaches their all_sums as a constant (a group cannot be an array argument).
     tensor_group: Any = None
+    # Batch-invariant decoding (`with_batch_invariant`): on CUDA every product and attention reduces
+    # in an order fixed by the model's shapes alone, so a row's results are the same bits whatever
+    # else is in its batch.
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name in ("layer_windows", "local_layers", "moe_layers"):
@@ -122,6 +126,10 @@ class ModelConfig:
         sinks = tuple(SINK_TOKENS if w is None or w > max_kv_size else s
                       for w, s in zip(self.layer_windows, self.layer_sinks))
         return dataclasses.replace(self, layer_windows=windows, layer_sinks=sinks)
+
+    def with_batch_invariant(self, on: bool) -> ModelConfig:
+        """The same model decoded batch-invariantly (`batch_invariant`) or not."""
+        return self if on == self.batch_invariant else dataclasses.replace(self, batch_invariant=on)
 
     @property
     def sinks(self) -> int:

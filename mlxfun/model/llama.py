@@ -81,15 +81,18 @@ def dequantize(q: Quantized, in_features: int) -> mx.array:
     return mx.dequantize(q.weight, q.scales, q.biases, group_size=group_size, bits=bits)
 
 
-def linear(p: Linear, x: mx.array, fast: bool = False) -> mx.array:
+def linear(p: Linear, x: mx.array, fast: bool = False, invariant: bool = False) -> mx.array:
     """x (..., in) -> (..., out). On CUDA, quantized maps multiply more than `qmv.MAX_ROWS` rows
     (prompts, scoring) by a dense copy of this one map, dropped after its product. `fast`: on CUDA,
     4-bit weights run mlxfun's 4-bit product (`qmv.fits`: up to `qmv.MAX_ROWS` rows), and dense
     weights at 2 to `dmv.MAX_ROWS` rows its few-row product where enabled (`dmv`). The kernels
-    have no gradient."""
+    have no gradient. `invariant` (with `fast`; `ModelConfig.batch_invariant`): on CUDA, bf16 and
+    fp16 products at every row count run those kernels, whose sums do not depend on the rows."""
     # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
     rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
-    if isinstance(p, Quantized):
+    if invariant and fast and kernels.available(x.dtype) and x.dtype != mx.float32:
+        y = _invariant_product(p, rows)
+    elif isinstance(p, Quantized):
         group_size, bits = quant_shape(p, x.shape[-1])
         if fast and kernels.available(x.dtype) and qmv.fits(rows.shape[0], x.shape[-1], group_size, bits, x.dtype):
             y = qmv.product(rows, p.weight, p.scales, p.biases, group_size, bits)
@@ -105,6 +108,21 @@ def linear(p: Linear, x: mx.array, fast: bool = False) -> mx.array:
         y = x @ (p.weight.T if p.weight_t is None else p.weight_t)
     y = y if y.ndim == x.ndim else y.reshape(*x.shape[:-1], -1)  # the kernels' (rows, out) back to x's shape
     return y if p.bias is None else y + p.bias
+
+
+def _invariant_product(p: Linear, rows: mx.array) -> mx.array:
+    """rows (M, in) @ p -> (M, out) by mlxfun's kernels at any M: the same bits for a row whatever M."""
+    if isinstance(p, Quantized):
+        group_size, bits = quant_shape(p, rows.shape[-1])
+        if not qmv.fits(1, rows.shape[-1], group_size, bits, rows.dtype):
+            raise InputError(f"batch_invariant: no batch-invariant product for {bits}-bit weights in groups of "
+                             f"{group_size} over {rows.shape[-1]} inputs (4- and 8-bit, groups of 32 or more)")
+        return qmv.mma(rows, p.weight, p.scales, p.biases, group_size, bits=bits)
+    if not dmv.invariant_fits(rows, p.weight):
+        raise InputError(f"batch_invariant: no batch-invariant product for {p.weight.dtype} weights over "
+                         f"{rows.shape[-1]} inputs with {rows.dtype} activations (bf16 or fp16 on both, "
+                         "inputs a multiple of 32)")
+    return dmv.product(rows, p.weight)
 
 
 def embed(p: Linear, tokens: mx.array, hidden_size: int) -> mx.array:
@@ -226,7 +244,8 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
     decode steps are host-bound on a GPU, and each node costs the host about 1-3 us."""
     B, T = x.shape[0], 1 if x.ndim == 2 else x.shape[1]
     H, K, D = config.num_heads, config.num_kv_heads, config.head_dim
-    qkv = linear(layer.qkv, x, fast)
+    inv = config.batch_invariant
+    qkv = linear(layer.qkv, x, fast, inv)
     if x.ndim == 2:
         qkv = qkv.reshape(B, H + 2 * K, 1, D)
     else:
@@ -254,8 +273,8 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
                 q = q * (scale * D ** 0.5)
             if layer.q_norm is not None or scale != D ** -0.5:
                 qk = mx.concatenate([q, k], axis=1)  # (B, H + K, 1, D)
-            out = kernels.decode_attention(qk, *written, cache.table, mask, H, cap)  # (B, H * D)
-            return reduce(config, linear(layer.o, out, fast)), written
+            out = kernels.decode_attention(qk, *written, cache.table, mask, H, cap, inv)  # (B, H * D)
+            return reduce(config, linear(layer.o, out, fast, inv)), written
         if cache.fresh:
             keys, values = k, v  # (B, K, T, D): nothing to read from the pool
         elif (T == 1 or not cache.wraps) and mx.default_device() == mx.cpu:
@@ -273,7 +292,7 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
                                                    mask=mask[:, None] if fused_masked_attention() else bias)
     out = out.reshape(B, H * D) if x.ndim == 2 else out.transpose(0, 2, 1, 3).reshape(B, T, H * D)
-    return reduce(config, linear(layer.o, out, fast)), written
+    return reduce(config, linear(layer.o, out, fast, inv)), written
 
 
 # Off Metal, attention up to this many scores runs as `grouped_attention`: on CUDA a one-token step
@@ -361,8 +380,8 @@ def mlp(config: ModelConfig, layer: Layer, x: mx.array, fast: bool = False) -> m
     """x (..., E) -> (..., E): the gated MLP, or the layer's experts."""
     if layer.experts is not None:
         return reduce(config, moe(config, layer.experts, x))
-    gate, up = mx.split(linear(layer.gate_up, x, fast), 2, axis=-1)  # (B, T, I) each
-    return reduce(config, linear(layer.down, activation(config, gate) * up, fast))
+    gate, up = mx.split(linear(layer.gate_up, x, fast, config.batch_invariant), 2, axis=-1)  # (B, T, I) each
+    return reduce(config, linear(layer.down, activation(config, gate) * up, fast, config.batch_invariant))
 
 
 def activation(config: ModelConfig, gate: mx.array) -> mx.array:
@@ -550,7 +569,8 @@ def step_attention_kernel(config: ModelConfig, params: Params) -> bool:
 
 def logits(config: ModelConfig, params: Params, h: mx.array, fast: bool = False) -> mx.array:
     """h (..., E) -> logits (..., V), soft-capped where the model caps them (Gemma 2)."""
-    out = linear(params.embed if params.lm_head is None else params.lm_head, h, fast)
+    out = linear(params.embed if params.lm_head is None else params.lm_head, h, fast or config.batch_invariant,
+                 config.batch_invariant)
     cap = config.final_softcap
     return out if cap is None else mx.tanh(out / cap) * cap
 

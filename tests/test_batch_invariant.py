@@ -1,0 +1,108 @@
+"""batch_invariant: a row's tokens and logprobs are the same bits whatever else is in its batch.
+
+On CUDA the mode routes every product and attention through mlxfun's kernels whose sums follow
+the model's shapes alone (checked bit for bit on the CPU emulator in test_kernels.py, end to end
+on a GPU by benchmarks/smoke.py). Here: the options, the routing, and what holds on the CPU, where
+MLX's products already keep a row's bits in bf16 (the mode changes nothing there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import tiny_config, tiny_model
+
+from mlxfun import Engine, generate
+from mlxfun.cli.main import generate_parser, generation_config
+from mlxfun.engine import step
+from mlxfun.errors import InputError
+from mlxfun.kernels import attention as kernels
+from mlxfun.kernels import dmv, qmv
+from mlxfun.model import llama, weights
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    m = tiny_model(tiny_config(hidden_size=128, intermediate_size=256, num_layers=2), seed=1)
+    return dataclasses.replace(m, params=weights.cast(m.config, m.params, mx.bfloat16))
+
+
+def outputs(result, i):
+    return result.token_ids[i], result.logprobs[i]
+
+
+def test_cpu_bf16_rows_are_the_same_bits_in_any_batch(bf16_model):
+    """bf16 on the CPU, with the mode: a row alone, in a batch, reversed, continuous (2 rows for 6
+    prompts), in other prefill chunks and behind a cached prefix gives the same tokens and
+    logprobs, bit for bit."""
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, bf16_model.config.vocab_size, 24).tolist()
+    prompts = [rng.integers(3, bf16_model.config.vocab_size, n).tolist() for n in (3, 17, 40, 9)]
+    prompts += [shared + [5, 6], shared + [7]]  # the second hits the first's cached prefix when batched
+    options = dict(max_tokens=10, ignore_eos=True, logprobs=0, batch_invariant=True)
+    alone = [outputs(generate(bf16_model, [p], **options), 0) for p in prompts]
+    runs = {"batched": (prompts, {}), "reversed": (prompts[::-1], {}), "continuous": (prompts, {"batch_size": 2}),
+            "chunks of 8": (prompts, {"prefill_step": 8})}
+    for name, (order, extra) in runs.items():
+        result = generate(bf16_model, order, **options, **extra)
+        for i, p in enumerate(order):
+            assert outputs(result, i) == alone[prompts.index(p)], (name, i)
+    assert len({tuple(a[0]) for a in alone}) == len(prompts)  # distinct outputs: the rows are not trivially equal
+
+
+def test_batch_invariant_options_are_checked(bf16_model):
+    with pytest.raises(InputError, match="batch_invariant"):
+        generate(bf16_model, [[3, 4]], max_tokens=2, batch_invariant="yes")
+    with pytest.raises(InputError, match="max_kv_size"):
+        Engine(bf16_model, 2, max_kv_size=64, batch_invariant=True)
+    windowed = tiny_model(tiny_config(layer_windows=(8, None)), seed=2)
+    with pytest.raises(InputError, match="windowed"):
+        Engine(windowed, 2, batch_invariant=True)
+    assert Engine(bf16_model, 2, batch_invariant=True).config.batch_invariant
+    assert not Engine(bf16_model, 2).config.batch_invariant
+
+
+def test_cli_flag_sets_the_option():
+    parser = argparse.ArgumentParser()
+    generate_parser(parser)
+    assert generation_config(parser.parse_args(["--prompt", "hi", "--batch-invariant"])).batch_invariant
+    assert not generation_config(parser.parse_args(["--prompt", "hi"])).batch_invariant
+
+
+def test_invariant_products_take_the_kernels_at_every_row_count(monkeypatch):
+    """The structure the mode rests on: with it, a bf16 product of any rows (prompts included) runs
+    dmv and a quantized one qmv's tensor-core product, never MLX's matmul, whose kernel follows the
+    row count; without it, prompts keep MLX's products."""
+    calls = []
+    monkeypatch.setattr(kernels, "available", lambda dtype: True)
+    monkeypatch.setattr(dmv, "product", lambda x, w, launch=None: calls.append(("dmv", x.shape[0])) or x @ w.T)
+    monkeypatch.setattr(qmv, "mma", lambda x, w, s, b, gs, bits=4: calls.append(("qmv", x.shape[0])) or
+                        mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits))
+    w = mx.random.normal((64, 128)).astype(mx.bfloat16)
+    dense, quant = llama.Dense(w), llama.Quantized(*mx.quantize(w, group_size=64, bits=4))
+    for rows in (1, 9, 300):
+        x = mx.random.normal((rows, 128)).astype(mx.bfloat16)
+        llama.linear(dense, x, fast=True, invariant=True)
+        llama.linear(quant, x, fast=True, invariant=True)
+    assert calls == [("dmv", 1), ("qmv", 1), ("dmv", 9), ("qmv", 9), ("dmv", 300), ("qmv", 300)]
+    calls.clear()
+    llama.linear(dense, mx.zeros((300, 128), mx.bfloat16), fast=True)
+    assert calls == []
+
+
+def test_invariant_prefill_runs_each_token_as_a_row(monkeypatch, bf16_model):
+    """With the mode and the one-token kernel, a prefill chunk goes through `verify_hidden`'s
+    flattened path (each token a row of one), so a token's state does not depend on its chunk."""
+    seen = []
+    monkeypatch.setattr(llama, "step_attention_kernel", lambda config, params: True)
+    monkeypatch.setattr(step, "verify_hidden", lambda *a, flatten: seen.append(flatten) or (_ for _ in ()).throw(
+        RuntimeError("stop")))
+    config = bf16_model.config.with_batch_invariant(True)
+    with pytest.raises(RuntimeError, match="stop"):
+        step.prefill_chunk(config, bf16_model.params, mx.zeros((2, 4), mx.int32), mx.zeros((2, 4), mx.int32),
+                           None, None, mx.zeros((2,), mx.int32))
+    assert seen == [True]
