@@ -14,6 +14,6 @@ from mlxfun.model.load import Model, load, save
 from mlxfun.parallel.shard import shard, sharded_load
 from mlxfun.scoring import score
 
-__all__ = ["Engine", "Event", "GenerationConfig", "GenerationResult", "InputError", "MlxfunError", "Model", "ModelError",
-           "PromptCache", "cache_prompt", "generate", "load", "load_prompt_cache", "save", "score", "shard",
-           "sharded_load", "stream_generate"]
+__all__ = ["Engine", "Event", "GenerationConfig", "GenerationResult", "InputError", "MlxfunError", "Model",
+           "ModelError", "PromptCache", "cache_prompt", "generate", "load", "load_prompt_cache", "save", "score",
+           "shard", "sharded_load", "stream_generate"]
