@@ -7,6 +7,8 @@
 #   kernels      the CUDA kernels against MLX references (benchmarks/kernels_check.py)
 #   invariance   benchmarks/invariance.py: a row's product alone vs inside batches of 2-257, plain and at one fixed
 #                row count (bf16, fp16, 4-bit), and each way's time
+#   invariant-e2e  benchmarks/invariant_e2e.py: batch_invariant off and on, a row's tokens and logprobs alone vs batched,
+#                reversed, continuous, behind a cached prefix, other chunks (random SmolLM2 shape; bf16, fp16, 4-bit)
 #   static       mlxfun bench: 1B and 8B shapes, batch 1/8/32/128, bf16 and q4, mlx-lm beside if installed
 #   quant        mlxfun bench: 1B and 8B ($QUANT_SHAPES), batch 1/8/32/128, bf16 against 4- and 8-bit (peak memory too)
 #   continuous   mlxfun bench --continuous 32: 256 mixed requests, static batches vs continuous (1B)
@@ -59,6 +61,7 @@ for suite in "$@"; do
   case "$suite" in
     smoke) timeout 150 python3 benchmarks/smoke.py --json "$OUT/smoke.json" ;;
     kernels) timeout 240 python3 benchmarks/kernels_check.py --json "$OUT/kernels.json" ;;
+    invariant-e2e) timeout ${INVARIANT_TIMEOUT:-240} python3 benchmarks/invariant_e2e.py --json "$OUT/invariant-e2e.json" ;;
     invariance) timeout 300 python3 benchmarks/invariance.py --kinds ${INVARIANCE_KINDS:-bfloat16,float16,q4} --json "$OUT/invariance.json" ;;
     static)
       for shape in 1B 8B; do
