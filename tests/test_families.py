@@ -212,7 +212,7 @@ def test_decode_kernel_serves_normed_capped_and_rescaled_heads(monkeypatch, fami
 
     calls = []
 
-    def emulated(qk, keys, values, table, mask, H, softcap=None):
+    def emulated(qk, keys, values, table, mask, H, softcap=None, invariant=False):
         B, _, _, D = qk.shape
         K, bs = keys.shape[1], mask.shape[-1] // table.shape[1]
         per, warps, P = kernels.launch(B, K, mask.shape[-1], D, H // K, mx.float32)

@@ -395,9 +395,9 @@ def test_kernels_run_in_steps_only(monkeypatch):
         return lambda *a: calls.append(name) or real(*a)
 
     monkeypatch.setattr(kernels, "available", lambda x: True)
-    monkeypatch.setattr(qmv, "product", stand_in("qmv", lambda x, w, s, b, gs: mx.quantized_matmul(
-        x, w, s, b, group_size=gs, bits=4)))
-    monkeypatch.setattr(kernels, "decode_attention", stand_in("attention", lambda qk, k, v, t, m, h, cap: (
+    monkeypatch.setattr(qmv, "product", stand_in("qmv", lambda x, w, s, b, gs, bits: mx.quantized_matmul(
+        x, w, s, b, group_size=gs, bits=bits)))
+    monkeypatch.setattr(kernels, "decode_attention", stand_in("attention", lambda qk, k, v, t, m, h, cap, inv: (
         llama.grouped_attention(qk[:, :h], kv.gather(k, t, m.shape[-1] // t.shape[1]),
                                 kv.gather(v, t, m.shape[-1] // t.shape[1]), m, k.shape[-1]**-0.5, cap)
         .reshape(qk.shape[0], -1))))
