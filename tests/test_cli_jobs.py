@@ -270,7 +270,7 @@ def test_every_generation_option_has_a_flag():
                               "--ignore-eos", "--logprobs", "3", "--max-kv-size", "64", "--prefill-step", "16",
                               "--batch-size", "5", "--no-prefix-cache", "--prompt-cache-file", "p.safetensors",
                               "--draft-model", "prompt-lookup", "--num-draft-tokens", "3",
-                              "--response-format", '{"type": "json_object"}'])
+                              "--response-format", '{"type": "json_object"}', "--batch-invariant"])
     config, default = generation_config(args), GenerationConfig()
     changed = {f for f in GenerationConfig.__dataclass_fields__ if getattr(config, f) != getattr(default, f)}
     # chat: --ignore-chat-template; group: --data-parallel (a group exists once the ranks are launched)
