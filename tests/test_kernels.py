@@ -194,11 +194,11 @@ def test_qmv_layout_limits():
 
 
 def test_qmv_tiles_and_grid():
-    """Blocks take 8, 16, 32, 64 or 128 rows (a power of two of tiles, few kernel variants); more
+    """Blocks take 8, 16, 32 or 64 rows (a power of two of tiles, few kernel variants); more
     rows take more blocks along y."""
-    assert [qmv.tiles(m) for m in (1, 8, 9, 16, 17, 33, 100, 128, 129, 256)] == [1, 1, 2, 2, 4, 8, 16, 16, 16, 16]
+    assert [qmv.tiles(m) for m in (1, 8, 9, 16, 17, 33, 64, 65, 129, 256)] == [1, 1, 2, 2, 4, 8, 8, 8, 8, 8]
     assert qmv.mma_grid(40, 1, 4) == ((3 * 128, 1, 1), 128)
-    assert qmv.mma_grid(40, 129, 4) == ((3 * 128, 2, 1), 128)
+    assert qmv.mma_grid(40, 129, 4) == ((3 * 128, 3, 1), 128)
 
 
 @pytest.mark.parametrize("M,OUT,IN,group_size,per_warp", [(1, 70, 256, 64, 4), (3, 33, 576, 32, 2),

@@ -71,7 +71,7 @@ def keep_freed(headroom: int, device: int = 0) -> bool:
     if cuda.cuMemPoolSetAttribute(pool, _RELEASE_THRESHOLD, ctypes.byref(keep)):
         return False
     if headroom > 0:
-        block = mx.zeros((headroom,), mx.uint8)
+        block = mx.zeros((-(-headroom // 2**20), 2**20), mx.uint8)  # (a 1-D shape is int32: < 2 GB)
         mx.eval(block)
         del block
         mx.synchronize()

@@ -219,9 +219,6 @@ _MMA = compact(r"""
     const int64_t fa = min(f0 + g, OUT - 1), fb = min(f0 + g + 8, OUT - 1);  // past OUT: never stored
     const uint4* wa = reinterpret_cast<const uint4*>(w + fa * (IN / PER_WORD));
     const uint4* wb = reinterpret_cast<const uint4*>(w + fb * (IN / PER_WORD));
-    const T* xr[N];
-    #pragma unroll
-    for (int n = 0; n < N; ++n) xr[n] = x + (int64_t)min(row0 + 8 * n + g, M - 1) * IN;
     float c[U][N][4];
     #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -265,27 +262,30 @@ _MMA = compact(r"""
                 const uint4 va = qa[u][j / 4], vb = qb[u][j / 4];
                 const uint32_t word_a = j % 4 == 0 ? va.x : j % 4 == 1 ? va.y : j % 4 == 2 ? va.z : va.w;
                 const uint32_t word_b = j % 4 == 0 ? vb.x : j % 4 == 1 ? vb.y : j % 4 == 2 ? vb.z : vb.w;
-                AlignedVector<T, PER_WORD> xv[N];
+                constexpr int H = PER_WORD / 2, PAIRS = PER_WORD / 4;  // PAIRS mma per word
+                Pair a[PAIRS][4];  // dequantized once for the N tiles (few registers: KW warps share a block)
                 #pragma unroll
-                for (int n = 0; n < N; ++n) {
-                    if (ks[u] >= 0) {
-                        xv[n] = unsafe_load_vector<PER_WORD>(xr[n] + ks[u], j);
-                    } else {
-                        #pragma unroll
-                        for (int i = 0; i < PER_WORD; ++i) xv[n][i] = static_cast<T>(0.f);
-                    }
+                for (int q = 0; q < PAIRS; ++q) {  // values (2 q, 2 q + H) and (2 q + 1, 2 q + 1 + H)
+                    a[q][0] = qmv_dequant<T, BITS>(word_a, 2 * q, sa[u], ba[u]);
+                    a[q][1] = qmv_dequant<T, BITS>(word_b, 2 * q, sb[u], bb[u]);
+                    a[q][2] = qmv_dequant<T, BITS>(word_a, 2 * q + 1, sa[u], ba[u]);
+                    a[q][3] = qmv_dequant<T, BITS>(word_b, 2 * q + 1, sb[u], bb[u]);
                 }
                 #pragma unroll
-                for (int p = 0; p < PER_WORD / 2; p += 2) {  // one mma: values (p, p + H) and (p + 1, p + 1 + H)
-                    constexpr int H = PER_WORD / 2;
-                    Pair a[4] = {qmv_dequant<T, BITS>(word_a, p, sa[u], ba[u]),
-                                 qmv_dequant<T, BITS>(word_b, p, sb[u], bb[u]),
-                                 qmv_dequant<T, BITS>(word_a, p + 1, sa[u], ba[u]),
-                                 qmv_dequant<T, BITS>(word_b, p + 1, sb[u], bb[u])};
+                for (int n = 0; n < N; ++n) {
+                    AlignedVector<T, PER_WORD> xv;
+                    if (ks[u] >= 0) {
+                        const T* xr = x + (int64_t)min(row0 + 8 * n + g, M - 1) * IN;  // past M: never stored
+                        xv = unsafe_load_vector<PER_WORD>(xr + ks[u], j);
+                    } else {
+                        #pragma unroll
+                        for (int i = 0; i < PER_WORD; ++i) xv[i] = static_cast<T>(0.f);
+                    }
                     #pragma unroll
-                    for (int n = 0; n < N; ++n) {
-                        Pair b[2] = {qmv_pack<T>(xv[n][p], xv[n][p + H]), qmv_pack<T>(xv[n][p + 1], xv[n][p + 1 + H])};
-                        qmv_mma<T>(c[u][n], a, b);
+                    for (int q = 0; q < PAIRS; ++q) {
+                        Pair b[2] = {qmv_pack<T>(xv[2 * q], xv[2 * q + H]),
+                                     qmv_pack<T>(xv[2 * q + 1], xv[2 * q + 1 + H])};
+                        qmv_mma<T>(c[u][n], a[q], b);
                     }
                 }
             }
@@ -321,7 +321,9 @@ MMA_WARPS = 16  # KW: warps per block, sharing the inputs
 MMA_IN_FLIGHT = 1  # U: 128-input blocks a warp loads at once
 
 
-MAX_TILES = 16  # tiles of 8 rows a block takes: 128 rows share each dequantized weight
+# Tiles of 8 rows a block takes: 64 rows share each dequantized weight. (16 tiles' accumulators
+# took more registers than a block of MMA_WARPS warps has: the launch failed.)
+MAX_TILES = 8
 
 
 def tiles(rows: int) -> int:
