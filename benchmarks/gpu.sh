@@ -9,6 +9,7 @@
 #                row count (bf16, fp16, 4-bit), and each way's time
 #   invariant-e2e  benchmarks/invariant_e2e.py: batch_invariant off and on, a row's tokens and logprobs alone vs batched,
 #                reversed, continuous, behind a cached prefix, other chunks (random SmolLM2 shape; bf16, fp16, 4-bit)
+#   invariant-cost mlxfun bench --batch-invariant: bf16 1B and 8B ($INVARIANT_SHAPES) at batch 1/8/32/128, the mode off and on
 #   static       mlxfun bench: 1B and 8B shapes, batch 1/8/32/128, bf16 and q4, mlx-lm beside if installed
 #   quant        mlxfun bench: 1B and 8B ($QUANT_SHAPES), batch 1/8/32/128, bf16 against 4- and 8-bit (peak memory too)
 #   continuous   mlxfun bench --continuous 32: 256 mixed requests, static batches vs continuous (1B)
@@ -61,7 +62,13 @@ for suite in "$@"; do
   case "$suite" in
     smoke) timeout 150 python3 benchmarks/smoke.py --json "$OUT/smoke.json" ;;
     kernels) timeout 240 python3 benchmarks/kernels_check.py --json "$OUT/kernels.json" ;;
-    invariant-e2e) timeout ${INVARIANT_TIMEOUT:-240} python3 benchmarks/invariant_e2e.py --json "$OUT/invariant-e2e.json" ;;
+    invariant-e2e) timeout ${INVARIANT_TIMEOUT:-240} python3 benchmarks/invariant_e2e.py --models ${INVARIANT_MODELS:-bf16,fp16,q4} \
+      --json "$OUT/invariant-e2e.json" ;;
+    invariant-cost)  # issue 54: mlxfun bench with and without --batch-invariant
+      for shape in ${INVARIANT_SHAPES:-1B 8B}; do
+        bench ${INVARIANT_COST_TIMEOUT:-280} --shape $shape --batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 \
+          --dtypes bfloat16 --batch-invariant --json "$OUT/invariant-cost-$shape.json"
+      done ;;
     invariance) timeout 300 python3 benchmarks/invariance.py --kinds ${INVARIANCE_KINDS:-bfloat16,float16,q4} --json "$OUT/invariance.json" ;;
     static)
       for shape in 1B 8B; do

@@ -57,15 +57,18 @@ def check(model, name: str, invariant: bool, tokens: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--models", default="bf16,fp16,q4", help="among bf16, fp16, q4 (4-bit weights, bf16 activations)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     base = bench.random_model(bench.SHAPES["135M"], mx.bfloat16)
     models = {"bf16": base, "fp16": dataclasses.replace(base, params=weights.cast(base.config, base.params,
                                                                                    mx.float16))}
     quantized = weights.quantize(base.config, base.params, 4, 64)
-    models["q4 (bf16 activations)"] = dataclasses.replace(base, params=quantized)
+    models["q4"] = dataclasses.replace(base, params=quantized)
     rows = []
     for name, model in models.items():
+        if name not in args.models.split(","):
+            continue
         for invariant in (False, True):
             try:
                 rows.append(check(model, name, invariant, args.tokens))

@@ -10,6 +10,7 @@ memory, so large models can be measured without downloads. mlx-lm is never a dep
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -89,6 +90,11 @@ def variants(args) -> list[tuple[str, Callable[[], Model]]]:
                     params = weights.cast(config, params, DTYPES[name])
                 return Model(config, params, word_tokenizer(config.vocab_size), f"random {args.shape}")
         out.append((name, build))
+        if args.batch_invariant:  # the same weights decoded batch-invariantly (`ModelConfig.batch_invariant`)
+            def invariant(build=build):
+                model = build()
+                return dataclasses.replace(model, config=model.config.with_batch_invariant(True))
+            out.append((f"{name}+inv", invariant))
     return out
 
 
@@ -269,6 +275,8 @@ def parse_args(argv):
     p.add_argument("--warmup-tokens", type=int, default=None,
                    help="tokens of the untimed run that compiles each config (default: on a GPU as many as the "
                         "timed run, so it meets the same pool and table sizes and traces nothing; on the CPU 4)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="also measure each weights variant decoded batch-invariantly (NAME+inv rows)")
     p.add_argument("--dtypes", default=None,
                    help="weights variants among float32, bfloat16, float16, q4, q8 "
                         "(default: bfloat16,q4 on a GPU, float32,q4 on the CPU)")

@@ -92,10 +92,12 @@ class Engine:
         _check_options(rows, prefill_step, block_size, max_kv_size, admit_min, pad_multiple, kv_memory,
                        prefix_cache, prefix_cache_bytes, num_draft_tokens)
         check_bool("batch_invariant", batch_invariant)
-        # With max_kv_size every query sees at most that many positions: rows become rings.
-        self.config = model.config.with_max_kv_size(max_kv_size).with_batch_invariant(batch_invariant)
+        # With max_kv_size every query sees at most that many positions: rows become rings. A model
+        # whose config asks for batch invariance keeps it.
+        invariant = batch_invariant or model.config.batch_invariant
+        self.config = model.config.with_max_kv_size(max_kv_size).with_batch_invariant(invariant)
         self.model, self.rows = model, rows
-        if batch_invariant:
+        if invariant:
             check_invariant(self.config)
         check_bool("fixed_shapes", fixed_shapes)
         self.fixed = fixed_shapes
