@@ -1,11 +1,12 @@
-"""Does a new allocation stall beside a large resident pool (diagnostic, CUDA)? Each phase times
+"""Does a new allocation stall beside a large resident pool (diagnostic, CUDA; on an H100 it did
+not: 0.08-0.09 ms each, results/h100/2026-12-06-alloc-probe.json)? Each phase times
 `--sizes` allocations of sizes MLX's buffer cache has never held (1-30 MB, as a prefill's
 activations), each evaluated, synchronized and freed:
 
 - alone: nothing else held;
 - pool: beside `--pool-gb` of resident arrays, 2 per layer as a server's KV pool;
 - pool-again: the same, new sizes (does the cost repeat?);
-- keep: after `cuda_pool.keep_freed(--headroom-gb)` (the pool keeps freed memory, headroom mapped);
+- keep: after `keep_freed(--headroom-gb)` (CUDA's pool keeps freed memory, headroom mapped);
 - keep-again: new sizes once more.
 
 Run: python benchmarks/alloc_probe.py --pool-gb 60 --json PATH
@@ -14,13 +15,75 @@ Run: python benchmarks/alloc_probe.py --pool-gb 60 --json PATH
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import time
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
-from mlxfun.engine import cuda_pool
+# CUmemPool_attribute (cuda.h)
+_RELEASE_THRESHOLD = 4
+_RESERVED_MEM_CURRENT = 5
+_USED_MEM_CURRENT = 7
+
+
+class PoolStats(NamedTuple):
+    reserved: int  # bytes the pool has mapped
+    used: int  # bytes of it allocated
+
+
+def _pool(device: int = 0):
+    """The driver and device `device`'s default memory pool handle, or None without CUDA."""
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return None
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, pool = ctypes.c_int(), ctypes.c_void_p()
+    if cuda.cuDeviceGet(ctypes.byref(dev), device) or cuda.cuDeviceGetDefaultMemPool(ctypes.byref(pool), dev):
+        return None
+    return cuda, pool
+
+
+def stats(device: int = 0) -> PoolStats | None:
+    """What the default pool of `device` has mapped and allocated (None without CUDA)."""
+    found = _pool(device)
+    if found is None:
+        return None
+    cuda, pool = found
+    values = []
+    for attribute in (_RESERVED_MEM_CURRENT, _USED_MEM_CURRENT):
+        value = ctypes.c_uint64()
+        if cuda.cuMemPoolGetAttribute(pool, attribute, ctypes.byref(value)):
+            return None
+        values.append(value.value)
+    return PoolStats(*values)
+
+
+def keep_freed(headroom: int, device: int = 0) -> bool:
+    """Make the default pool of `device` keep the memory it frees, and hold `headroom` bytes mapped
+    and unused from now on (a buffer that size allocated and freed). MLX's buffer cache is cleared
+    on the way. Returns whether it was done (False without CUDA)."""
+    found = _pool(device)
+    if found is None:
+        return False
+    cuda, pool = found
+    keep = ctypes.c_uint64(2**64 - 1)
+    if cuda.cuMemPoolSetAttribute(pool, _RELEASE_THRESHOLD, ctypes.byref(keep)):
+        return False
+    if headroom > 0:
+        block = mx.zeros((-(-headroom // 2**20), 2**20), mx.uint8)  # (a 1-D shape is int32: < 2 GB)
+        mx.eval(block)
+        del block
+        mx.synchronize()
+        mx.clear_cache()  # back to the pool, which now keeps it mapped
+        mx.synchronize()
+    return True
+
+
 
 
 def timed_allocations(sizes: list[int]) -> list[float]:
@@ -37,11 +100,11 @@ def timed_allocations(sizes: list[int]) -> list[float]:
 
 def summary(name: str, seconds: list[float]) -> dict:
     ms = np.array(seconds) * 1e3
-    stats = cuda_pool.stats()
+    pool = stats()
     return dict(phase=name, median_ms=round(float(np.median(ms)), 3), max_ms=round(float(ms.max()), 2),
                 total_ms=round(float(ms.sum()), 1), over_10ms=int((ms > 10).sum()),
-                reserved_gb=None if stats is None else round(stats.reserved / 1e9, 2),
-                used_gb=None if stats is None else round(stats.used / 1e9, 2),
+                reserved_gb=None if pool is None else round(pool.reserved / 1e9, 2),
+                used_gb=None if pool is None else round(pool.used / 1e9, 2),
                 mlx_active_gb=round(mx.get_active_memory() / 1e9, 2),
                 mlx_cache_gb=round(mx.get_cache_memory() / 1e9, 2))
 
@@ -68,7 +131,7 @@ def main(argv=None) -> int:
     phases.append(summary("pool", timed_allocations(sizes())))
     phases.append(summary("pool-again", timed_allocations(sizes())))
     t = time.perf_counter()
-    kept = cuda_pool.keep_freed(int(args.headroom_gb * 1e9))
+    kept = keep_freed(int(args.headroom_gb * 1e9))
     keep_s = time.perf_counter() - t
     phases.append(summary("keep", timed_allocations(sizes())))
     phases.append(summary("keep-again", timed_allocations(sizes())))

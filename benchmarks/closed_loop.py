@@ -7,12 +7,10 @@ warmed up first). Each engine round is timed and reported by kind: rounds that a
 after them, and the rest. Each `--runs` entry is KV_GB:SETTLE[:prewarm]: a KV pool of KV_GB (0:
 the server's default, most of a GPU), when a pool write waits for the one queued before it
 (`Runner.settle`): `default` (a server's pool from 1 GB on, and always on the CPU), `never` (every
-write queued behind the one in flight) or `always`; with `prewarm`, 1..rows prompts admitted
-once each before the loop (is a stall the first sight of a prefill shape?); with `keep`, the warm-up's
-headroom (the server's: the CUDA memory pool keeps what it frees, with up to 4 GB mapped after the KV
-pool, `cuda_pool.keep_freed`; the pool keeps freed memory for the runs after it too).
+write queued behind the one in flight) or `always`; and with `prewarm`, 1..rows prompts admitted
+once each before the loop (is a stall the first sight of a prefill shape?).
 
-Run: python benchmarks/closed_loop.py --shape 1B --rows 32 --runs 0:default,0:default:prewarm,0:default:keep
+Run: python benchmarks/closed_loop.py --shape 1B --rows 32 --runs 0:default,0:default:prewarm,0.5:default
 """
 
 from __future__ import annotations
@@ -32,13 +30,13 @@ from mlxfun.engine.warmup import warm_up
 
 
 def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: int | None, settle: str,
-                prewarm: bool = False, keep: bool = False, seed: int = 0) -> dict:
+                prewarm: bool = False, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     t = time.perf_counter()
     engine = Engine(model, rows, fixed_shapes=True, kv_memory=kv_memory)
     if settle != "default":
         engine.runner.settle_bytes = None if settle == "never" else 0
-    warm = warm_up(engine, headroom=keep)
+    warm = warm_up(engine)
     setup = time.perf_counter() - t
 
     def submit() -> None:
@@ -79,7 +77,7 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
     plain = [r for i, (r, a) in enumerate(rounds) if not a and not (i and rounds[i - 1][1])]
     ms = lambda xs: round(1e3 * float(np.median(xs)), 2) if xs else None  # noqa: E731
     out = dict(kv_gb=round(engine.kv_memory / 1e9, 2), pool_blocks=engine.scheduler.max_blocks, settle=settle,
-               prewarm=prewarm, headroom_gb=round(warm.headroom / 1e9, 2),
+               prewarm=prewarm,
                tok_s=tokens / seconds, seconds=seconds, rounds=len(rounds), admissions=len(admit),
                admit_ms=ms(admit), after_admit_ms=ms(after), plain_ms=ms(plain),
                stall_s=sum(admit) + sum(after) - (len(admit) + len(after)) * (ms(plain) or 0) / 1e3,
@@ -95,10 +93,10 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--gen-tokens", type=int, default=128, help="mean generated tokens (spread over 0.5-1.5x)")
-    p.add_argument("--runs", default="0:default,0:default:prewarm,0:default:keep",
-                   help="KV_GB:SETTLE[:prewarm][:keep] per run, comma-separated (KV_GB 0: the server's default; "
+    p.add_argument("--runs", default="0:default,0:default:prewarm,0.5:default",
+                   help="KV_GB:SETTLE[:prewarm] per run, comma-separated (KV_GB 0: the server's default; "
                         "prewarm: admit 1..rows prompts once each before the loop, so that every prefill shape "
-                        "of the loop has been seen; keep: the warm-up keeps memory mapped, as a server's does)")
+                        "of the loop has been seen)")
     p.add_argument("--cache-limit", type=float, default=None,
                    help="GB of freed buffers MLX keeps for reuse (mx.set_cache_limit; default: MLX's)")
     p.add_argument("--json", default=None)
@@ -111,7 +109,7 @@ def main(argv=None) -> int:
         gb, settle, *extra = run.split(":")
         try:
             r = closed_loop(model, args.rows, args.requests, args.prompt_tokens, args.gen_tokens,
-                            int(float(gb) * 1e9) or None, settle, prewarm="prewarm" in extra, keep="keep" in extra)
+                            int(float(gb) * 1e9) or None, settle, prewarm=extra == ["prewarm"])
         except RuntimeError as e:  # a device out of memory, say: the other runs still count
             r = dict(kv=gb, settle=settle, error=f"{type(e).__name__}: {e}")
         runs.append(r)

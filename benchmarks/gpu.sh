@@ -26,9 +26,9 @@
 #                engine in its own process (the default) and on the server's thread (--engine-thread), one run
 #   closed-loop  benchmarks/closed_loop.py: the server's engine (1B, 32 rows) replacing each finished request at once,
 #                no HTTP; rounds timed by kind, for the default KV pool (most of the GPU), the same after every
-#                prefill shape was seen once, and with the CUDA pool keeping freed memory ($CLOSED_RUNS, $CLOSED_ARGS)
+#                prefill shape was seen once, and a 0.5 GB pool ($CLOSED_RUNS, $CLOSED_ARGS)
 #   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
-#                after cuda_pool.keep_freed
+#                after keep_freed (CUDA's pool keeps freed memory)
 #   families     mlxfun bench: Gemma 3 4B and Qwen3-30B-A3B (24 of 48 layers) shapes ($FAMILY_SHAPES), batch
 #                1/8/32/128, q4 and bf16 ($FAMILY_DTYPES), mlx-lm beside (installed from .whl, as for serve)
 #   moe          mlxfun bench: the Qwen3-30B-A3B shape (24 of 48 layers), $FAMILY_DTYPES (q4), batch 1/8/32/128,
@@ -99,7 +99,7 @@ for suite in "$@"; do
         --modes ${SERVE_MODES:-greedy,seeded} --offline --engine-thread-too --json "$OUT/serve-process-1B-32.json" ;;
     alloc) timeout 120 python3 benchmarks/alloc_probe.py --pool-gb ${ALLOC_POOL_GB:-60} --json "$OUT/alloc-probe.json" ;;
     closed-loop) timeout ${CLOSED_TIMEOUT:-420} python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 \
-      --runs ${CLOSED_RUNS:-0:default,0:default:prewarm,0:default:keep} ${CLOSED_ARGS:-} --json "$OUT/closed-loop-1B$RANDOM.json" ;;
+      --runs ${CLOSED_RUNS:-0:default,0:default:prewarm,0.5:default} ${CLOSED_ARGS:-} --json "$OUT/closed-loop-1B$RANDOM.json" ;;
     families)
       wheels
       for shape in ${FAMILY_SHAPES:-gemma3-4B qwen3-30B-A3B-24L}; do

@@ -2,7 +2,7 @@
 
 On CUDA the mode routes every product and attention through mlxfun's kernels whose sums follow
 the model's shapes alone (checked bit for bit on the CPU emulator in test_kernels.py, end to end
-on a GPU by benchmarks/smoke.py). Here: the options, the routing, and what holds on the CPU, where
+on a GPU by benchmarks/invariant_e2e.py). Here: the options, the routing, and what holds on the CPU, where
 MLX's products already keep a row's bits in bf16 (the mode changes nothing there).
 """
 
@@ -21,7 +21,7 @@ from mlxfun.cli.main import generate_parser, generation_config
 from mlxfun.engine import step
 from mlxfun.errors import InputError
 from mlxfun.kernels import attention as kernels
-from mlxfun.kernels import dmv, qmv
+from mlxfun.kernels import dmv
 from mlxfun.model import llama, weights
 
 
@@ -75,20 +75,21 @@ def test_cli_flag_sets_the_option():
 
 def test_invariant_products_take_the_kernels_at_every_row_count(monkeypatch):
     """The structure the mode rests on: with it, a bf16 product of any rows (prompts included) runs
-    dmv and a quantized one qmv's tensor-core product, never MLX's matmul, whose kernel follows the
-    row count; without it, prompts keep MLX's products."""
+    dmv, a quantized one on its map dequantized (the same dense map whatever the batch), never
+    MLX's matmul, whose kernel follows the row count; without it, prompts keep MLX's products."""
     calls = []
     monkeypatch.setattr(kernels, "available", lambda dtype: True)
-    monkeypatch.setattr(dmv, "product", lambda x, w, launch=None: calls.append(("dmv", x.shape[0])) or x @ w.T)
-    monkeypatch.setattr(qmv, "mma", lambda x, w, s, b, gs, bits=4: calls.append(("qmv", x.shape[0])) or
-                        mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits))
+    monkeypatch.setattr(dmv, "product", lambda x, w, launch=None: calls.append((x.shape[0], w)) or x @ w.T)
     w = mx.random.normal((64, 128)).astype(mx.bfloat16)
     dense, quant = llama.Dense(w), llama.Quantized(*mx.quantize(w, group_size=64, bits=4))
     for rows in (1, 9, 300):
         x = mx.random.normal((rows, 128)).astype(mx.bfloat16)
         llama.linear(dense, x, fast=True, invariant=True)
         llama.linear(quant, x, fast=True, invariant=True)
-    assert calls == [("dmv", 1), ("qmv", 1), ("dmv", 9), ("qmv", 9), ("dmv", 300), ("qmv", 300)]
+    assert [n for n, _ in calls] == [1, 1, 9, 9, 300, 300]
+    assert all(wd is w for _, wd in calls[::2])
+    deq = mx.dequantize(quant.weight, quant.scales, quant.biases, group_size=64, bits=4)
+    assert all(wq.dtype == mx.bfloat16 and mx.array_equal(wq, deq).item() for _, wq in calls[1::2])
     calls.clear()
     llama.linear(dense, mx.zeros((300, 128), mx.bfloat16), fast=True)
     assert calls == []

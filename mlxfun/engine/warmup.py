@@ -17,10 +17,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import mlx.core as mx
 
-from mlxfun.engine import cuda_pool, sampling
+from mlxfun.engine import sampling
 from mlxfun.engine.records import EngineStats, fixed_modes
 from mlxfun.engine.step import first_token
-from mlxfun.engine.strategy import memory_limit
 from mlxfun.features import structured
 
 if TYPE_CHECKING:
@@ -33,7 +32,6 @@ class Warmup(NamedTuple):
     seconds: float
     width_seconds: tuple[float, ...] = ()  # each width's steps (all modes), in `widths` order
     rest_seconds: float = 0.0  # first-token sampling per mode and the request run end to end
-    headroom: int = 0  # bytes the CUDA memory pool keeps mapped for later allocations (0: not CUDA)
 
 
 def masks_available() -> bool:
@@ -41,10 +39,9 @@ def masks_available() -> bool:
     return importlib.util.find_spec("llguidance") is not None
 
 
-def warm_up(engine: Engine, headroom: bool = True) -> Warmup:
+def warm_up(engine: Engine) -> Warmup:
     """Compile and run every decode step a fixed-shape, idle engine may take. Speculative verify
-    rounds are not among them: with a draft model they compile when first used. `headroom`: on
-    CUDA, then keep memory mapped for later admissions (`_keep_headroom`)."""
+    rounds are not among them: with a draft model they compile when first used."""
     if not engine.fixed or not engine.idle:
         raise RuntimeError("warm_up takes an idle engine made with fixed_shapes=True")
     t0 = time.perf_counter()
@@ -87,21 +84,9 @@ def warm_up(engine: Engine, headroom: bool = True) -> Warmup:
     for rid in list(engine.requests):
         engine.take(rid)
     engine.stats = EngineStats(rows=engine.stats.rows)  # the counters start with the first real request
-    kept = _keep_headroom() if headroom else 0
     bs = sched.pool.block_size
     return Warmup(len(widths) * len(modes), tuple(w * bs for w in widths), time.perf_counter() - t0,
-                  tuple(per_width), time.perf_counter() - t, kept)
-
-
-# At most this much memory is kept mapped for the allocations of later admissions.
-HEADROOM = 4 << 30
-
-
-def _keep_headroom() -> int:
-    """After the KV pool, on CUDA: the memory pool keeps what it frees, with headroom mapped, so that
-    a new activation size does not map fresh memory beside a pool of most of the GPU (`cuda_pool`)."""
-    headroom = min(HEADROOM, max(0, memory_limit() - mx.get_active_memory()) // 4)
-    return headroom if cuda_pool.keep_freed(headroom) else 0
+                  tuple(per_width), time.perf_counter() - t)
 
 
 def _trace(runner, steps, mode, everything: mx.array) -> None:

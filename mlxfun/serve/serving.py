@@ -265,8 +265,7 @@ class Bridge:
             parts = ", ".join(f"{n} tokens {s:.1f} s" for n, s in zip(w.widths, w.width_seconds))
             print(f"mlxfun serve: compiled {w.variants} decode steps (table widths {w.widths[0]}-{w.widths[-1]} "
                   f"tokens) and ran a request in {w.seconds:.1f} s ({parts}; first tokens and a request "
-                  f"{w.rest_seconds:.1f} s)" + (f", {w.headroom / 1e9:.1f} GB kept mapped for admissions" if w.headroom
-                                                else "") + "; ready", file=sys.stderr, flush=True)
+                  f"{w.rest_seconds:.1f} s); ready", file=sys.stderr, flush=True)
         self._warm.set()
         self._on_ready(True)
 
