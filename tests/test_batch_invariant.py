@@ -66,6 +66,17 @@ def test_batch_invariant_options_are_checked(bf16_model):
     assert not Engine(bf16_model, 2).config.batch_invariant
 
 
+def test_batch_invariant_needs_the_attention_kernel_where_kernels_run(monkeypatch, bf16_model):
+    """Where mlxfun's kernels run (stood in here), heads the one-token attention kernel does not
+    serve are refused: MLX's attention over gathered keys sums over the batch's table width."""
+    monkeypatch.setattr(kernels, "available", lambda dtype: True)
+    monkeypatch.setattr(llama, "step_attention_kernel", lambda config, params: False)
+    with pytest.raises(InputError, match="head_dim"):
+        Engine(bf16_model, 2, batch_invariant=True)
+    monkeypatch.setattr(llama, "step_attention_kernel", lambda config, params: True)
+    assert Engine(bf16_model, 2, batch_invariant=True).config.batch_invariant
+
+
 def test_cli_flag_sets_the_option():
     parser = argparse.ArgumentParser()
     generate_parser(parser)

@@ -57,7 +57,9 @@ from mlxfun.features import speculative
 from mlxfun.features.constraints import Constraints
 from mlxfun.features.speculation import Speculation, drafter_for
 from mlxfun.features.speculative import Verdict
+from mlxfun.kernels import attention as kernels
 from mlxfun.model import cache as kv
+from mlxfun.model import llama, weights
 from mlxfun.model.config import ModelConfig
 from mlxfun.model.load import Model
 
@@ -98,7 +100,7 @@ class Engine:
         self.config = model.config.with_max_kv_size(max_kv_size).with_batch_invariant(invariant)
         self.model, self.rows = model, rows
         if invariant:
-            check_invariant(self.config)
+            check_invariant(self.config, model.params)
         check_bool("fixed_shapes", fixed_shapes)
         self.fixed = fixed_shapes
         if fixed_shapes and steps is compiled_steps:
@@ -560,13 +562,20 @@ def engine_for(model: Model, rows: int, config: GenerationConfig, kv_memory: int
     return engine
 
 
-def check_invariant(config: ModelConfig) -> None:
+def check_invariant(config: ModelConfig, params) -> None:
     """batch_invariant covers full-attention models with dense MLPs: a ring's prefill chunks may
-    overwrite keys their own queries read, and experts are gathered per batch."""
+    overwrite keys their own queries read, and experts are gathered per batch. Where mlxfun's CUDA
+    kernels run (bf16 / fp16 on CUDA), attention must be the one-token kernel's: MLX's ops over a
+    row's gathered keys sum over the batch's table width."""
     if config.max_window is not None or any(w is not None for w in config.layer_windows):
         raise InputError("batch_invariant does not support windowed attention or max_kv_size (a ring) yet")
     if config.num_experts:
         raise InputError("batch_invariant does not support mixture-of-experts models yet")
+    dtype = weights.compute_dtype(params)
+    if kernels.available(dtype) and dtype != mx.float32 and not llama.step_attention_kernel(config, params):
+        raise InputError(f"batch_invariant: mlxfun's attention kernel does not serve this model's heads "
+                         f"(head_dim {config.head_dim}, {config.num_heads // config.num_kv_heads} query heads per "
+                         "key head), so its attention would follow the batch")
 
 
 def _check_options(rows, prefill_step, block_size, max_kv_size, admit_min, pad_multiple, kv_memory, prefix_cache,
