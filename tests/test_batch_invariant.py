@@ -37,8 +37,8 @@ def outputs(result, i):
 
 def test_cpu_bf16_rows_are_the_same_bits_in_any_batch(bf16_model):
     """bf16 on the CPU, with the mode: a row alone, in a batch, reversed, continuous (2 rows for 6
-    prompts), in other prefill chunks and behind a cached prefix gives the same tokens and
-    logprobs, bit for bit."""
+    prompts), in other prefill chunks, behind a cached prefix and through speculative verify
+    rounds (prompt lookup) gives the same tokens and logprobs, bit for bit."""
     rng = np.random.default_rng(0)
     shared = rng.integers(3, bf16_model.config.vocab_size, 24).tolist()
     prompts = [rng.integers(3, bf16_model.config.vocab_size, n).tolist() for n in (3, 17, 40, 9)]
@@ -46,7 +46,7 @@ def test_cpu_bf16_rows_are_the_same_bits_in_any_batch(bf16_model):
     options = dict(max_tokens=10, ignore_eos=True, logprobs=0, batch_invariant=True)
     alone = [outputs(generate(bf16_model, [p], **options), 0) for p in prompts]
     runs = {"batched": (prompts, {}), "reversed": (prompts[::-1], {}), "continuous": (prompts, {"batch_size": 2}),
-            "chunks of 8": (prompts, {"prefill_step": 8})}
+            "chunks of 8": (prompts, {"prefill_step": 8}), "speculative": (prompts, {"draft_model": "prompt-lookup"})}
     for name, (order, extra) in runs.items():
         result = generate(bf16_model, order, **options, **extra)
         for i, p in enumerate(order):
