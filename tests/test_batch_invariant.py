@@ -104,6 +104,8 @@ def test_invariant_products_take_the_kernels_at_every_row_count(monkeypatch):
     calls.clear()
     llama.linear(dense, mx.zeros((300, 128), mx.bfloat16), fast=True)
     assert calls == []
+    llama.linear(dense, mx.zeros((3, 128), mx.bfloat16), invariant=True)  # first tokens' logits ask no `fast`
+    assert [n for n, _ in calls] == [3]
 
 
 def test_invariant_prefill_runs_each_token_as_a_row(monkeypatch, bf16_model):

@@ -253,10 +253,11 @@ def decode_attention(qk: mx.array, keys: mx.array, values: mx.array, table: mx.a
     S, K = mask.shape[-1], keys.shape[1]
     bs = S // table.shape[1]
     G = num_heads // K
-    chunk = INVARIANT_CHUNK if invariant else 0
     if invariant:
+        chunk = INVARIANT_CHUNK
         per, warps, P = _lane_split(D, qk.dtype), INVARIANT_WARPS, -(-S // chunk)
     else:
+        chunk = 0
         per, warps, P = launch(B, K, S, D, G, qk.dtype)
     template = [("T", qk.dtype), ("D", D), ("G", G), ("PER", per), ("NW", warps), ("BS", bs)]
     inputs, names = [qk, keys, values, table, mask], ["qk", "keys", "values", "table", "mask"]

@@ -144,8 +144,7 @@ def invariant_fits(x: mx.array, w: mx.array) -> bool:
 
 def fits(x: mx.array, w: mx.array) -> bool:
     """x (M, IN), w (OUT, IN): 2 to MAX_ROWS rows, bf16 or fp16 on both, inputs in whole blocks of 32."""
-    return (ENABLED and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and w.dtype == x.dtype
-            and x.shape[-1] % 32 == 0)
+    return ENABLED and MIN_ROWS <= x.shape[0] <= MAX_ROWS and invariant_fits(x, w)
 
 
 class Launch(NamedTuple):

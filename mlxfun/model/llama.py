@@ -84,12 +84,12 @@ def dequantize(q: Quantized, in_features: int) -> mx.array:
 def linear(p: Linear, x: mx.array, fast: bool = False, invariant: bool = False) -> mx.array:
     """x (..., in) -> (..., out). `fast`: on CUDA, 4-bit weights and at most `qmv.MAX_ROWS` rows
     run mlxfun's 4-bit product, and dense weights at 2 to `dmv.MAX_ROWS` rows its few-row product
-    where enabled (`dmv`); they have no gradient. `invariant` (with `fast`;
-    `ModelConfig.batch_invariant`): on CUDA, bf16 and fp16 products at every row count run `dmv`,
-    whose sums do not depend on the rows (quantized maps dequantized for it, one map at a time)."""
+    where enabled (`dmv`); they have no gradient. `invariant` (`ModelConfig.batch_invariant`): on
+    CUDA, bf16 and fp16 products at every row count run `dmv`, whose sums do not depend on the rows
+    (quantized maps dequantized for it, one map at a time); no gradient either."""
     # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
     rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
-    if invariant and fast and kernels.available(x.dtype) and x.dtype != mx.float32:
+    if invariant and kernels.available(x.dtype) and x.dtype != mx.float32:
         y = _invariant_product(p, rows)
     elif isinstance(p, Quantized):
         group_size, bits = quant_shape(p, x.shape[-1])
@@ -561,8 +561,7 @@ def step_attention_kernel(config: ModelConfig, params: Params) -> bool:
 
 def logits(config: ModelConfig, params: Params, h: mx.array, fast: bool = False) -> mx.array:
     """h (..., E) -> logits (..., V), soft-capped where the model caps them (Gemma 2)."""
-    out = linear(params.embed if params.lm_head is None else params.lm_head, h, fast or config.batch_invariant,
-                 config.batch_invariant)
+    out = linear(params.embed if params.lm_head is None else params.lm_head, h, fast, config.batch_invariant)
     cap = config.final_softcap
     return out if cap is None else mx.tanh(out / cap) * cap
 
