@@ -5,8 +5,12 @@ for bit with the same row inside batches of 2-257 rows, two ways:
 - plain: `x @ w.T` (or `mx.quantized_matmul`) at the batch's own row count, as the engine runs today;
 - fixed: every product at one row count (`--fixed`, default 128): rows padded up to it, or cut in
   slices of it, so the library picks one kernel and one reduction order whatever the batch.
+For 4- and 8-bit (`q4`, `q8`) also:
+- mlxfun: `qmv.mma`, mlxfun's tensor-core quantized product at any row count (issue 53), whose sums
+  have one order whatever the rows;
+- dequantized: `x @ dequantize(w).T`, the dense copy of one map made for the product (prompts);
 - dmv (bf16, fp16): mlxfun's dense product at the batch's own row count (batch_invariant's).
-Then each way's time per product at 1-256 rows, for the cost.
+Then each way's time per product at 1-512 rows, for the cost.
 
 Run: python benchmarks/invariance.py [--fixed 128] [--json PATH]
 """
@@ -20,19 +24,19 @@ import time
 
 import mlx.core as mx
 
-from mlxfun.kernels import dmv
+from mlxfun.kernels import dmv, qmv
 
 SHAPES = {"SmolLM2 MLP in (1536 x 576)": (1536, 576), "1B attention (2048 x 2048)": (2048, 2048),
           "1B MLP out (2048 x 8192)": (2048, 8192), "8B MLP in (14336 x 4096)": (14336, 4096)}
 BATCHES = (2, 3, 8, 9, 16, 31, 32, 33, 64, 127, 128, 129, 256, 257)
-TIMED = (1, 8, 32, 128, 256)
+TIMED = (1, 8, 32, 128, 256, 512)
 
 
 def product(kind: str, w):
     """y = x @ w.T for a dense (N, K) weight or an affine 4-bit one."""
-    if kind == "q4":
+    if kind in ("q4", "q8"):
         wq, scales, biases = w
-        return lambda x: mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=4)
+        return lambda x: mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=int(kind[1]))
     return lambda x: x @ w.T
 
 
@@ -50,8 +54,8 @@ def fixed(f, m: int):
 def weights(kind: str, n: int, k: int, key):
     dtype = mx.float16 if kind == "float16" else mx.bfloat16
     w = (mx.random.normal((n, k), key=key) * k ** -0.5).astype(dtype)
-    if kind == "q4":
-        return mx.quantize(w, group_size=64, bits=4), dtype
+    if kind in ("q4", "q8"):
+        return mx.quantize(w, group_size=64, bits=int(kind[1])), dtype
     return w, dtype
 
 
@@ -91,11 +95,15 @@ def main(argv=None) -> int:
         for name, (n, k) in SHAPES.items():
             key, kw, kx = mx.random.split(key, 3)
             w, dtype = weights(kind, n, k, kw)
-            x = mx.random.normal((max(BATCHES), k), key=kx).astype(dtype)
+            x = mx.random.normal((max(*BATCHES, *TIMED), k), key=kx).astype(dtype)
             plain = product(kind, w)
             ways = {"plain": plain, f"fixed {args.fixed}": fixed(plain, args.fixed)}
-            if kind != "q4":
+            if kind not in ("q4", "q8"):
                 ways["dmv"] = lambda x, w=w: dmv.product(x, w)
+            if kind in ("q4", "q8"):
+                bits = int(kind[1])
+                ways["mlxfun"] = lambda x, w=w, b=bits: qmv.mma(x, *w, 64, bits=b)
+                ways["dequantized"] = lambda x, w=w, b=bits: x @ mx.dequantize(*w, group_size=64, bits=b).T
             for way, f in ways.items():
                 row = dict(kind=kind, shape=name, way=way, differing_rows=invariance(f, x), us=timing(f, x))
                 rows.append(row)

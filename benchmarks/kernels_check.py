@@ -2,8 +2,8 @@
 
 decode_attention (reading a shuffled paged pool through its block table) vs `llama.grouped_attention`
 over the gathered keys in exact float32 (on the CPU) on the same rounded inputs, under masks with
-left padding, holes (ring slots) and a single visible key; qmv against
-a float32 product with the dequantized weights, and dmv (the few-row dense product, whatever
+left padding, holes (ring slots) and a single visible key; qmv against a float32 product with
+the dequantized weights (1 to 4096 rows on tensor cores), and dmv (the few-row dense product, whatever
 $MLXFUN_DENSE_KERNEL says) against a float32 product (relative to the largest output).
 Run: python benchmarks/kernels_check.py [--json PATH]
 """
@@ -53,23 +53,24 @@ def attention_case(B: int, H: int, K: int, D: int, S: int, dtype: mx.Dtype, seed
     return out
 
 
-def qmv_case(M: int, OUT: int, IN: int, group_size: int, per_warp: int | None, dtype: mx.Dtype) -> dict:
+def qmv_case(M: int, OUT: int, IN: int, group_size: int, per_warp: int | None, dtype: mx.Dtype,
+             bits: int = 4) -> dict:
     """per_warp None: the tensor-core product (`qmv.mma`)."""
     mx.random.seed(M * OUT + IN)
     w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(dtype)
-    q = mx.quantize(w, group_size=group_size, bits=4)
+    q = mx.quantize(w, group_size=group_size, bits=bits)
     x = mx.random.normal((M, IN)).astype(dtype)
     if per_warp is None:
-        got = qmv.mma(x, *q, group_size).astype(mx.float32)
+        got = qmv.mma(x, *q, group_size, bits=bits).astype(mx.float32)
     else:
         got = qmv.simt(x, *q, group_size, per_warp).astype(mx.float32)
     with mx.stream(mx.cpu):
-        f32 = mx.dequantize(*q, group_size=group_size, bits=4).astype(mx.float32)
+        f32 = mx.dequantize(*q, group_size=group_size, bits=bits).astype(mx.float32)
         want = x.astype(mx.float32) @ f32.T
         err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
     tol = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]
-    out = dict(kernel="qmv", M=M, OUT=OUT, IN=IN, group_size=group_size, per_warp=per_warp, dtype=str(dtype),
-               rel_err=err, ok=err < tol)
+    out = dict(kernel="qmv", M=M, OUT=OUT, IN=IN, group_size=group_size, bits=bits, per_warp=per_warp,
+               dtype=str(dtype), rel_err=err, ok=err < tol)
     print(json.dumps(out), flush=True)
     return out
 
@@ -158,8 +159,14 @@ def main(argv=None) -> int:
             if args.only in (None, "qmv"):
                 results.append(qmv_case(M, OUT, IN, gs, R, dtype))
         if dtype != mx.float32 and args.only in (None, "qmv"):  # tensor cores: bf16 and fp16 inputs
-            for M, OUT, IN, gs in ((1, 6144, 4096, 64), (8, 4096, 14336, 64), (3, 1000, 576, 32), (5, 40, 2048, 128)):
+            for M, OUT, IN, gs in ((1, 6144, 4096, 64), (8, 4096, 14336, 64), (3, 1000, 576, 32), (5, 40, 2048, 128),
+                                   (9, 2048, 2048, 64), (33, 14336, 4096, 64), (127, 4096, 14336, 128),
+                                   (128, 1536, 576, 32), (200, 2048, 8192, 64), (256, 6144, 4096, 64),
+                                   (1000, 576, 1536, 32), (4096, 4096, 4096, 64)):
                 results.append(qmv_case(M, OUT, IN, gs, None, dtype))
+            for M, OUT, IN, gs in ((1, 6144, 4096, 64), (7, 40, 2048, 128), (33, 4096, 14336, 32),
+                                   (300, 2048, 8192, 64)):
+                results.append(qmv_case(M, OUT, IN, gs, None, dtype, bits=8))
         if dtype != mx.float32 and args.only in (None, "dmv"):
             for M, OUT, IN, launch in ((5, 6144, 4096, None), (8, 28672, 4096, dmv.Launch(2, 4)),
                                        (2, 4096, 14336, dmv.Launch(16, 1)), (3, 1001, 576, dmv.Launch(1, 1)),

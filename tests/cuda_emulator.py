@@ -84,9 +84,10 @@ template <typename F> void launch(F f, dim3 grid, int threads) {
 QMV_HEADER = r"""
 struct Pair { float lo, hi; };
 template <typename T> Pair qmv_pack(T lo, T hi) { return {lo, hi}; }
-template <typename T> Pair qmv_dequant(uint32_t word, int p, Pair scale, Pair bias) {
-    return {float((word >> (4 * p)) & 15u) * scale.lo + bias.lo,
-            float((word >> (4 * p + 16)) & 15u) * scale.hi + bias.hi};
+template <typename T, int BITS> Pair qmv_dequant(uint32_t word, int p, Pair scale, Pair bias) {
+    const uint32_t mask = (1u << BITS) - 1;
+    return {float((word >> (BITS * p)) & mask) * scale.lo + bias.lo,
+            float((word >> (BITS * p + 16)) & mask) * scale.hi + bias.hi};
 }
 Pair mma_a[1024][4], mma_b[1024][2];
 inline float half_of(Pair p, int h) { return h ? p.hi : p.lo; }

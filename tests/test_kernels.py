@@ -170,23 +170,42 @@ def test_emulator_catches_a_wrong_part_index():
     assert not np.allclose(got, want, atol=1e-3)  # (here NaN: row 0's only key is never read)
 
 
-def quantized_case(M: int, OUT: int, IN: int, group_size: int, seed: int):
-    """x (M, IN), the 4-bit (w, scales, biases) of a random (OUT, IN) weight as NumPy inputs, and
-    x @ dequantize(w)^T in float64."""
+def quantized_case(M: int, OUT: int, IN: int, group_size: int, seed: int, bits: int = 4):
+    """x (M, IN), the quantized (w, scales, biases) of a random (OUT, IN) weight as NumPy inputs,
+    and x @ dequantize(w)^T in float64."""
     rng = np.random.default_rng(seed)
     w = mx.array(rng.standard_normal((OUT, IN)).astype(np.float32) * IN**-0.5)
-    q, scales, biases = mx.quantize(w, group_size=group_size, bits=4)
+    q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
     x = rng.standard_normal((M, IN)).astype(np.float32)
-    deq = np.array(mx.dequantize(q, scales, biases, group_size=group_size, bits=4)).astype(np.float64)
+    deq = np.array(mx.dequantize(q, scales, biases, group_size=group_size, bits=bits)).astype(np.float64)
     return dict(x=x, w=np.array(q), scales=np.array(scales), biases=np.array(biases)), x.astype(np.float64) @ deq.T
 
 
 def test_qmv_layout_limits():
     assert qmv.fits(1, 4096, 64, 4)
     assert qmv.fits(qmv.MAX_ROWS, 576, 32, 4)
-    assert not qmv.fits(qmv.MAX_ROWS + 1, 4096, 64, 4)  # more rows: a dense copy wins
-    assert not qmv.fits(1, 4096, 64, 8)  # 4 bits only
+    assert not qmv.fits(qmv.MAX_ROWS + 1, 4096, 64, 4)  # more rows: a dense product of the one map
+    assert qmv.fits(qmv.SIMT_ROWS, 4096, 64, 4, mx.float32)
+    assert not qmv.fits(qmv.SIMT_ROWS + 1, 4096, 64, 4, mx.float32)  # float32: CUDA cores, few rows
+    assert qmv.fits(qmv.MAX_ROWS, 4096, 64, 8)  # 8 bits on tensor cores
+    assert not qmv.fits(1, 4096, 64, 8, mx.float32)  # 4 bits only on CUDA cores
+    assert not qmv.fits(1, 4096, 64, 3)
     assert not qmv.fits(1, 4112, 16, 4)  # a 32-value chunk would span groups
+
+
+def test_qmv_warps_fit_a_block_registers():
+    """16 warps up to 4 tiles, 8 at 8 tiles (ptxas: 148 registers a thread there; 16 warps of it
+    need 75,776 of a block's 65,536 and failed to launch)."""
+    assert [qmv.warps_for(n) for n in (1, 2, 4, 8)] == [16, 16, 16, 8]
+    assert all(qmv.warps_for(qmv.tiles(m)) * 32 * 148 <= 65536 for m in (33, 64, 256))
+
+
+def test_qmv_tiles_and_grid():
+    """Blocks take 8, 16, 32 or 64 rows (a power of two of tiles, few kernel variants); more
+    rows take more blocks along y."""
+    assert [qmv.tiles(m) for m in (1, 8, 9, 16, 17, 33, 64, 65, 129, 256)] == [1, 1, 2, 2, 4, 8, 8, 8, 8, 8]
+    assert qmv.mma_grid(40, 1, 4) == ((3 * 128, 1, 1), 128)
+    assert qmv.mma_grid(40, 129, 4) == ((3 * 128, 3, 1), 128)
 
 
 @pytest.mark.parametrize("M,OUT,IN,group_size,per_warp", [(1, 70, 256, 64, 4), (3, 33, 576, 32, 2),
@@ -201,20 +220,52 @@ def test_emulated_qmv_matches_reference(M, OUT, IN, group_size, per_warp):
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def emulated_qmv_mma(inputs: dict, group_size: int, warps: int, in_flight: int, bits: int = 4) -> np.ndarray:
+    M, OUT = inputs["x"].shape[0], inputs["w"].shape[0]
+    grid, block = qmv.mma_grid(OUT, M, warps)  # as qmv.mma launches it
+    template = [("T", 0), ("GS", group_size), ("BITS", bits), ("N", qmv.tiles(M)), ("KW", warps), ("U", in_flight)]
+    return run(qmv._MMA, inputs, {"y": (M, OUT)}, template, grid, block, header=QMV_HEADER)[0]
+
+
 @pytest.mark.parametrize("M,OUT,IN,group_size,warps,in_flight", [(1, 40, 256, 64, 8, 4), (3, 16, 1152, 32, 8, 2),
                                                                  (8, 37, 576, 64, 4, 4), (5, 24, 4096, 128, 8, 4),
                                                                  (2, 17, 2048, 64, 4, 1),
-                                                                 (2, 17, 4096, 64, qmv.MMA_WARPS, qmv.MMA_IN_FLIGHT)])
+                                                                 (2, 17, 4096, 64, qmv.MMA_WARPS, qmv.MMA_IN_FLIGHT),
+                                                                 (13, 20, 256, 32, 2, 2), (37, 17, 384, 64, 2, 1),
+                                                                 (140, 9, 256, 128, 2, 1)])
 def test_emulated_qmv_mma_matches_reference(M, OUT, IN, group_size, warps, in_flight):
     """The tensor-core product through PTX's fragment layouts: every nibble pair, features past
     OUT (not a multiple of 16), rows past M, inputs not a multiple of 128 (576, 1152) and a
-    block's warps sharing the inputs (4096 = 32 blocks of 128: one round of 8 warps x 4), and the
-    launch `qmv.mma` uses by default."""
+    block's warps sharing the inputs (4096 = 32 blocks of 128: one round of 8 warps x 4), the
+    launch `qmv.mma` uses by default, and several tiles of 8 rows per block (13: 2, 37: 8 with
+    rows past M in the last tiles; 140: 16 tiles and a second block row)."""
     inputs, want = quantized_case(M, OUT, IN, group_size, seed=M * OUT + IN)
-    grid, block = qmv.mma_grid(OUT, warps)  # as qmv.mma launches it
-    template = [("T", 0), ("GS", group_size), ("M", M), ("KW", warps), ("U", in_flight)]
-    (got,) = run(qmv._MMA, inputs, {"y": (M, OUT)}, template, (grid, 1, 1), block, header=QMV_HEADER)
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(emulated_qmv_mma(inputs, group_size, warps, in_flight), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("M,OUT,IN,group_size,warps,in_flight", [(1, 40, 256, 64, 8, 4), (3, 16, 1152, 32, 8, 2),
+                                                                 (13, 20, 576, 64, 2, 2), (37, 17, 384, 128, 2, 1)])
+def test_emulated_qmv_mma_8bit_matches_reference(M, OUT, IN, group_size, warps, in_flight):
+    """8-bit weights: every byte pair of a word, two uint4 per feature and 128 inputs, tiles of rows."""
+    inputs, want = quantized_case(M, OUT, IN, group_size, seed=M * OUT + IN + 8, bits=8)
+    np.testing.assert_allclose(emulated_qmv_mma(inputs, group_size, warps, in_flight, bits=8), want, atol=1e-5)
+
+
+def test_emulated_qmv_mma_row_is_the_same_bits_in_any_batch():
+    """At one launch (warps, in flight) a row's outputs alone and inside batches of 2-140 rows, at
+    any place in them, are the same bits: the order of every sum is fixed by IN and the launch,
+    not by the rows (a test of the kernel's structure: warps per block following the tiles, as
+    `qmv.warps_for` picks them for registers, fail it)."""
+    inputs, _ = quantized_case(140, 17, 512, 64, seed=7)
+    x = inputs["x"]
+    alone = np.concatenate([emulated_qmv_mma({**inputs, "x": x[i:i + 1]}, 64, 4, 2) for i in (0, 9, 77, 139)])
+    for M in (2, 9, 40, 140):
+        places = {0: 0, M - 1: 3, **({M // 2: 2} if M > 2 else {})}  # place in the batch -> row of `alone`
+        batch = x[:M].copy()
+        batch[list(places)] = x[[(0, 9, 77, 139)[i] for i in places.values()]]
+        got = emulated_qmv_mma({**inputs, "x": batch}, 64, 4, 2)
+        for place, i in places.items():
+            assert np.array_equal(got[place], alone[i]), (M, place)
 
 
 @pytest.mark.parametrize("M,OUT,IN,launch", [(2, 70, 256, dmv.Launch(4, 2)), (5, 33, 576, dmv.Launch(2, 1)),
@@ -352,8 +403,8 @@ def test_kernels_run_in_steps_only(monkeypatch):
         return lambda *a: calls.append(name) or real(*a)
 
     monkeypatch.setattr(kernels, "available", lambda x: True)
-    monkeypatch.setattr(qmv, "product", stand_in("qmv", lambda x, w, s, b, gs: mx.quantized_matmul(
-        x, w, s, b, group_size=gs, bits=4)))
+    monkeypatch.setattr(qmv, "product", stand_in("qmv", lambda x, w, s, b, gs, bits: mx.quantized_matmul(
+        x, w, s, b, group_size=gs, bits=bits)))
     monkeypatch.setattr(kernels, "decode_attention", stand_in("attention", lambda qk, k, v, t, m, h, cap, inv: (
         llama.grouped_attention(qk[:, :h], kv.gather(k, t, m.shape[-1] // t.shape[1]),
                                 kv.gather(v, t, m.shape[-1] // t.shape[1]), m, k.shape[-1]**-0.5, cap)

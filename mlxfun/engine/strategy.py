@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlxfun.kernels import blas, qmv
 from mlxfun.model import weights
 from mlxfun.model.config import ModelConfig
-from mlxfun.model.llama import Params, Quantized
+from mlxfun.model.llama import Params, Quantized, quant_shape
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,10 @@ class WeightStrategy:
     memory_fraction: float = 0.75  # the copy plus memory in use must fit in this share of the device's
     prompt_dense_from: int | None = None  # prompt tokens per prefill chunk from which prefill runs a dense copy
     prompt_dense_min_weights: int = 1 << 22  # ... for models whose MLP maps (E x I) have at least this many weights
+    # Models whose quantized maps all have these bits (and a layout `qmv` takes) never run a whole
+    # dense copy: mlxfun's product takes every batch, and prompts dequantize one map at a time
+    # (`llama.linear`). Empty: the thresholds above decide for every model.
+    kernel_bits: tuple[int, ...] = ()
 
 
 # Measured (7fbc90b:benchmarks/README.md). On an H200 (MLX 0.32.4, CUDA) MLX's 4-bit kernels run slower
@@ -47,7 +51,9 @@ class WeightStrategy:
 # On the CPU with MLX's bundled reference BLAS a float32 matmul costs about what
 # a 4-bit one does per row (0.62 vs 0.71 ms at M=1, 19.6 vs 21.0 at M=32 for 1536x576), so the copy
 # (0.8 s and 540 MB for SmolLM2) buys little there: the CPU keeps the quantized kernels.
-GPU = WeightStrategy(dense_from=qmv.MAX_ROWS + 1, prompt_dense_from=512)
+# mlxfun's product takes decode batches up to `qmv.MAX_ROWS` rows of bf16 / fp16 on tensor cores
+# (the weights dequantized in registers), so 4- and 8-bit models keep their quantized weights.
+GPU = WeightStrategy(dense_from=qmv.SIMT_ROWS + 1, prompt_dense_from=512, kernel_bits=(4, 8))
 CPU = WeightStrategy(dense_from=None)
 # With a system BLAS (mlxfun.kernels.blas) float32 products run 2.6x faster at one row and 10-20x from 8,
 # while the 4-bit kernels stay as they were: the copy wins at every batch size.
@@ -63,6 +69,21 @@ def default_strategy() -> WeightStrategy:
 
 def quantized(params: Params) -> bool:
     return isinstance(params.layers[0].qkv, Quantized)
+
+
+def kernel_serves(config: ModelConfig, params: Params, strategy: WeightStrategy) -> bool:
+    """Whether the strategy's quantized kernels take every quantized map of the layers (experts
+    aside) at any batch, with no dense copy. (An embedding or head of other bits runs MLX's product.)"""
+    if not strategy.kernel_bits:
+        return False
+    E, I, HD = config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim
+    for layer in params.layers:
+        for p, in_features in ((layer.qkv, E), (layer.o, HD), (layer.gate_up, E), (layer.down, I)):
+            if isinstance(p, Quantized):
+                group_size, bits = quant_shape(p, in_features)
+                if bits not in strategy.kernel_bits or not qmv.fits(1, in_features, group_size, bits):
+                    return False
+    return True
 
 
 def dense_bytes(config: ModelConfig, params: Params) -> int:
@@ -119,7 +140,8 @@ def dense_fits(config: ModelConfig, params: Params, strategy: WeightStrategy) ->
 
 
 def use_dense(config: ModelConfig, params: Params, batch: int, strategy: WeightStrategy) -> bool:
-    if strategy.dense_from is None or batch < strategy.dense_from or not quantized(params):
+    if strategy.dense_from is None or batch < strategy.dense_from or not quantized(params) or \
+            kernel_serves(config, params, strategy):
         return False
     return dense_fits(config, params, strategy)
 
@@ -146,7 +168,7 @@ def params_for_prompts(config: ModelConfig, params: Params, lengths: list[int], 
     width = max(config.intermediate_size, config.moe_intermediate_size)
     if strategy.prompt_dense_from is None or tokens < strategy.prompt_dense_from or not quantized(params) or \
             config.hidden_size * width < strategy.prompt_dense_min_weights or \
-            not dense_fits(config, params, strategy):
+            kernel_serves(config, params, strategy) or not dense_fits(config, params, strategy):
         return params
     return dense_copy(config, params)
 

@@ -105,13 +105,17 @@ _SIMT = compact(r"""
     }
 """)
 
-MAX_ROWS = 8
+SIMT_ROWS = 8  # float32 x: every row's accumulators in registers
+MAX_ROWS = 256  # bf16 / fp16 x (tensor cores): more rows multiply a dense copy of the one map (`llama.linear`)
 
 
-def fits(rows: int, in_features: int, group_size: int, bits: int) -> bool:
-    """The 4-bit product's layout: at most MAX_ROWS rows of x (each weight is unpacked once
-    for all of them), inputs in whole 32-value chunks, a chunk inside one group."""
-    return bits == 4 and rows <= MAX_ROWS and in_features % 32 == 0 and group_size % 32 == 0
+def fits(rows: int, in_features: int, group_size: int, bits: int, dtype: mx.Dtype = mx.bfloat16) -> bool:
+    """The product's layout: 4-bit weights and at most SIMT_ROWS rows of float32 x, or 4- or 8-bit
+    weights and at most MAX_ROWS rows of bf16 / fp16 x (each weight is unpacked once for all of
+    them); inputs in whole 32-value chunks, a chunk inside one group."""
+    if dtype == mx.float32:
+        return bits == 4 and rows <= SIMT_ROWS and in_features % 32 == 0 and group_size % 32 == 0
+    return bits in (4, 8) and rows <= MAX_ROWS and in_features % 32 == 0 and group_size % 32 == 0
 
 
 FEATURES_PER_WARP = 4
@@ -124,12 +128,13 @@ def simt_grid(out_features: int, per_warp: int) -> tuple[int, int]:
     return threads * -(-out_features // (per_warp * SIMT_WARPS)), threads
 
 
-def product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
-    """x (M, IN) @ dequantize(w, scales, biases)^T (4 bits) -> (M, OUT); needs `fits`.
-    bf16 and fp16 run on tensor cores, float32 on CUDA cores."""
+def product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+            bits: int = 4) -> mx.array:
+    """x (M, IN) @ dequantize(w, scales, biases)^T -> (M, OUT); needs `fits`.
+    bf16 and fp16 run on tensor cores, float32 on CUDA cores (4-bit)."""
     if x.dtype == mx.float32:
         return simt(x, w, scales, biases, group_size)
-    return mma(x, w, scales, biases, group_size)
+    return mma(x, w, scales, biases, group_size, bits=bits)
 
 
 def simt(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
@@ -162,11 +167,18 @@ template <typename T> __device__ inline Pair qmv_pack(T lo, T hi) {
     typename QmvOps<T>::T2 v{lo, hi};
     return *reinterpret_cast<Pair*>(&v);
 }
-// Nibbles p and p + 4 of `word`, dequantized: q * scale + bias, rounded once to T (as mx.dequantize).
-template <typename T> __device__ inline Pair qmv_dequant(uint32_t word, int p, Pair scale, Pair bias) {
+// Values p and p + 32 / BITS / 2 of `word` (4-bit: nibbles p, p + 4; 8-bit: bytes p, p + 2),
+// dequantized: q * scale + bias, rounded once to T (as mx.dequantize).
+template <typename T, int BITS> __device__ inline Pair qmv_dequant(uint32_t word, int p, Pair scale, Pair bias) {
     using T2 = typename QmvOps<T>::T2;
-    Pair bits = ((word >> (4 * p)) & 0x000F000Fu) | QmvOps<T>::MAGIC, magic = QmvOps<T>::MAGIC;
-    T2 q = __hsub2(*reinterpret_cast<T2*>(&bits), *reinterpret_cast<T2*>(&magic));  // exact
+    T2 q;
+    if constexpr (BITS == 4) {
+        Pair bits = ((word >> (4 * p)) & 0x000F000Fu) | QmvOps<T>::MAGIC, magic = QmvOps<T>::MAGIC;
+        q = __hsub2(*reinterpret_cast<T2*>(&bits), *reinterpret_cast<T2*>(&magic));  // exact
+    } else {  // a byte is exact in fp16 and bf16 alike (8 significant bits)
+        q = T2{static_cast<T>(static_cast<float>((word >> (8 * p)) & 0xFFu)),
+               static_cast<T>(static_cast<float>((word >> (8 * p + 16)) & 0xFFu))};
+    }
     T2 w = __hfma2(q, *reinterpret_cast<T2*>(&scale), *reinterpret_cast<T2*>(&bias));
     return *reinterpret_cast<Pair*>(&w);
 }
@@ -187,37 +199,47 @@ template <> __device__ inline void qmv_mma<__half>(float* c, const Pair* a, cons
 """)
 
 _MMA = compact(r"""
-    // y (M, OUT) = x (M, IN) W^T, W 4-bit. A block computes 16 output features for all M <= 8 rows
-    // with tensor cores: mma m16n8k16, A = 16 features x 16 inputs of W dequantized in registers,
-    // B = 16 inputs x 8 rows of x. A dot product may take its inputs in any order, so each lane's
-    // A slots are filled from the nibbles of the 32-bit words it loads itself, and its B slots with
-    // the x values of those same inputs: lane (g, t) = (lane / 4, lane % 4) takes features g and
-    // g + 8 and, of each 128 inputs, the 32 at 32 t (one uint4 of W per feature, one group).
-    // The KW warps of a block take every KW-th 128 inputs, U of them in flight, each U with its
-    // own accumulators (consecutive mma on one accumulator wait for each other); shared memory
-    // sums the warps' partials.
-    const int IN = x_shape[1], OUT = w_shape[0], groups = IN / GS, blocks = (IN + 127) / 128;
+    // y (M, OUT) = x (M, IN) W^T, W 4- or 8-bit (BITS), on tensor cores: mma m16n8k16, A = 16
+    // features x 16 inputs of W dequantized in registers, B = 16 inputs x 8 rows of x. A block
+    // computes 16 output features for N tiles of 8 rows (block row blockIdx.y: rows 8 N y ...; rows
+    // past M read row M - 1, never stored), each dequantized A serving the N tiles. A dot product
+    // may take its inputs in any order, so each lane's A slots are filled from the 32-bit words it
+    // loads itself, and its B slots with the x values of those same inputs: lane (g, t) = (lane / 4,
+    // lane % 4) takes features g and g + 8 and, of each 128 inputs, the 32 at 32 t (BITS words of W
+    // per feature, one group). A word holds 32 / BITS inputs: 4-bit, nibbles (p, p + 4) and (p + 1,
+    // p + 5) feed one mma; 8-bit, bytes (0, 2) and (1, 3). The KW warps of a block take every KW-th
+    // 128 inputs, U of them in flight, each U with its own accumulators (consecutive mma on one
+    // accumulator wait for each other); shared memory sums the warps' partials, tile by tile. The
+    // order of every sum is fixed by IN, KW and U alone: at one KW and U, a row's outputs are the
+    // same bits whatever the other rows, their number (N, the grid) or the row's place among them.
+    constexpr int PER_WORD = 32 / BITS;  // inputs per 32-bit word
+    const int M = x_shape[0], IN = x_shape[1], OUT = w_shape[0], groups = IN / GS, blocks = (IN + 127) / 128;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int f0 = blockIdx.x * 16;
+    const int f0 = blockIdx.x * 16, row0 = blockIdx.y * 8 * N;
     const int64_t fa = min(f0 + g, OUT - 1), fb = min(f0 + g + 8, OUT - 1);  // past OUT: never stored
-    const uint4* wa = reinterpret_cast<const uint4*>(w + fa * (IN / 8));
-    const uint4* wb = reinterpret_cast<const uint4*>(w + fb * (IN / 8));
-    const T* xr = x + (int64_t)min(g, M - 1) * IN;  // columns past M: never stored
-    float c[U][4];
+    const uint4* wa = reinterpret_cast<const uint4*>(w + fa * (IN / PER_WORD));
+    const uint4* wb = reinterpret_cast<const uint4*>(w + fb * (IN / PER_WORD));
+    float c[U][N][4];
     #pragma unroll
-    for (int u = 0; u < U; ++u) c[u][0] = c[u][1] = c[u][2] = c[u][3] = 0.f;
+    for (int u = 0; u < U; ++u) {
+        #pragma unroll
+        for (int n = 0; n < N; ++n) c[u][n][0] = c[u][n][1] = c[u][n][2] = c[u][n][3] = 0.f;
+    }
     for (int b0 = warp; b0 < blocks; b0 += KW * U) {  // the same trip count on every lane of a warp
-        uint4 qa[U], qb[U];
-        AlignedVector<T, 8> xv[U][4];
+        uint4 qa[U][BITS / 4], qb[U][BITS / 4];
+        int ks[U];
         Pair sa[U], ba[U], sb[U], bb[U];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int k = (b0 + KW * u) * 128 + 32 * t;
+            ks[u] = -1;
             if (b0 + KW * u < blocks && k < IN) {
-                qa[u] = wa[k / 32];
-                qb[u] = wb[k / 32];
+                ks[u] = k;
                 #pragma unroll
-                for (int j = 0; j < 4; ++j) xv[u][j] = unsafe_load_vector<8>(xr + k, j);
+                for (int v = 0; v < BITS / 4; ++v) {
+                    qa[u][v] = wa[k / 32 * (BITS / 4) + v];
+                    qb[u][v] = wb[k / 32 * (BITS / 4) + v];
+                }
                 // Through float: scales may have another dtype than x (bf16 <-> fp16 has no implicit cast).
                 const int64_t ga = fa * groups + k / GS, gb = fb * groups + k / GS;
                 const T s0 = static_cast<T>(static_cast<float>(scales[ga]));
@@ -227,52 +249,69 @@ _MMA = compact(r"""
                 sa[u] = qmv_pack<T>(s0, s0); ba[u] = qmv_pack<T>(z0, z0);
                 sb[u] = qmv_pack<T>(s1, s1); bb[u] = qmv_pack<T>(z1, z1);
             } else {  // zero weights times zero inputs
-                qa[u] = qb[u] = uint4{0u, 0u, 0u, 0u};
-                const T zero = static_cast<T>(0.f);
                 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    #pragma unroll
-                    for (int i = 0; i < 8; ++i) xv[u][j][i] = zero;
-                }
+                for (int v = 0; v < BITS / 4; ++v) qa[u][v] = qb[u][v] = uint4{0u, 0u, 0u, 0u};
+                const T zero = static_cast<T>(0.f);
                 sa[u] = ba[u] = sb[u] = bb[u] = qmv_pack<T>(zero, zero);
             }
         }
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             #pragma unroll
-            for (int j = 0; j < 4; ++j) {  // word j: inputs 8 j .. 8 j + 7 of the lane's 32
-                const uint32_t word_a = j == 0 ? qa[u].x : j == 1 ? qa[u].y : j == 2 ? qa[u].z : qa[u].w;
-                const uint32_t word_b = j == 0 ? qb[u].x : j == 1 ? qb[u].y : j == 2 ? qb[u].z : qb[u].w;
+            for (int j = 0; j < BITS; ++j) {  // word j: inputs PER_WORD j ... of the lane's 32
+                const uint4 va = qa[u][j / 4], vb = qb[u][j / 4];
+                const uint32_t word_a = j % 4 == 0 ? va.x : j % 4 == 1 ? va.y : j % 4 == 2 ? va.z : va.w;
+                const uint32_t word_b = j % 4 == 0 ? vb.x : j % 4 == 1 ? vb.y : j % 4 == 2 ? vb.z : vb.w;
+                constexpr int H = PER_WORD / 2, PAIRS = PER_WORD / 4;  // PAIRS mma per word
+                Pair a[PAIRS][4];  // dequantized once for the N tiles (few registers: KW warps share a block)
                 #pragma unroll
-                for (int p = 0; p < 4; p += 2) {  // two mma: nibbles (p, p + 4) and (p + 1, p + 5)
-                    Pair a[4] = {qmv_dequant<T>(word_a, p, sa[u], ba[u]),
-                                 qmv_dequant<T>(word_b, p, sb[u], bb[u]),
-                                 qmv_dequant<T>(word_a, p + 1, sa[u], ba[u]),
-                                 qmv_dequant<T>(word_b, p + 1, sb[u], bb[u])};
-                    Pair b[2] = {qmv_pack<T>(xv[u][j][p], xv[u][j][p + 4]),
-                                 qmv_pack<T>(xv[u][j][p + 1], xv[u][j][p + 5])};
-                    qmv_mma<T>(c[u], a, b);
+                for (int q = 0; q < PAIRS; ++q) {  // values (2 q, 2 q + H) and (2 q + 1, 2 q + 1 + H)
+                    a[q][0] = qmv_dequant<T, BITS>(word_a, 2 * q, sa[u], ba[u]);
+                    a[q][1] = qmv_dequant<T, BITS>(word_b, 2 * q, sb[u], bb[u]);
+                    a[q][2] = qmv_dequant<T, BITS>(word_a, 2 * q + 1, sa[u], ba[u]);
+                    a[q][3] = qmv_dequant<T, BITS>(word_b, 2 * q + 1, sb[u], bb[u]);
+                }
+                #pragma unroll
+                for (int n = 0; n < N; ++n) {
+                    AlignedVector<T, PER_WORD> xv;
+                    if (ks[u] >= 0) {
+                        const T* xr = x + (int64_t)min(row0 + 8 * n + g, M - 1) * IN;  // past M: never stored
+                        xv = unsafe_load_vector<PER_WORD>(xr + ks[u], j);
+                    } else {
+                        #pragma unroll
+                        for (int i = 0; i < PER_WORD; ++i) xv[i] = static_cast<T>(0.f);
+                    }
+                    #pragma unroll
+                    for (int q = 0; q < PAIRS; ++q) {
+                        Pair b[2] = {qmv_pack<T>(xv[2 * q], xv[2 * q + H]),
+                                     qmv_pack<T>(xv[2 * q + 1], xv[2 * q + 1 + H])};
+                        qmv_mma<T>(c[u][n], a[q], b);
+                    }
                 }
             }
         }
     }
     __shared__ float partial[KW][32][4];
     #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float v = 0.f;
+    for (int n = 0; n < N; ++n) {
+        if (n) __syncthreads();  // warp 0 has read the tile before
         #pragma unroll
-        for (int u = 0; u < U; ++u) v += c[u][i];
-        partial[warp][lane][i] = v;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {  // c[i]: feature f0 + g (+ 8 for i >= 2), row 2 t + i % 2
+        for (int i = 0; i < 4; ++i) {
             float v = 0.f;
             #pragma unroll
-            for (int k = 0; k < KW; ++k) v += partial[k][lane][i];
-            const int f = f0 + g + 8 * (i >> 1), row = 2 * t + (i & 1);
-            if (f < OUT && row < M) y[(int64_t)row * OUT + f] = static_cast<T>(v);
+            for (int u = 0; u < U; ++u) v += c[u][n][i];
+            partial[warp][lane][i] = v;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {  // c[i]: feature f0 + g (+ 8 for i >= 2), row 8 n + 2 t + i % 2
+                float v = 0.f;
+                #pragma unroll
+                for (int k = 0; k < KW; ++k) v += partial[k][lane][i];
+                const int f = f0 + g + 8 * (i >> 1), row = row0 + 8 * n + 2 * t + (i & 1);
+                if (f < OUT && row < M) y[(int64_t)row * OUT + f] = static_cast<T>(v);
+            }
         }
     }
 """)
@@ -282,19 +321,41 @@ MMA_WARPS = 16  # KW: warps per block, sharing the inputs
 MMA_IN_FLIGHT = 1  # U: 128-input blocks a warp loads at once
 
 
-def mma_grid(out_features: int, warps: int = MMA_WARPS) -> tuple[int, int]:
-    """(threads in the grid, threads per block) of an `mma` launch: a block per 16 features."""
-    return 32 * warps * -(-out_features // 16), 32 * warps
+# Tiles of 8 rows a block takes: 64 rows share each dequantized weight.
+MAX_TILES = 8
+
+
+def tiles(rows: int) -> int:
+    """N, the tiles of 8 rows per block for `rows` rows: a power of two up to MAX_TILES (few kernel
+    variants: each is built on its first use)."""
+    need = -(-rows // 8)
+    return min(MAX_TILES, 1 << (need - 1).bit_length())
+
+
+def warps_for(tiles: int) -> int:
+    """Warps per block for N tiles: a block's registers are 64K. ptxas (sm_90, bf16): 59-90
+    registers a thread at 1-4 tiles, 140-148 at 8, so 16 warps (512 threads) up to 4 tiles, 8 from
+    there (16 warps of 148 registers failed to launch on an H100)."""
+    return MMA_WARPS if tiles <= 4 else MMA_WARPS // 2
+
+
+def mma_grid(out_features: int, rows: int, warps: int = MMA_WARPS) -> tuple[tuple[int, int, int], int]:
+    """(grid in threads, threads per block) of an `mma` launch: a block per 16 features and
+    8 `tiles(rows)` rows."""
+    return (32 * warps * -(-out_features // 16), -(-rows // (8 * tiles(rows))), 1), 32 * warps
 
 
 def mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-        warps: int = MMA_WARPS, in_flight: int = MMA_IN_FLIGHT) -> mx.array:
-    """`product` on tensor cores (bf16 or fp16 x); `warps` and `in_flight` as a benchmark varies them."""
+        warps: int | None = None, in_flight: int = MMA_IN_FLIGHT, bits: int = 4) -> mx.array:
+    """`product` on tensor cores (bf16 or fp16 x, 4- or 8-bit w); `warps` (default `warps_for`)
+    and `in_flight` as a benchmark varies them."""
     M, out = x.shape[0], w.shape[0]
+    warps = warps_for(tiles(M)) if warps is None else warps
     kernel = mx.fast.cuda_kernel(name="mlxfun_qmv4_mma", input_names=["x", "w", "scales", "biases"],
                                  output_names=["y"], source=_MMA, header=MMA_HEADER)
-    grid, block = mma_grid(out, warps)
+    grid, block = mma_grid(out, M, warps)
     return kernel(inputs=[x, w, scales, biases],
-                  template=[("T", x.dtype), ("GS", group_size), ("M", M), ("KW", warps), ("U", in_flight)],
-                  grid=(grid, 1, 1), threadgroup=(block, 1, 1),
+                  template=[("T", x.dtype), ("GS", group_size), ("BITS", bits), ("N", tiles(M)), ("KW", warps),
+                            ("U", in_flight)],
+                  grid=grid, threadgroup=(block, 1, 1),
                   output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]

@@ -82,19 +82,24 @@ def dequantize(q: Quantized, in_features: int) -> mx.array:
 
 
 def linear(p: Linear, x: mx.array, fast: bool = False, invariant: bool = False) -> mx.array:
-    """x (..., in) -> (..., out). `fast`: on CUDA, 4-bit weights and at most `qmv.MAX_ROWS` rows
-    run mlxfun's 4-bit product, and dense weights at 2 to `dmv.MAX_ROWS` rows its few-row product
-    where enabled (`dmv`); they have no gradient. `invariant` (`ModelConfig.batch_invariant`): on
-    CUDA, bf16 and fp16 products at every row count run `dmv`, whose sums do not depend on the rows
-    (quantized maps dequantized for it, one map at a time); no gradient either."""
+    """x (..., in) -> (..., out). On CUDA, quantized maps multiply more than `qmv.MAX_ROWS` rows
+    (prompts, scoring) by a dense copy of this one map, dropped after its product. `fast`: on CUDA,
+    quantized weights run mlxfun's product (`qmv.fits`: 4- and 8-bit, up to `qmv.MAX_ROWS` rows),
+    and dense weights at 2 to `dmv.MAX_ROWS` rows its few-row product where enabled (`dmv`); they
+    have no gradient. `invariant` (`ModelConfig.batch_invariant`): on CUDA, bf16 and fp16 products
+    at every row count run `dmv`, whose sums do not depend on the rows (quantized maps dequantized
+    for it, one map at a time); no gradient either."""
     # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
     rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
     if invariant and kernels.available(x.dtype) and x.dtype != mx.float32:
         y = _invariant_product(p, rows)
     elif isinstance(p, Quantized):
         group_size, bits = quant_shape(p, x.shape[-1])
-        if fast and kernels.available(x.dtype) and qmv.fits(rows.shape[0], x.shape[-1], group_size, bits):
-            y = qmv.product(rows, p.weight, p.scales, p.biases, group_size)
+        if fast and kernels.available(x.dtype) and qmv.fits(rows.shape[0], x.shape[-1], group_size, bits, x.dtype):
+            y = qmv.product(rows, p.weight, p.scales, p.biases, group_size, bits)
+        elif kernels.available(x.dtype) and rows.shape[0] > qmv.MAX_ROWS:
+            # MLX's 4-bit product costs about 1 us per row on an 8B map: a transient dense map is cheaper.
+            y = rows @ dequantize(p, x.shape[-1]).astype(x.dtype).T
         else:
             y = mx.quantized_matmul(rows, p.weight, p.scales, p.biases, transpose=True,
                                     group_size=group_size, bits=bits)
