@@ -4,11 +4,13 @@
 `serve_load.py`'s clients do), with generation lengths spread so that rows finish at different
 steps and admissions come a few requests at a time. The engine is the server's (fixed shapes,
 warmed up first). Each engine round is timed and reported by kind: rounds that admitted, the round
-after them, and the rest. Each `--runs` entry is KV_GB:SETTLE[:prewarm]: a KV pool of KV_GB (0:
+after them, and the rest. Each `--runs` entry is KV_GB:SETTLE[:prewarm][:keep]: a KV pool of KV_GB (0:
 the server's default, most of a GPU), when a pool write waits for the one queued before it
 (`Runner.settle`): `default` (a server's pool from 1 GB on, and always on the CPU), `never` (every
 write queued behind the one in flight) or `always`; and with `prewarm`, 1..rows prompts admitted
-once each before the loop (is a stall the first sight of a prefill shape?).
+once each before the loop (is a stall the first sight of a prefill shape?); with `keep`, CUDA's
+memory pool keeps the memory it frees (`alloc_probe.keep_freed`). Each of the slowest rounds is
+reported with the memory it queued, CUDA's pool's mapped memory and MLX's buffer cache then.
 
 Run: python benchmarks/closed_loop.py --shape 1B --rows 32 --runs 0:default,0:default:prewarm,0.5:default
 """
@@ -22,6 +24,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
+from alloc_probe import keep_freed, stats  # a sibling script: the CUDA pool's own figures
 
 from mlxfun.bench import models as bench
 from mlxfun.engine.core import Engine
@@ -30,7 +33,7 @@ from mlxfun.engine.warmup import warm_up
 
 
 def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: int | None, settle: str,
-                prewarm: bool = False, seed: int = 0) -> dict:
+                prewarm: bool = False, keep: bool = False, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     t = time.perf_counter()
     engine = Engine(model, rows, fixed_shapes=True, kv_memory=kv_memory)
@@ -38,6 +41,7 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
         engine.runner.settle_bytes = None if settle == "never" else 0
     warm = warm_up(engine)
     setup = time.perf_counter() - t
+    kept = keep and keep_freed(4 << 30)  # the CUDA pool keeps what it frees, 4 GB of it mapped ahead
 
     def submit() -> None:
         ids = rng.integers(1, model.config.vocab_size, prompt).tolist()
@@ -58,11 +62,18 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
         submit()
     sent, done, tokens, rounds = rows, 0, 0, []
     t0 = time.perf_counter()
+    held = mx.get_active_memory()
     while done < total:
         admissions = engine.stats.admissions
+        mx.reset_peak_memory()
         t = time.perf_counter()
         events = engine.step()
-        rounds.append((time.perf_counter() - t, engine.stats.admissions > admissions))
+        # Peak memory queued by the round above the memory held before it: a round that copies the
+        # pool (an extra reference to it) shows the copy here.
+        pool = stats()  # what CUDA's pool has mapped, beside MLX's view: pressure shows here
+        rounds.append((time.perf_counter() - t, engine.stats.admissions > admissions,
+                       (mx.get_peak_memory() - held) / 1e9, pool.reserved / 1e9 if pool else 0.0,
+                       mx.get_cache_memory() / 1e9))
         for e in events:
             tokens += e.token >= 0
             if e.finish_reason is not None:
@@ -72,16 +83,29 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
                     submit()
                     sent += 1
     seconds = time.perf_counter() - t0
-    admit = [r for r, a in rounds if a]
-    after = [rounds[i + 1][0] for i, (_, a) in enumerate(rounds[:-1]) if a]
-    plain = [r for i, (r, a) in enumerate(rounds) if not a and not (i and rounds[i - 1][1])]
+    admit = [r[0] for r in rounds if r[1]]
+    after = [rounds[i + 1][0] for i, r in enumerate(rounds[:-1]) if r[1]]
+    plain = [r[0] for i, r in enumerate(rounds) if not r[1] and not (i and rounds[i - 1][1])]
+    slowest = sorted(range(len(rounds)), key=lambda i: -rounds[i][0])[:8]
+
+    def kind(i: int) -> str:
+        return "admit" if rounds[i][1] else "after" if i and rounds[i - 1][1] else "plain"
+
     ms = lambda xs: round(1e3 * float(np.median(xs)), 2) if xs else None  # noqa: E731
     out = dict(kv_gb=round(engine.kv_memory / 1e9, 2), pool_blocks=engine.scheduler.max_blocks, settle=settle,
-               prewarm=prewarm,
+               prewarm=prewarm, keep=keep,
                tok_s=tokens / seconds, seconds=seconds, rounds=len(rounds), admissions=len(admit),
                admit_ms=ms(admit), after_admit_ms=ms(after), plain_ms=ms(plain),
                stall_s=sum(admit) + sum(after) - (len(admit) + len(after)) * (ms(plain) or 0) / 1e3,
-               slowest_ms=sorted((round(1e3 * r) for r, _ in rounds), reverse=True)[:8],
+               slowest_ms=[round(1e3 * rounds[i][0]) for i in slowest],
+               # each slow round: admitted?, GB queued above the held memory; and the most any round queued
+               slowest_kind=[kind(i) for i in slowest],
+               slowest_peak_gb=[round(rounds[i][2], 2) for i in slowest],
+               slowest_reserved_gb=[round(rounds[i][3], 2) for i in slowest],
+               slowest_cache_gb=[round(rounds[i][4], 2) for i in slowest],
+               max_peak_gb=round(max(r[2] for r in rounds), 2), held_gb=round(held / 1e9, 2),
+               reserved_gb=[round(min(r[3] for r in rounds), 2), round(max(r[3] for r in rounds), 2)],
+               cache_gb=[round(min(r[4] for r in rounds), 2), round(max(r[4] for r in rounds), 2)], kept=kept,
                setup_s=setup, warmup_s=warm.seconds if warm else None)
     return out
 
@@ -94,7 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--gen-tokens", type=int, default=128, help="mean generated tokens (spread over 0.5-1.5x)")
     p.add_argument("--runs", default="0:default,0:default:prewarm,0.5:default",
-                   help="KV_GB:SETTLE[:prewarm] per run, comma-separated (KV_GB 0: the server's default; "
+                   help="KV_GB:SETTLE[:prewarm][:keep] per run, comma-separated (KV_GB 0: the server's default; "
                         "prewarm: admit 1..rows prompts once each before the loop, so that every prefill shape "
                         "of the loop has been seen)")
     p.add_argument("--cache-limit", type=float, default=None,
@@ -109,7 +133,7 @@ def main(argv=None) -> int:
         gb, settle, *extra = run.split(":")
         try:
             r = closed_loop(model, args.rows, args.requests, args.prompt_tokens, args.gen_tokens,
-                            int(float(gb) * 1e9) or None, settle, prewarm=extra == ["prewarm"])
+                            int(float(gb) * 1e9) or None, settle, prewarm="prewarm" in extra, keep="keep" in extra)
         except RuntimeError as e:  # a device out of memory, say: the other runs still count
             r = dict(kv=gb, settle=settle, error=f"{type(e).__name__}: {e}")
         runs.append(r)

@@ -4,7 +4,9 @@
 #   bash benchmarks/gpu.sh SUITE [SUITE ...]
 # Suites (each writes JSON to $OUT, default /tmp/mlxfun-out):
 #   smoke        batched == alone in float32, the decode kernels on (benchmarks/smoke.py)
-#   kernels      the CUDA kernels against MLX references (benchmarks/kernels_check.py)
+#   kernels      the CUDA kernels against MLX references (benchmarks/kernels_check.py; $KERNELS_ONLY: one kernel)
+#   qmv-shapes   benchmarks/qmv_shapes.py: the quantized product's block shapes (N x F) per map and row count,
+#                against bf16 products
 #   invariance   benchmarks/invariance.py: a row's product alone vs inside batches of 2-257, plain and at one fixed
 #                row count (bf16, fp16, 4-bit), and each way's time
 #   invariant-e2e  benchmarks/invariant_e2e.py: batch_invariant off and on, a row's tokens and logprobs alone vs batched,
@@ -12,6 +14,8 @@
 #   invariant-cost mlxfun bench --batch-invariant: bf16 1B and 8B ($INVARIANT_SHAPES) at batch 1/8/32/128, the mode off and on
 #   static       mlxfun bench: 1B and 8B shapes, batch 1/8/32/128, bf16 and q4, mlx-lm beside if installed
 #   quant        mlxfun bench: 1B and 8B ($QUANT_SHAPES), batch 1/8/32/128, bf16 against 4- and 8-bit (peak memory too)
+#   quant-ab     the same, bf16 and q4, then q4 again with MLXFUN_QMV_FEATURES=1 (the product's blocks of one
+#                group of features: the block shapes before qmv.block_shape), $QUANT_BATCHES
 #   continuous   mlxfun bench --continuous 32: 256 mixed requests, static batches vs continuous (1B)
 #   prefix       mlxfun bench --prefix: 256 requests sharing a 2,000-token prefix, cache off vs on (1B)
 #   speculative  mlxfun bench --speculative --rule-only (1B target, 135M draft)
@@ -61,7 +65,9 @@ for suite in "$@"; do
   echo "=== $suite"
   case "$suite" in
     smoke) timeout 150 python3 benchmarks/smoke.py --json "$OUT/smoke.json" ;;
-    kernels) timeout 240 python3 benchmarks/kernels_check.py --json "$OUT/kernels.json" ;;
+    kernels) timeout ${KERNELS_TIMEOUT:-240} python3 benchmarks/kernels_check.py ${KERNELS_ONLY:+--only $KERNELS_ONLY} \
+      --json "$OUT/kernels.json" | grep -v '"ok": true' | tail -20 ;;
+    qmv-shapes) timeout ${SHAPES_TIMEOUT:-240} python3 benchmarks/qmv_shapes.py --json "$OUT/qmv-shapes.json" | tail -24 ;;
     invariant-e2e) timeout ${INVARIANT_TIMEOUT:-240} python3 benchmarks/invariant_e2e.py --models ${INVARIANT_MODELS:-bf16,fp16,q4} \
       --json "$OUT/invariant-e2e.json" ;;
     invariant-cost)  # issue 54: mlxfun bench with and without --batch-invariant
@@ -79,6 +85,13 @@ for suite in "$@"; do
       for shape in ${QUANT_SHAPES:-1B 8B}; do
         bench ${QUANT_TIMEOUT:-280} --shape $shape --batch-sizes ${QUANT_BATCHES:-1,8,32,128} --prompt-tokens 128 \
           --gen-tokens 128 --dtypes ${QUANT_DTYPES:-bfloat16,q4,q8} --json "$OUT/quant-$shape.json"
+      done ;;
+    quant-ab)
+      for shape in ${QUANT_SHAPES:-1B 8B}; do
+        bench ${QUANT_TIMEOUT:-200} --shape $shape --batch-sizes ${QUANT_BATCHES:-1,8,32,128} --prompt-tokens 128 \
+          --gen-tokens 128 --dtypes bfloat16,q4 --json "$OUT/quant-ab-$shape.json" | tail -12
+        MLXFUN_QMV_FEATURES=1 bench ${QUANT_TIMEOUT:-200} --shape $shape --batch-sizes ${QUANT_BATCHES:-1,8,32,128} \
+          --prompt-tokens 128 --gen-tokens 128 --dtypes q4 --json "$OUT/quant-ab-$shape-f1.json" | tail -6
       done ;;
     continuous) bench 300 --shape 1B --continuous 32 --prompts 256 --json "$OUT/continuous-1B.json" ;;
     prefix) bench 300 --shape 1B --prefix --prompts 256 --rows 256 --json "$OUT/prefix-1B.json" ;;

@@ -193,11 +193,21 @@ def test_qmv_layout_limits():
     assert not qmv.fits(1, 4112, 16, 4)  # a 32-value chunk would span groups
 
 
+# Registers a thread of the tensor-core product, from ptxas (sm_90, bf16, U = 1) by (bits, N, F).
+QMV_REGISTERS = {(4, 1, 1): 59, (4, 1, 2): 76, (4, 1, 4): 126, (4, 2, 1): 68, (4, 2, 2): 104, (4, 2, 4): 166,
+                 (4, 4, 1): 90, (4, 4, 2): 140, (4, 8, 1): 148, (8, 1, 1): 60, (8, 1, 2): 84, (8, 1, 4): 164,
+                 (8, 2, 1): 72, (8, 2, 2): 131, (8, 4, 1): 84, (8, 4, 2): 132, (8, 8, 1): 140}
+
+
 def test_qmv_warps_fit_a_block_registers():
-    """16 warps up to 4 tiles, 8 at 8 tiles (ptxas: 148 registers a thread there; 16 warps of it
-    need 75,776 of a block's 65,536 and failed to launch)."""
+    """Every block shape at its warps fits a block's 65,536 registers (16 warps of 148 registers
+    need 75,776 and failed to launch on an H100); the picked shapes never spill (8-bit at 2 x 4 does)."""
     assert [qmv.warps_for(n) for n in (1, 2, 4, 8)] == [16, 16, 16, 8]
-    assert all(qmv.warps_for(qmv.tiles(m)) * 32 * 148 <= 65536 for m in (33, 64, 256))
+    for (bits, n, f), registers in QMV_REGISTERS.items():
+        assert qmv.warps_for(n, f, bits) * 32 * registers <= 65536, (bits, n, f)
+    for bits in (4, 8):
+        for m in (1, 2, 3, 8, 9, 16, 17, 33, 64, 256, 4096):
+            assert qmv.block_shape(m, bits) in {k[1:] for k in QMV_REGISTERS if k[0] == bits}, (bits, m)
 
 
 def test_qmv_tiles_and_grid():
@@ -206,6 +216,11 @@ def test_qmv_tiles_and_grid():
     assert [qmv.tiles(m) for m in (1, 8, 9, 16, 17, 33, 64, 65, 129, 256)] == [1, 1, 2, 2, 4, 8, 8, 8, 8, 8]
     assert qmv.mma_grid(40, 1, 4) == ((3 * 128, 1, 1), 128)
     assert qmv.mma_grid(40, 129, 4) == ((3 * 128, 3, 1), 128)
+    # F groups of 16 features per block: fewer block columns; N tiles: the block rows
+    assert qmv.mma_grid(40, 129, 4, (2, 4)) == ((1 * 128, 9, 1), 128)
+    assert qmv.mma_grid(80, 8, 16, (1, 2)) == ((3 * 512, 1, 1), 512)
+    assert [qmv.block_shape(m) for m in (1, 2, 3, 8, 9, 16, 17, 256)] == [(1, 1)] * 2 + [(1, 2)] * 2 + [(2, 4)] * 4
+    assert [qmv.block_shape(m, 8) for m in (2, 8, 9, 256)] == [(1, 1), (1, 2), (2, 2), (2, 2)]
 
 
 @pytest.mark.parametrize("M,OUT,IN,group_size,per_warp", [(1, 70, 256, 64, 4), (3, 33, 576, 32, 2),
@@ -220,10 +235,12 @@ def test_emulated_qmv_matches_reference(M, OUT, IN, group_size, per_warp):
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def emulated_qmv_mma(inputs: dict, group_size: int, warps: int, in_flight: int, bits: int = 4) -> np.ndarray:
+def emulated_qmv_mma(inputs: dict, group_size: int, warps: int, in_flight: int, bits: int = 4,
+                     shape: tuple[int, int] | None = None) -> np.ndarray:
     M, OUT = inputs["x"].shape[0], inputs["w"].shape[0]
-    grid, block = qmv.mma_grid(OUT, M, warps)  # as qmv.mma launches it
-    template = [("T", 0), ("GS", group_size), ("BITS", bits), ("N", qmv.tiles(M)), ("KW", warps), ("U", in_flight)]
+    n, f = (qmv.tiles(M), 1) if shape is None else shape
+    grid, block = qmv.mma_grid(OUT, M, warps, (n, f))  # as qmv.mma launches it
+    template = [("T", 0), ("GS", group_size), ("BITS", bits), ("N", n), ("F", f), ("KW", warps), ("U", in_flight)]
     return run(qmv._MMA, inputs, {"y": (M, OUT)}, template, grid, block, header=QMV_HEADER)[0]
 
 
@@ -251,11 +268,23 @@ def test_emulated_qmv_mma_8bit_matches_reference(M, OUT, IN, group_size, warps, 
     np.testing.assert_allclose(emulated_qmv_mma(inputs, group_size, warps, in_flight, bits=8), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("M,OUT,IN,group_size,bits,shape", [(3, 40, 256, 64, 4, (1, 2)), (13, 70, 576, 32, 4, (2, 4)),
+                                                          (9, 33, 384, 64, 8, (2, 2)), (40, 20, 256, 128, 4, (4, 2)),
+                                                          (5, 17, 512, 64, 8, (1, 4))])
+def test_emulated_qmv_mma_feature_groups_match_reference(M, OUT, IN, group_size, bits, shape):
+    """F groups of 16 features per block sharing each x fragment: groups past OUT (40 of 2 x 16;
+    70 of 64-feature blocks: the second block's last three groups; 17 of 64), with row tiles
+    past M and the block shapes `block_shape` picks, 4- and 8-bit."""
+    inputs, want = quantized_case(M, OUT, IN, group_size, seed=M * OUT + IN + bits, bits=bits)
+    np.testing.assert_allclose(emulated_qmv_mma(inputs, group_size, 4, 1, bits=bits, shape=shape), want, atol=1e-5)
+
+
 def test_emulated_qmv_mma_row_is_the_same_bits_in_any_batch():
     """At one launch (warps, in flight) a row's outputs alone and inside batches of 2-140 rows, at
     any place in them, are the same bits: the order of every sum is fixed by IN and the launch,
-    not by the rows (a test of the kernel's structure: warps per block following the tiles, as
-    `qmv.warps_for` picks them for registers, fail it)."""
+    not by the rows, nor by the block shape `block_shape` picks for them (a test of the kernel's
+    structure: warps per block following the tiles, as `qmv.warps_for` picks them for registers,
+    fail it)."""
     inputs, _ = quantized_case(140, 17, 512, 64, seed=7)
     x = inputs["x"]
     alone = np.concatenate([emulated_qmv_mma({**inputs, "x": x[i:i + 1]}, 64, 4, 2) for i in (0, 9, 77, 139)])
@@ -263,7 +292,7 @@ def test_emulated_qmv_mma_row_is_the_same_bits_in_any_batch():
         places = {0: 0, M - 1: 3, **({M // 2: 2} if M > 2 else {})}  # place in the batch -> row of `alone`
         batch = x[:M].copy()
         batch[list(places)] = x[[(0, 9, 77, 139)[i] for i in places.values()]]
-        got = emulated_qmv_mma({**inputs, "x": batch}, 64, 4, 2)
+        got = emulated_qmv_mma({**inputs, "x": batch}, 64, 4, 2, shape=qmv.block_shape(M))
         for place, i in places.items():
             assert np.array_equal(got[place], alone[i]), (M, place)
 

@@ -12,6 +12,8 @@ order; scales, biases (OUT, IN / GS); a weight is q * scale + bias.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 from mlxfun.kernels.attention import compact
@@ -201,34 +203,42 @@ template <> __device__ inline void qmv_mma<__half>(float* c, const Pair* a, cons
 _MMA = compact(r"""
     // y (M, OUT) = x (M, IN) W^T, W 4- or 8-bit (BITS), on tensor cores: mma m16n8k16, A = 16
     // features x 16 inputs of W dequantized in registers, B = 16 inputs x 8 rows of x. A block
-    // computes 16 output features for N tiles of 8 rows (block row blockIdx.y: rows 8 N y ...; rows
-    // past M read row M - 1, never stored), each dequantized A serving the N tiles. A dot product
-    // may take its inputs in any order, so each lane's A slots are filled from the 32-bit words it
-    // loads itself, and its B slots with the x values of those same inputs: lane (g, t) = (lane / 4,
-    // lane % 4) takes features g and g + 8 and, of each 128 inputs, the 32 at 32 t (BITS words of W
-    // per feature, one group). A word holds 32 / BITS inputs: 4-bit, nibbles (p, p + 4) and (p + 1,
-    // p + 5) feed one mma; 8-bit, bytes (0, 2) and (1, 3). The KW warps of a block take every KW-th
-    // 128 inputs, U of them in flight, each U with its own accumulators (consecutive mma on one
-    // accumulator wait for each other); shared memory sums the warps' partials, tile by tile. The
-    // order of every sum is fixed by IN, KW and U alone: at one KW and U, a row's outputs are the
-    // same bits whatever the other rows, their number (N, the grid) or the row's place among them.
+    // computes F groups of 16 output features for N tiles of 8 rows (block row blockIdx.y: rows
+    // 8 N y ...; rows past M read row M - 1, never stored): each dequantized A serves the N tiles,
+    // and each x fragment the F groups (x is read once per 16 F features, W once per 8 N rows).
+    // A dot product may take its inputs in any order, so each lane's A slots are filled from the
+    // 32-bit words it loads itself, and its B slots with the x values of those same inputs: lane
+    // (g, t) = (lane / 4, lane % 4) takes features g and g + 8 of each group and, of each 128
+    // inputs, the 32 at 32 t (BITS words of W per feature, one group). A word holds 32 / BITS
+    // inputs: 4-bit, nibbles (p, p + 4) and (p + 1, p + 5) feed one mma; 8-bit, bytes (0, 2) and
+    // (1, 3). The KW warps of a block take every KW-th 128 inputs, U of them in flight, each U with
+    // its own accumulators (consecutive mma on one accumulator wait for each other); shared memory
+    // sums the warps' partials, tile by tile. The order of every sum is fixed by IN, KW and U
+    // alone: at one KW and U, a row's outputs are the same bits whatever the other rows, their
+    // number (N, the grid), F, or the row's place among them.
     constexpr int PER_WORD = 32 / BITS;  // inputs per 32-bit word
     const int M = x_shape[0], IN = x_shape[1], OUT = w_shape[0], groups = IN / GS, blocks = (IN + 127) / 128;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int f0 = blockIdx.x * 16, row0 = blockIdx.y * 8 * N;
-    const int64_t fa = min(f0 + g, OUT - 1), fb = min(f0 + g + 8, OUT - 1);  // past OUT: never stored
-    const uint4* wa = reinterpret_cast<const uint4*>(w + fa * (IN / PER_WORD));
-    const uint4* wb = reinterpret_cast<const uint4*>(w + fb * (IN / PER_WORD));
-    float c[U][N][4];
+    const int f0 = blockIdx.x * 16 * F, row0 = blockIdx.y * 8 * N;
+    int64_t fa[F], fb[F];
+    #pragma unroll
+    for (int i = 0; i < F; ++i) {  // past OUT: the last feature again, never stored
+        fa[i] = min(f0 + 16 * i + g, OUT - 1);
+        fb[i] = min(f0 + 16 * i + g + 8, OUT - 1);
+    }
+    float c[U][F][N][4];
     #pragma unroll
     for (int u = 0; u < U; ++u) {
         #pragma unroll
-        for (int n = 0; n < N; ++n) c[u][n][0] = c[u][n][1] = c[u][n][2] = c[u][n][3] = 0.f;
+        for (int i = 0; i < F; ++i) {
+            #pragma unroll
+            for (int n = 0; n < N; ++n) c[u][i][n][0] = c[u][i][n][1] = c[u][i][n][2] = c[u][i][n][3] = 0.f;
+        }
     }
     for (int b0 = warp; b0 < blocks; b0 += KW * U) {  // the same trip count on every lane of a warp
-        uint4 qa[U][BITS / 4], qb[U][BITS / 4];
+        uint4 qa[U][F][BITS / 4], qb[U][F][BITS / 4];
         int ks[U];
-        Pair sa[U], ba[U], sb[U], bb[U];
+        Pair sa[U][F], ba[U][F], sb[U][F], bb[U][F];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int k = (b0 + KW * u) * 128 + 32 * t;
@@ -236,40 +246,51 @@ _MMA = compact(r"""
             if (b0 + KW * u < blocks && k < IN) {
                 ks[u] = k;
                 #pragma unroll
-                for (int v = 0; v < BITS / 4; ++v) {
-                    qa[u][v] = wa[k / 32 * (BITS / 4) + v];
-                    qb[u][v] = wb[k / 32 * (BITS / 4) + v];
+                for (int i = 0; i < F; ++i) {
+                    const uint4* wa = reinterpret_cast<const uint4*>(w + fa[i] * (IN / PER_WORD));
+                    const uint4* wb = reinterpret_cast<const uint4*>(w + fb[i] * (IN / PER_WORD));
+                    #pragma unroll
+                    for (int v = 0; v < BITS / 4; ++v) {
+                        qa[u][i][v] = wa[k / 32 * (BITS / 4) + v];
+                        qb[u][i][v] = wb[k / 32 * (BITS / 4) + v];
+                    }
+                    // Through float: scales may have another dtype than x (bf16 <-> fp16 has no implicit cast).
+                    const int64_t ga = fa[i] * groups + k / GS, gb = fb[i] * groups + k / GS;
+                    const T s0 = static_cast<T>(static_cast<float>(scales[ga]));
+                    const T s1 = static_cast<T>(static_cast<float>(scales[gb]));
+                    const T z0 = static_cast<T>(static_cast<float>(biases[ga]));
+                    const T z1 = static_cast<T>(static_cast<float>(biases[gb]));
+                    sa[u][i] = qmv_pack<T>(s0, s0); ba[u][i] = qmv_pack<T>(z0, z0);
+                    sb[u][i] = qmv_pack<T>(s1, s1); bb[u][i] = qmv_pack<T>(z1, z1);
                 }
-                // Through float: scales may have another dtype than x (bf16 <-> fp16 has no implicit cast).
-                const int64_t ga = fa * groups + k / GS, gb = fb * groups + k / GS;
-                const T s0 = static_cast<T>(static_cast<float>(scales[ga]));
-                const T s1 = static_cast<T>(static_cast<float>(scales[gb]));
-                const T z0 = static_cast<T>(static_cast<float>(biases[ga]));
-                const T z1 = static_cast<T>(static_cast<float>(biases[gb]));
-                sa[u] = qmv_pack<T>(s0, s0); ba[u] = qmv_pack<T>(z0, z0);
-                sb[u] = qmv_pack<T>(s1, s1); bb[u] = qmv_pack<T>(z1, z1);
             } else {  // zero weights times zero inputs
-                #pragma unroll
-                for (int v = 0; v < BITS / 4; ++v) qa[u][v] = qb[u][v] = uint4{0u, 0u, 0u, 0u};
                 const T zero = static_cast<T>(0.f);
-                sa[u] = ba[u] = sb[u] = bb[u] = qmv_pack<T>(zero, zero);
+                #pragma unroll
+                for (int i = 0; i < F; ++i) {
+                    #pragma unroll
+                    for (int v = 0; v < BITS / 4; ++v) qa[u][i][v] = qb[u][i][v] = uint4{0u, 0u, 0u, 0u};
+                    sa[u][i] = ba[u][i] = sb[u][i] = bb[u][i] = qmv_pack<T>(zero, zero);
+                }
             }
         }
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             #pragma unroll
             for (int j = 0; j < BITS; ++j) {  // word j: inputs PER_WORD j ... of the lane's 32
-                const uint4 va = qa[u][j / 4], vb = qb[u][j / 4];
-                const uint32_t word_a = j % 4 == 0 ? va.x : j % 4 == 1 ? va.y : j % 4 == 2 ? va.z : va.w;
-                const uint32_t word_b = j % 4 == 0 ? vb.x : j % 4 == 1 ? vb.y : j % 4 == 2 ? vb.z : vb.w;
                 constexpr int H = PER_WORD / 2, PAIRS = PER_WORD / 4;  // PAIRS mma per word
-                Pair a[PAIRS][4];  // dequantized once for the N tiles (few registers: KW warps share a block)
+                Pair a[F][PAIRS][4];  // dequantized once for the N tiles (few registers: KW warps share a block)
                 #pragma unroll
-                for (int q = 0; q < PAIRS; ++q) {  // values (2 q, 2 q + H) and (2 q + 1, 2 q + 1 + H)
-                    a[q][0] = qmv_dequant<T, BITS>(word_a, 2 * q, sa[u], ba[u]);
-                    a[q][1] = qmv_dequant<T, BITS>(word_b, 2 * q, sb[u], bb[u]);
-                    a[q][2] = qmv_dequant<T, BITS>(word_a, 2 * q + 1, sa[u], ba[u]);
-                    a[q][3] = qmv_dequant<T, BITS>(word_b, 2 * q + 1, sb[u], bb[u]);
+                for (int i = 0; i < F; ++i) {
+                    const uint4 va = qa[u][i][j / 4], vb = qb[u][i][j / 4];
+                    const uint32_t word_a = j % 4 == 0 ? va.x : j % 4 == 1 ? va.y : j % 4 == 2 ? va.z : va.w;
+                    const uint32_t word_b = j % 4 == 0 ? vb.x : j % 4 == 1 ? vb.y : j % 4 == 2 ? vb.z : vb.w;
+                    #pragma unroll
+                    for (int q = 0; q < PAIRS; ++q) {  // values (2 q, 2 q + H) and (2 q + 1, 2 q + 1 + H)
+                        a[i][q][0] = qmv_dequant<T, BITS>(word_a, 2 * q, sa[u][i], ba[u][i]);
+                        a[i][q][1] = qmv_dequant<T, BITS>(word_b, 2 * q, sb[u][i], bb[u][i]);
+                        a[i][q][2] = qmv_dequant<T, BITS>(word_a, 2 * q + 1, sa[u][i], ba[u][i]);
+                        a[i][q][3] = qmv_dequant<T, BITS>(word_b, 2 * q + 1, sb[u][i], bb[u][i]);
+                    }
                 }
                 #pragma unroll
                 for (int n = 0; n < N; ++n) {
@@ -279,13 +300,14 @@ _MMA = compact(r"""
                         xv = unsafe_load_vector<PER_WORD>(xr + ks[u], j);
                     } else {
                         #pragma unroll
-                        for (int i = 0; i < PER_WORD; ++i) xv[i] = static_cast<T>(0.f);
+                        for (int e = 0; e < PER_WORD; ++e) xv[e] = static_cast<T>(0.f);
                     }
                     #pragma unroll
                     for (int q = 0; q < PAIRS; ++q) {
                         Pair b[2] = {qmv_pack<T>(xv[2 * q], xv[2 * q + H]),
                                      qmv_pack<T>(xv[2 * q + 1], xv[2 * q + 1 + H])};
-                        qmv_mma<T>(c[u][n], a[q], b);
+                        #pragma unroll
+                        for (int i = 0; i < F; ++i) qmv_mma<T>(c[u][i][n], a[i][q], b);
                     }
                 }
             }
@@ -293,69 +315,106 @@ _MMA = compact(r"""
     }
     __shared__ float partial[KW][32][4];
     #pragma unroll
-    for (int n = 0; n < N; ++n) {
-        if (n) __syncthreads();  // warp 0 has read the tile before
+    for (int i = 0; i < F; ++i) {
         #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float v = 0.f;
+        for (int n = 0; n < N; ++n) {
+            if (i || n) __syncthreads();  // warp 0 has read the tile before
             #pragma unroll
-            for (int u = 0; u < U; ++u) v += c[u][n][i];
-            partial[warp][lane][i] = v;
-        }
-        __syncthreads();
-        if (warp == 0) {
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) {  // c[i]: feature f0 + g (+ 8 for i >= 2), row 8 n + 2 t + i % 2
+            for (int e = 0; e < 4; ++e) {
                 float v = 0.f;
                 #pragma unroll
-                for (int k = 0; k < KW; ++k) v += partial[k][lane][i];
-                const int f = f0 + g + 8 * (i >> 1), row = row0 + 8 * n + 2 * t + (i & 1);
-                if (f < OUT && row < M) y[(int64_t)row * OUT + f] = static_cast<T>(v);
+                for (int u = 0; u < U; ++u) v += c[u][i][n][e];
+                partial[warp][lane][e] = v;
+            }
+            __syncthreads();
+            if (warp == 0) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {  // c[e]: feature 16 i + g (+ 8 for e >= 2), row 8 n + 2 t + e % 2
+                    float v = 0.f;
+                    #pragma unroll
+                    for (int k = 0; k < KW; ++k) v += partial[k][lane][e];
+                    const int f = f0 + 16 * i + g + 8 * (e >> 1), row = row0 + 8 * n + 2 * t + (e & 1);
+                    if (f < OUT && row < M) y[(int64_t)row * OUT + f] = static_cast<T>(v);
+                }
             }
         }
     }
 """)
+
 
 # The fastest of six launches on an H200 at 1 and 8 rows (7fbc90b:benchmarks/README.md, fourth pass).
 MMA_WARPS = 16  # KW: warps per block, sharing the inputs
 MMA_IN_FLIGHT = 1  # U: 128-input blocks a warp loads at once
 
 
-# Tiles of 8 rows a block takes: 64 rows share each dequantized weight.
+# A block computes N tiles of 8 rows x F groups of 16 features: x is read once per block column
+# and W once per block row, so more rows want larger blocks; N x F stays at most 8 (the
+# accumulators' registers).
 MAX_TILES = 8
+# $MLXFUN_QMV_FEATURES, read once at import: "1" keeps F = 1 at every row count (N = `tiles`), so
+# that a benchmark compares the block shapes in two processes; unset, `block_shape` picks them.
+FEATURES_ENV = "MLXFUN_QMV_FEATURES"
+
+
+def features_setting(setting: str) -> bool:
+    """$MLXFUN_QMV_FEATURES -> whether F stays 1."""
+    if setting.strip() not in ("", "1"):
+        raise ValueError(f"{FEATURES_ENV}={setting!r}: expected 1 (one group of 16 features per block) or unset")
+    return setting.strip() == "1"
+
+
+ONE_GROUP = features_setting(os.environ.get(FEATURES_ENV, ""))
 
 
 def tiles(rows: int) -> int:
-    """N, the tiles of 8 rows per block for `rows` rows: a power of two up to MAX_TILES (few kernel
+    """The tiles of 8 rows that cover `rows`, as a power of two up to MAX_TILES (few kernel
     variants: each is built on its first use)."""
     need = -(-rows // 8)
     return min(MAX_TILES, 1 << (need - 1).bit_length())
 
 
-def warps_for(tiles: int) -> int:
-    """Warps per block for N tiles: a block's registers are 64K. ptxas (sm_90, bf16): 59-90
-    registers a thread at 1-4 tiles, 140-148 at 8, so 16 warps (512 threads) up to 4 tiles, 8 from
-    there (16 warps of 148 registers failed to launch on an H100)."""
-    return MMA_WARPS if tiles <= 4 else MMA_WARPS // 2
+def block_shape(rows: int, bits: int = 4) -> tuple[int, int]:
+    """(N, F) for `rows` rows: up to 2 rows one group of features (the weights' reads bound it),
+    then F grows with the rows; 8-bit weights (twice the words a lane holds) keep N x F at 4
+    where 4-bit goes to 8 (ptxas spills 8-bit at 2 x 4)."""
+    n = tiles(rows)
+    if ONE_GROUP or rows <= 2:
+        return n, 1
+    if n == 1:
+        return 1, 2
+    return 2, 4 if bits == 4 else 2
 
 
-def mma_grid(out_features: int, rows: int, warps: int = MMA_WARPS) -> tuple[tuple[int, int, int], int]:
-    """(grid in threads, threads per block) of an `mma` launch: a block per 16 features and
-    8 `tiles(rows)` rows."""
-    return (32 * warps * -(-out_features // 16), -(-rows // (8 * tiles(rows))), 1), 32 * warps
+def warps_for(tiles: int, features: int = 1, bits: int = 4) -> int:
+    """Warps per block (KW): a block has 64K registers. ptxas (sm_90, bf16, U = 1), registers a
+    thread by (bits, N x F): 4-bit 59 (1x1), 68-76 (2), 90-104 (4: 4x1, 2x2), 126 (1x4), 140-166
+    (8); 8-bit 60-84 (1-2, 4x1), 131-164 (2x2, 1x4), 132-140 (8). 16 warps (512 threads) where
+    that stays under 128, else 8 (16 warps of 148 failed to launch on an H100)."""
+    n = tiles * features
+    return MMA_WARPS if n <= 2 or (n <= 4 and (features == 1 or (bits == 4 and features <= 2))) else MMA_WARPS // 2
+
+
+def mma_grid(out_features: int, rows: int, warps: int = MMA_WARPS, shape: tuple[int, int] | None = None
+             ) -> tuple[tuple[int, int, int], int]:
+    """(grid in threads, threads per block) of an `mma` launch: a block per 16 F features and
+    8 N rows, (N, F) = `shape` (default: `tiles(rows)`, 1)."""
+    n, f = (tiles(rows), 1) if shape is None else shape
+    return (32 * warps * -(-out_features // (16 * f)), -(-rows // (8 * n)), 1), 32 * warps
 
 
 def mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-        warps: int | None = None, in_flight: int = MMA_IN_FLIGHT, bits: int = 4) -> mx.array:
-    """`product` on tensor cores (bf16 or fp16 x, 4- or 8-bit w); `warps` (default `warps_for`)
-    and `in_flight` as a benchmark varies them."""
+        warps: int | None = None, in_flight: int = MMA_IN_FLIGHT, bits: int = 4,
+        shape: tuple[int, int] | None = None) -> mx.array:
+    """`product` on tensor cores (bf16 or fp16 x, 4- or 8-bit w); `warps` (default `warps_for`),
+    `in_flight` and the block's `shape` (N, F; default `block_shape`) as a benchmark varies them."""
     M, out = x.shape[0], w.shape[0]
-    warps = warps_for(tiles(M)) if warps is None else warps
+    N, F = block_shape(M, bits) if shape is None else shape
+    warps = warps_for(N, F, bits) if warps is None else warps
     kernel = mx.fast.cuda_kernel(name="mlxfun_qmv4_mma", input_names=["x", "w", "scales", "biases"],
                                  output_names=["y"], source=_MMA, header=MMA_HEADER)
-    grid, block = mma_grid(out, M, warps)
+    grid, block = mma_grid(out, M, warps, (N, F))
     return kernel(inputs=[x, w, scales, biases],
-                  template=[("T", x.dtype), ("GS", group_size), ("BITS", bits), ("N", tiles(M)), ("KW", warps),
-                            ("U", in_flight)],
+                  template=[("T", x.dtype), ("GS", group_size), ("BITS", bits), ("N", N), ("F", F),
+                            ("KW", warps), ("U", in_flight)],
                   grid=grid, threadgroup=(block, 1, 1),
                   output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]

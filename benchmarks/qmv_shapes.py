@@ -1,0 +1,107 @@
+"""The tensor-core quantized product's block shapes (N tiles of 8 rows x F groups of 16 features)
+timed against each other and against bf16 products, per map and row count (issue 53).
+
+For every map of the 1B and 8B shapes, 4-bit (and 8-bit on two maps), and M rows: each shape's
+microseconds per product (chained, as `kernels_check.timed`), its largest error against the
+dequantized product in float32, MLX's bf16 product with a dense map of the same shape, and a
+dense map dequantized per product (what `llama.linear` did for prompts). The summary gives the
+shape with the least total time over the maps at each M, beside `qmv.block_shape`'s pick.
+
+Run: python benchmarks/qmv_shapes.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import mlx.core as mx
+from kernels_check import timed  # a sibling script
+
+from mlxfun.kernels import qmv
+
+MAPS = {"8B": ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)),
+        "1B": ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))}
+EIGHT_BIT = ((28672, 4096), (2048, 8192))
+SHAPES = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1))
+SPILLS = {(8, 2, 4), (8, 1, 8)}  # (bits, N, F) ptxas spills
+
+
+def one_map(OUT: int, IN: int, bits: int, rows: list[int], calls: int) -> list[dict]:
+    w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(mx.bfloat16)
+    q = mx.quantize(w, group_size=64, bits=bits)
+    dense = mx.dequantize(*q, group_size=64, bits=bits).astype(mx.bfloat16)
+    mx.eval(q, dense)
+    out = []
+    for M in rows:
+        xs = [mx.random.normal((M, IN)).astype(mx.bfloat16) for _ in range(calls)]
+        mx.eval(xs)
+        want = xs[0].astype(mx.float32) @ dense.astype(mx.float32).T
+        scale = mx.abs(want).max().item()
+        r = dict(OUT=OUT, IN=IN, bits=bits, M=M, dense_us=timed(lambda x: x @ dense.T, xs),
+                 dequant_us=timed(lambda x: x @ mx.dequantize(*q, group_size=64, bits=bits).astype(x.dtype).T, xs),
+                 pick=list(qmv.block_shape(M, bits)), shapes={})
+        for shape in SHAPES:
+            if (bits, *shape) in SPILLS or (shape[0] > 1 and 8 * shape[0] > 2 * max(M, 8)):
+                continue  # no tiles past twice the rows
+            got = qmv.mma(xs[0], *q, 64, bits=bits, shape=shape).astype(mx.float32)
+            err = (mx.abs(got - want).max().item()) / scale
+            us = timed(lambda x, s=shape: qmv.mma(x, *q, 64, bits=bits, shape=s), xs)
+            r["shapes"][f"{shape[0]}x{shape[1]}"] = dict(us=round(us, 2), rel_err=err, ok=err < 2e-2)
+        best = min(r["shapes"], key=lambda k: r["shapes"][k]["us"])
+        r["best"] = best
+        print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items() if k != "shapes"}
+                         | {"best_us": r["shapes"][best]["us"],
+                            "pick_us": r["shapes"].get("{}x{}".format(*r["pick"]), {}).get("us"),
+                            "f1_us": r["shapes"].get(f"{qmv.tiles(M)}x1", {}).get("us"),
+                            "bad": [k for k, v in r["shapes"].items() if not v["ok"]]}), flush=True)
+        out.append(r)
+    return out
+
+
+def summary(results: list[dict]) -> list[dict]:
+    """Per (bits, M): total microseconds over the maps of each shape, the least, and the pick's."""
+    rows = []
+    for bits in sorted({r["bits"] for r in results}):
+        for M in sorted({r["M"] for r in results}):
+            rs = [r for r in results if r["bits"] == bits and r["M"] == M]
+            common = set.intersection(*(set(r["shapes"]) for r in rs)) if rs else set()
+            totals = {s: sum(r["shapes"][s]["us"] for r in rs) for s in common}
+            if not totals:
+                continue
+            best = min(totals, key=totals.get)
+            pick = "{}x{}".format(*rs[0]["pick"])
+            rows.append(dict(bits=bits, M=M, best=best, best_us=round(totals[best], 1), pick=pick,
+                             pick_us=round(totals.get(pick, float("nan")), 1),
+                             dense_us=round(sum(r["dense_us"] for r in rs), 1),
+                             dequant_us=round(sum(r["dequant_us"] for r in rs), 1)))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="8B,1B")
+    p.add_argument("--rows", default="1,4,8,16,32,64,128,256")
+    p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    rows = [int(m) for m in args.rows.split(",")]
+    results = []
+    for model in args.models.split(","):
+        for OUT, IN in MAPS[model]:
+            for bits in (4, 8) if (OUT, IN) in EIGHT_BIT else (4,):
+                results += [dict(r, model=model) for r in one_map(OUT, IN, bits, rows, args.calls)]
+    table = summary(results)
+    print(f"{'bits':>4} {'M':>5} {'best':>5} {'us':>8} {'pick':>5} {'us':>8} {'bf16':>8} {'deq+bf16':>9}")
+    for r in table:
+        print(f"{r['bits']:>4} {r['M']:>5} {r['best']:>5} {r['best_us']:>8} {r['pick']:>5} {r['pick_us']:>8} "
+              f"{r['dense_us']:>8} {r['dequant_us']:>9}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": str(mx.default_device()), "results": results, "summary": table}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
