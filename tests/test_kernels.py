@@ -219,8 +219,8 @@ def test_qmv_tiles_and_grid():
     # F groups of 16 features per block: fewer block columns; N tiles: the block rows
     assert qmv.mma_grid(40, 129, 4, (2, 4)) == ((1 * 128, 9, 1), 128)
     assert qmv.mma_grid(80, 8, 16, (1, 2)) == ((3 * 512, 1, 1), 512)
-    assert [qmv.block_shape(m) for m in (1, 2, 3, 8, 9, 16, 17, 256)] == [(1, 1)] * 2 + [(1, 2)] * 2 + [(2, 4)] * 4
-    assert [qmv.block_shape(m, 8) for m in (2, 8, 9, 256)] == [(1, 1), (1, 2), (2, 2), (2, 2)]
+    assert [qmv.block_shape(m) for m in (1, 8, 9, 16, 17, 256)] == [(1, 2)] * 2 + [(2, 2)] * 2 + [(4, 2)] * 2
+    assert [qmv.block_shape(m, 8) for m in (1, 9, 256)] == [(1, 2), (2, 2), (4, 2)]
 
 
 @pytest.mark.parametrize("M,OUT,IN,group_size,per_warp", [(1, 70, 256, 64, 4), (3, 33, 576, 32, 2),

@@ -374,15 +374,12 @@ def tiles(rows: int) -> int:
 
 
 def block_shape(rows: int, bits: int = 4) -> tuple[int, int]:
-    """(N, F) for `rows` rows: up to 2 rows one group of features (the weights' reads bound it),
-    then F grows with the rows; 8-bit weights (twice the words a lane holds) keep N x F at 4
-    where 4-bit goes to 8 (ptxas spills 8-bit at 2 x 4)."""
-    n = tiles(rows)
-    if ONE_GROUP or rows <= 2:
-        return n, 1
-    if n == 1:
-        return 1, 2
-    return 2, 4 if bits == 4 else 2
+    """(N, F) for `rows` rows, the least total time over the 1B and 8B maps on an H100, 4- and
+    8-bit alike (`benchmarks/qmv_shapes.py`, benchmarks/results/h100/2026-12-06-qmv-shapes.json):
+    up to 8 rows 1 x 2, to 16 rows 2 x 2, then 4 x 2 (at 128 rows 0.72x the time of 8 x 1)."""
+    if ONE_GROUP:
+        return tiles(rows), 1
+    return (1, 2) if rows <= 8 else (2, 2) if rows <= 16 else (4, 2)
 
 
 def warps_for(tiles: int, features: int = 1, bits: int = 4) -> int:
