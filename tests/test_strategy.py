@@ -37,6 +37,24 @@ def test_dense_copy_from_threshold():
     assert params_for_batch(config, params, 64, QUANTIZED) is params
 
 
+def test_kernel_rows_keep_quantized_weights_then_copy():
+    """Where mlxfun's product serves the model's bits, batches of up to `kernel_rows` rows keep
+    the quantized weights (no copy), and larger ones copy as before; other bits copy from
+    `dense_from` (the GPU's strategy: the product up to 32 rows, slower than bf16 past that)."""
+    model = tiny_model(quant=(4, 32))
+    config, params = model.config, model.params
+    served = WeightStrategy(dense_from=2, kernel_bits=(4,), kernel_rows=6)
+    assert params_for_batch(config, params, 2, served) is params
+    assert params_for_batch(config, params, 6, served) is params
+    assert isinstance(params_for_batch(config, params, 7, served).layers[0].qkv, Dense)
+    other_bits = WeightStrategy(dense_from=2, kernel_bits=(8,), kernel_rows=6)
+    assert isinstance(params_for_batch(config, params, 2, other_bits).layers[0].qkv, Dense)
+    # prompts: no whole copy where the product serves the model, whatever the rows
+    prompts = WeightStrategy(dense_from=None, prompt_dense_from=10, prompt_dense_min_weights=0, kernel_bits=(4,),
+                             kernel_rows=6)
+    assert params_for_prompts(config, params, [40, 40], 64, prompts) is params
+
+
 def test_dense_copy_only_when_memory_allows():
     model = tiny_model(quant=(4, 32))
     assert dense_bytes(model.config, model.params) > 0

@@ -31,10 +31,12 @@ class WeightStrategy:
     memory_fraction: float = 0.75  # the copy plus memory in use must fit in this share of the device's
     prompt_dense_from: int | None = None  # prompt tokens per prefill chunk from which prefill runs a dense copy
     prompt_dense_min_weights: int = 1 << 22  # ... for models whose MLP maps (E x I) have at least this many weights
-    # Models whose quantized maps all have these bits (and a layout `qmv` takes) never run a whole
-    # dense copy: mlxfun's product takes every batch, and prompts dequantize one map at a time
-    # (`llama.linear`). Empty: the thresholds above decide for every model.
+    # Models whose quantized maps all have these bits (and a layout `qmv` takes) run mlxfun's
+    # product at batches of up to `kernel_rows` rows, with no dense copy, and prompts without a whole
+    # copy (`llama.linear`: the product, or one map dequantized at a time). Empty: the thresholds
+    # above decide for every model.
     kernel_bits: tuple[int, ...] = ()
+    kernel_rows: int = 0
 
 
 # Measured (7fbc90b:benchmarks/README.md). On an H200 (MLX 0.32.4, CUDA) MLX's 4-bit kernels run slower
@@ -51,9 +53,12 @@ class WeightStrategy:
 # On the CPU with MLX's bundled reference BLAS a float32 matmul costs about what
 # a 4-bit one does per row (0.62 vs 0.71 ms at M=1, 19.6 vs 21.0 at M=32 for 1536x576), so the copy
 # (0.8 s and 540 MB for SmolLM2) buys little there: the CPU keeps the quantized kernels.
-# mlxfun's product takes decode batches up to `qmv.MAX_ROWS` rows of bf16 / fp16 on tensor cores
-# (the weights dequantized in registers), so 4- and 8-bit models keep their quantized weights.
-GPU = WeightStrategy(dense_from=qmv.SIMT_ROWS + 1, prompt_dense_from=512, kernel_bits=(4, 8))
+# mlxfun's product runs bf16 / fp16 rows on tensor cores (the weights dequantized in registers). Per
+# product on an H100 (benchmarks/results/h100/2026-12-06-qmv-shapes.json, 4-bit, the 1B and 8B
+# maps summed) it takes 0.82x bf16's time at 8 rows, 0.87x at 16, 1.12x at 32, 1.9x at 128: so
+# decode batches of up to 32 rows keep the 4-bit weights, and larger ones run a dense copy where it
+# fits (8B 4-bit at batch 128: 3,840 tok/s on the product against 10,662 for bf16).
+GPU = WeightStrategy(dense_from=qmv.SIMT_ROWS + 1, prompt_dense_from=512, kernel_bits=(4, 8), kernel_rows=32)
 CPU = WeightStrategy(dense_from=None)
 # With a system BLAS (mlxfun.kernels.blas) float32 products run 2.6x faster at one row and 10-20x from 8,
 # while the 4-bit kernels stay as they were: the copy wins at every batch size.
@@ -141,7 +146,7 @@ def dense_fits(config: ModelConfig, params: Params, strategy: WeightStrategy) ->
 
 def use_dense(config: ModelConfig, params: Params, batch: int, strategy: WeightStrategy) -> bool:
     if strategy.dense_from is None or batch < strategy.dense_from or not quantized(params) or \
-            kernel_serves(config, params, strategy):
+            (batch <= strategy.kernel_rows and kernel_serves(config, params, strategy)):
         return False
     return dense_fits(config, params, strategy)
 

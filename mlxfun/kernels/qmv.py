@@ -108,7 +108,9 @@ _SIMT = compact(r"""
 """)
 
 SIMT_ROWS = 8  # float32 x: every row's accumulators in registers
-MAX_ROWS = 256  # bf16 / fp16 x (tensor cores): more rows multiply a dense copy of the one map (`llama.linear`)
+# bf16 / fp16 x (tensor cores): more rows multiply a dense copy of the one map (`llama.linear`),
+# which costs what the product does at 128 rows and 0.63x at 256 (an H100, 1B and 8B maps).
+MAX_ROWS = 128
 
 
 def fits(rows: int, in_features: int, group_size: int, bits: int, dtype: mx.Dtype = mx.bfloat16) -> bool:
