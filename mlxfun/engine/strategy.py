@@ -41,7 +41,7 @@ class WeightStrategy:
 
 # Measured (7fbc90b:benchmarks/README.md). On an H200 (MLX 0.32.4, CUDA) MLX's 4-bit kernels run slower
 # than bf16 at every batch size (8B: 118 vs 152 tok/s at batch 1, 1166 vs 2668 at 32), so batches
-# of more than `qmv.MAX_ROWS` rows run a dense copy. Up to that, decode steps run mlxfun's
+# past the rows mlxfun's product takes run a dense copy. Up to that, decode steps run mlxfun's
 # 4-bit product (`qmv.product`): 8B 4-bit 269 tok/s against the copy's 203 at batch 1, 1760 vs
 # 1230 at 8, with 5 GB of peak memory instead of 34 (1B: 510 vs 554 at batch 1, 3815 vs 2716 at 8).
 # Prompts then run MLX's 4-bit product, which costs about 1 us per row on an 8B-sized map (14336 x
