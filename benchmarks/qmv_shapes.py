@@ -4,7 +4,8 @@ timed against each other and against bf16 products, per map and row count (issue
 For every map of the 1B and 8B shapes, 4-bit (and 8-bit on two maps), and M rows: each shape's
 microseconds per product (chained, as `kernels_check.timed`), its largest error against the
 dequantized product in float32, MLX's bf16 product with a dense map of the same shape, and a
-dense map dequantized per product (what `llama.linear` did for prompts). The summary gives the
+dense map dequantized per product (what `llama.linear` does for prompts), and the tiled product
+(`qmm`: quantized, and dense as the batch-invariant mode could use it). The summary gives the
 shape with the least total time over the maps at each M, beside `qmv.block_shape`'s pick.
 
 Run: python benchmarks/qmv_shapes.py --json out.json
@@ -19,7 +20,7 @@ import sys
 import mlx.core as mx
 from kernels_check import timed  # a sibling script
 
-from mlxfun.kernels import qmv
+from mlxfun.kernels import qmm, qmv
 
 MAPS = {"8B": ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)),
         "1B": ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))}
@@ -42,6 +43,12 @@ def one_map(OUT: int, IN: int, bits: int, rows: list[int], calls: int) -> list[d
         r = dict(OUT=OUT, IN=IN, bits=bits, M=M, dense_us=timed(lambda x: x @ dense.T, xs),
                  dequant_us=timed(lambda x: x @ mx.dequantize(*q, group_size=64, bits=bits).astype(x.dtype).T, xs),
                  pick=list(qmv.block_shape(M, bits)), shapes={})
+        tiled = qmm.product(xs[0], *q, 64, bits=bits).astype(mx.float32)
+        r["tiled_err"] = mx.abs(tiled - want).max().item() / scale
+        r["tiled_us"] = timed(lambda x: qmm.product(x, *q, 64, bits=bits), xs)
+        dense_tiled = qmm.dense(xs[0], dense).astype(mx.float32)
+        r["tiled_dense_err"] = mx.abs(dense_tiled - want).max().item() / scale
+        r["tiled_dense_us"] = timed(lambda x: qmm.dense(x, dense), xs)
         for shape in SHAPES:
             if (bits, *shape) in SPILLS or (shape[0] > 1 and 8 * shape[0] > 2 * max(M, 8)):
                 continue  # no tiles past twice the rows
@@ -75,6 +82,9 @@ def summary(results: list[dict]) -> list[dict]:
             rows.append(dict(bits=bits, M=M, best=best, best_us=round(totals[best], 1), pick=pick,
                              pick_us=round(totals.get(pick, float("nan")), 1),
                              dense_us=round(sum(r["dense_us"] for r in rs), 1),
+                             tiled_us=round(sum(r["tiled_us"] for r in rs), 1),
+                             tiled_dense_us=round(sum(r["tiled_dense_us"] for r in rs), 1),
+                             tiled_ok=all(r["tiled_err"] < 2e-2 and r["tiled_dense_err"] < 2e-2 for r in rs),
                              dequant_us=round(sum(r["dequant_us"] for r in rs), 1)))
     return rows
 
@@ -93,10 +103,11 @@ def main(argv=None) -> int:
             for bits in (4, 8) if (OUT, IN) in EIGHT_BIT else (4,):
                 results += [dict(r, model=model) for r in one_map(OUT, IN, bits, rows, args.calls)]
     table = summary(results)
-    print(f"{'bits':>4} {'M':>5} {'best':>5} {'us':>8} {'pick':>5} {'us':>8} {'bf16':>8} {'deq+bf16':>9}")
+    print(f"{'bits':>4} {'M':>5} {'best':>5} {'us':>8} {'pick':>5} {'us':>8} {'bf16':>8} {'deq+bf16':>9} "
+          f"{'tiled':>8} {'tiled16':>8} ok")
     for r in table:
         print(f"{r['bits']:>4} {r['M']:>5} {r['best']:>5} {r['best_us']:>8} {r['pick']:>5} {r['pick_us']:>8} "
-              f"{r['dense_us']:>8} {r['dequant_us']:>9}")
+              f"{r['dense_us']:>8} {r['dequant_us']:>9} {r['tiled_us']:>8} {r['tiled_dense_us']:>8} {r['tiled_ok']}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": str(mx.default_device()), "results": results, "summary": table}, fh, indent=1)

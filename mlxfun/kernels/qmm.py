@@ -1,0 +1,197 @@
+"""A tiled product of many rows with 4-bit, 8-bit or dense bf16 / fp16 weights, on CUDA tensor cores.
+
+`qmv` computes 16 F output features per block and reads x again for every such block, which is
+cheap for a few rows and the larger part of the traffic from about 32 rows on: at 128 rows it took
+1.9x bf16's time per product on an H100 (benchmarks/results/h100/2026-12-06-qmv-shapes.json).
+Here a block stages a tile of x (BM rows x 64 inputs) and a tile of W (BN features x 64 inputs,
+dequantized once, by the whole block) in shared memory, and its warps multiply the tiles from
+there: x is read once per BN features, W once per BM rows, and no dense weights reach memory.
+
+Each output's sum runs over the inputs in steps of 64, in order, each step as four mma of 16
+inputs: its order is fixed by IN alone, whatever the rows, their number or the tile (the same
+property `batch_invariant` needs).
+
+Not yet measured on a GPU: it is checked on the CPU through `tests/cuda_emulator.py` (PTX's
+fragment layouts) and against ptxas for registers and shared memory; nothing calls it by default.
+`benchmarks/qmv_shapes.py` times it beside `qmv` and bf16 (column `tiled`).
+
+MLX's affine format: w (OUT, IN * BITS / 32) uint32, value k of a word in bits [BITS k, BITS
+(k + 1)), in input order; scales, biases (OUT, IN / GS); a weight is q * scale + bias.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from mlxfun.kernels.attention import compact
+from mlxfun.kernels.qmv import MMA_HEADER
+
+_BODY = r"""
+    // y (M, OUT) = x (M, IN) W^T. A block: BN features (blockIdx.x) x BM rows (blockIdx.y); warp w
+    // takes features 16 FW w ... of the block, for all BM rows (NT tiles of 8). Per step of 64
+    // inputs: the block loads x's tile and W's (dequantized: q * scale + bias, rounded once to T)
+    // into shared memory, then each warp runs 4 x FW x NT mma m16n8k16 (A: 16 features x 16
+    // inputs, B: 16 inputs x 8 rows) with fragments read in PTX's layouts. Rows past M and
+    // features past OUT are zeros, never stored. Rows of the tiles are padded by 8 values so
+    // that a fragment's 32 lanes read 32 different banks.
+    constexpr int BK = 64, PAD = 8, NT = BM / 8, THREADS = 32 * (BN / (16 * FW));
+    const int M = x_shape[0], IN = x_shape[1], OUT = w_shape[0];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int fb = blockIdx.x * BN, rb = blockIdx.y * BM;
+    __shared__ T xs[BM][BK + PAD];
+    __shared__ T ws[BN][BK + PAD];
+    float c[FW][NT][4];
+    #pragma unroll
+    for (int i = 0; i < FW; ++i) {
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) c[i][n][0] = c[i][n][1] = c[i][n][2] = c[i][n][3] = 0.f;
+    }
+    for (int k0 = 0; k0 < IN; k0 += BK) {
+        for (int i = tid; i < BM * 8; i += THREADS) {  // x: 8 values a load
+            const int r = i >> 3, v = i & 7, row = rb + r;
+            AlignedVector<T, 8> xv;
+            if (row < M) {
+                xv = unsafe_load_vector<8>(x + (int64_t)row * IN + k0, v);
+            } else {
+                #pragma unroll
+                for (int e = 0; e < 8; ++e) xv[e] = static_cast<T>(0.f);
+            }
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) xs[r][8 * v + e] = xv[e];
+        }
+        LOAD_W
+        __syncthreads();
+        #pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            Pair a[FW][4];
+            #pragma unroll
+            for (int i = 0; i < FW; ++i) {  // A register r: feature g + 8 (r & 1), inputs 2 t + 8 (r >> 1) + {0, 1}
+                const int f = 16 * (FW * warp + i) + g;
+                a[i][0] = qmv_pack<T>(ws[f][kk + 2 * t], ws[f][kk + 2 * t + 1]);
+                a[i][1] = qmv_pack<T>(ws[f + 8][kk + 2 * t], ws[f + 8][kk + 2 * t + 1]);
+                a[i][2] = qmv_pack<T>(ws[f][kk + 2 * t + 8], ws[f][kk + 2 * t + 9]);
+                a[i][3] = qmv_pack<T>(ws[f + 8][kk + 2 * t + 8], ws[f + 8][kk + 2 * t + 9]);
+            }
+            #pragma unroll
+            for (int n = 0; n < NT; ++n) {  // B register r: inputs 2 t + 8 r + {0, 1}, row g of tile n
+                const int r = 8 * n + g;
+                Pair b[2] = {qmv_pack<T>(xs[r][kk + 2 * t], xs[r][kk + 2 * t + 1]),
+                             qmv_pack<T>(xs[r][kk + 2 * t + 8], xs[r][kk + 2 * t + 9])};
+                #pragma unroll
+                for (int i = 0; i < FW; ++i) qmv_mma<T>(c[i][n], a[i], b);
+            }
+        }
+        __syncthreads();  // every warp has read the tiles before they are overwritten
+    }
+    #pragma unroll
+    for (int i = 0; i < FW; ++i) {
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {  // c[e]: feature g (+ 8 for e >= 2), row 2 t + e % 2 of tile n
+                const int f = fb + 16 * (FW * warp + i) + g + 8 * (e >> 1), row = rb + 8 * n + 2 * t + (e & 1);
+                if (f < OUT && row < M) y[(int64_t)row * OUT + f] = static_cast<T>(c[i][n][e]);
+            }
+        }
+    }
+"""
+
+# W's tile into shared memory, dense (8 values a load) or quantized (a 32-bit word of 32 / BITS
+# values a load, one group's scale and bias, each value rounded once to T).
+_LOAD_DENSE = r"""
+    for (int i = tid; i < BN * 8; i += THREADS) {
+        const int f = i >> 3, v = i & 7, feature = fb + f;
+        AlignedVector<T, 8> wv;
+        if (feature < OUT) {
+            wv = unsafe_load_vector<8>(w + (int64_t)feature * IN + k0, v);
+        } else {
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) wv[e] = static_cast<T>(0.f);
+        }
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) ws[f][8 * v + e] = wv[e];
+    }
+"""
+_LOAD_QUANTIZED = r"""
+    constexpr int PER_WORD = 32 / BITS, WORDS = BK / PER_WORD;
+    constexpr uint32_t MASK = (1u << BITS) - 1u;
+    for (int i = tid; i < BN * WORDS; i += THREADS) {
+        const int f = i / WORDS, j = i % WORDS, feature = fb + f, k = k0 + PER_WORD * j;
+        if (feature < OUT) {
+            const uint32_t word = w[(int64_t)feature * (IN / PER_WORD) + k / PER_WORD];
+            const int64_t group = (int64_t)feature * (IN / GS) + k / GS;
+            const float s = static_cast<float>(scales[group]), b = static_cast<float>(biases[group]);
+            #pragma unroll
+            for (int e = 0; e < PER_WORD; ++e) {
+                ws[f][PER_WORD * j + e] = static_cast<T>(static_cast<float>((word >> (BITS * e)) & MASK) * s + b);
+            }
+        } else {
+            #pragma unroll
+            for (int e = 0; e < PER_WORD; ++e) ws[f][PER_WORD * j + e] = static_cast<T>(0.f);
+        }
+    }
+"""
+DENSE = compact(_BODY.replace("LOAD_W", _LOAD_DENSE))
+QUANTIZED = compact(_BODY.replace("LOAD_W", _LOAD_QUANTIZED))
+
+STEP = 64  # inputs a block stages per step
+
+
+class Tile(NamedTuple):
+    rows: int  # BM: rows of x per block (a multiple of 8)
+    features: int  # BN: output features per block
+    per_warp: int  # FW: groups of 16 features a warp takes (warps = BN / 16 FW)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.features // (16 * self.per_warp)
+
+
+def tile(rows: int) -> Tile:
+    """The tile for `rows` rows: rows rounded up to 16-64 per block, 128 features in 4 warps;
+    from 65 rows, 128 rows in 8 warps (accumulators: FW x BM / 8 x 4 floats a thread, at most 64)."""
+    if rows > 64:
+        return Tile(128, 128, 1)
+    return Tile(max(16, 1 << (rows - 1).bit_length()), 128, 2)
+
+
+def fits(rows: int, in_features: int, group_size: int, bits: int, dtype: mx.Dtype) -> bool:
+    """bf16 or fp16 x, 4-, 8-bit or dense (16) weights, inputs in whole steps of 64 (and, quantized,
+    whole groups of 32 or more)."""
+    quantized_ok = bits == 16 or (bits in (4, 8) and group_size % 32 == 0 and in_features % group_size == 0)
+    return dtype in (mx.bfloat16, mx.float16) and rows >= 1 and in_features % STEP == 0 and quantized_ok
+
+
+def grid(out_features: int, rows: int, shape: Tile) -> tuple[tuple[int, int, int], int]:
+    """(grid in threads, threads per block): a block per BN features and BM rows."""
+    return (shape.threads * -(-out_features // shape.features), -(-rows // shape.rows), 1), shape.threads
+
+
+def template(dtype, bits: int, group_size: int, shape: Tile) -> list:
+    """The kernel's template constants (the dense kernel has no BITS or GS)."""
+    quantized = [("BITS", bits), ("GS", group_size)] if bits != 16 else []
+    return [("T", dtype), *quantized, ("BM", shape.rows), ("BN", shape.features), ("FW", shape.per_warp)]
+
+
+def _launch(x: mx.array, inputs: list[mx.array], names: list[str], out: int, group_size: int, bits: int,
+            shape: Tile | None) -> mx.array:
+    M = x.shape[0]
+    shape = tile(M) if shape is None else shape
+    kernel = mx.fast.cuda_kernel(name="mlxfun_qmm_dense" if bits == 16 else "mlxfun_qmm", input_names=names,
+                                 output_names=["y"], source=DENSE if bits == 16 else QUANTIZED, header=MMA_HEADER)
+    threads, block = grid(out, M, shape)
+    return kernel(inputs=inputs, template=template(x.dtype, bits, group_size, shape), grid=threads,
+                  threadgroup=(block, 1, 1), output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]
+
+
+def product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int = 4,
+            shape: Tile | None = None) -> mx.array:
+    """x (M, IN) @ dequantize(w, scales, biases)^T -> (M, OUT), 4- or 8-bit w; needs `fits`."""
+    return _launch(x, [x, w, scales, biases], ["x", "w", "scales", "biases"], w.shape[0], group_size, bits, shape)
+
+
+def dense(x: mx.array, w: mx.array, shape: Tile | None = None) -> mx.array:
+    """x (M, IN) @ w (OUT, IN)^T -> (M, OUT), w of x's dtype; needs `fits(..., bits=16, ...)`."""
+    return _launch(x, [x, w], ["x", "w"], w.shape[0], 32, 16, shape)

@@ -1,0 +1,76 @@
+"""The tiled tensor-core product (`mlxfun.kernels.qmm`) through the CUDA emulator: 4-bit, 8-bit and
+dense weights against float64 references, tiles past the rows and features, several steps of
+inputs, and a row's bits the same in any batch. (It has not run on a GPU yet; nothing calls it by
+default.)"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from cuda_emulator import QMV_HEADER, run
+from test_kernels import quantized_case
+
+from mlxfun.kernels import qmm
+
+SMALL = qmm.Tile(16, 32, 1)  # 2 warps: an emulated block is one OS thread per CUDA thread
+
+
+def emulated(inputs: dict, bits: int, group_size: int, shape: qmm.Tile) -> np.ndarray:
+    M, OUT = inputs["x"].shape[0], inputs["w"].shape[0]
+    threads, block = qmm.grid(OUT, M, shape)  # as qmm launches it
+    source = qmm.DENSE if bits == 16 else qmm.QUANTIZED
+    template = qmm.template(0, bits, group_size, shape)
+    return run(source, inputs, {"y": (M, OUT)}, template, threads, block, header=QMV_HEADER)[0]
+
+
+@pytest.mark.parametrize("M,OUT,IN,group_size,bits,shape", [
+    (5, 40, 128, 64, 4, SMALL),  # rows and features past the tile; two steps of 64 inputs
+    (20, 33, 192, 32, 4, SMALL),  # two block rows, the second part-filled; groups of 32
+    (9, 70, 256, 128, 4, qmm.Tile(16, 64, 2)),  # a warp of two feature groups; groups of 128 span two steps
+    (3, 50, 128, 64, 8, SMALL),  # 8-bit: 4 values a word
+    (17, 24, 64, 32, 8, qmm.Tile(32, 32, 2)),  # one warp for the block's 32 features, 4 row tiles
+])
+def test_emulated_qmm_matches_reference(M, OUT, IN, group_size, bits, shape):
+    inputs, want = quantized_case(M, OUT, IN, group_size, seed=M * OUT + IN + bits, bits=bits)
+    np.testing.assert_allclose(emulated(inputs, bits, group_size, shape), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("M,OUT,IN,shape", [(5, 40, 128, SMALL), (20, 33, 192, qmm.Tile(16, 64, 2))])
+def test_emulated_dense_tiled_matches_reference(M, OUT, IN, shape):
+    rng = np.random.default_rng(M + OUT)
+    x = rng.standard_normal((M, IN)).astype(np.float32)
+    w = (rng.standard_normal((OUT, IN)) * IN**-0.5).astype(np.float32)
+    got = emulated(dict(x=x, w=w), 16, 32, shape)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), atol=1e-5)
+
+
+def test_emulated_qmm_row_is_the_same_bits_in_any_batch():
+    """A row alone and inside batches of 2-40 rows, at any place and in any tile shape, gives the
+    same bits: each output's sum runs over the inputs in a fixed order (steps of 64, four mma each)."""
+    inputs, _ = quantized_case(40, 20, 192, 64, seed=11)
+    x = inputs["x"]
+    alone = np.concatenate([emulated({**inputs, "x": x[i:i + 1]}, 4, 64, SMALL) for i in (0, 17, 39)])
+    for M, shape in ((2, SMALL), (17, qmm.Tile(16, 64, 2)), (40, qmm.Tile(32, 32, 2))):
+        places = {0: 0, M - 1: 2, **({M // 2: 1} if M > 2 else {})}  # place in the batch -> row of `alone`
+        batch = x[:M].copy()
+        batch[list(places)] = x[[(0, 17, 39)[i] for i in places.values()]]
+        got = emulated({**inputs, "x": batch}, 4, 64, shape)
+        for place, i in places.items():
+            assert np.array_equal(got[place], alone[i]), (M, place)
+
+
+def test_qmm_tiles_and_limits():
+    """Tiles of 16-64 rows in 4 warps (two groups of 16 features each), 128 rows in 8 warps; grids
+    of a block per 128 features and per tile of rows; inputs in whole steps of 64."""
+    assert [qmm.tile(m).rows for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert all(qmm.tile(m)[1:] == (128, 2) for m in (1, 64))
+    assert qmm.tile(65) == qmm.tile(4096) == qmm.Tile(128, 128, 1)
+    assert qmm.tile(65).threads == 256 and qmm.tile(8).threads == 128
+    assert qmm.grid(300, 130, qmm.Tile(128, 128, 1)) == ((3 * 256, 2, 1), 256)
+    assert qmm.fits(4096, 4096, 64, 4, mx.bfloat16) and qmm.fits(1, 576, 32, 8, mx.float16)
+    assert qmm.fits(7, 2048, 0, 16, mx.bfloat16)
+    assert not qmm.fits(8, 4096, 64, 4, mx.float32)  # tensor cores: bf16 / fp16 only
+    assert not qmm.fits(8, 4100, 64, 4, mx.bfloat16)  # not whole steps of 64
+    assert not qmm.fits(8, 576, 128, 4, mx.bfloat16)  # not whole groups
+    assert not qmm.fits(8, 4096, 64, 3, mx.bfloat16)
