@@ -16,6 +16,9 @@
 #   quant        mlxfun bench: 1B and 8B ($QUANT_SHAPES), batch 1/8/32/128, bf16 against 4- and 8-bit (peak memory too)
 #   quant-ab     the same, bf16 and q4, then q4 again with MLXFUN_QMV_FEATURES=1 (the product's blocks of one
 #                group of features: the block shapes before qmv.block_shape), $QUANT_BATCHES
+#   tiled-quant  mlxfun bench, bf16 and q4 (and q4 with MLXFUN_TILED_FROM=$TILED_FROM, default 33: quantized
+#                products from that many rows through the tiled kernel, qmm.py, no dense copy), $QUANT_SHAPES, $QUANT_BATCHES
+#   tiled-invariant  invariant-e2e and invariant-cost with MLXFUN_INVARIANT_TILED=1 (the mode's products tiled)
 #   continuous   mlxfun bench --continuous 32: 256 mixed requests, static batches vs continuous (1B)
 #   prefix       mlxfun bench --prefix: 256 requests sharing a 2,000-token prefix, cache off vs on (1B)
 #   speculative  mlxfun bench --speculative --rule-only (1B target, 135M draft)
@@ -92,6 +95,22 @@ for suite in "$@"; do
           --gen-tokens 128 --dtypes bfloat16,q4 --json "$OUT/quant-ab-$shape.json" | tail -12
         MLXFUN_QMV_FEATURES=1 bench ${QUANT_TIMEOUT:-200} --shape $shape --batch-sizes ${QUANT_BATCHES:-1,8,32,128} \
           --prompt-tokens 128 --gen-tokens 128 --dtypes q4 --json "$OUT/quant-ab-$shape-f1.json" | tail -6
+      done ;;
+    tiled-quant)
+      for shape in ${QUANT_SHAPES:-1B 8B}; do
+        bench ${QUANT_TIMEOUT:-200} --shape $shape --batch-sizes ${QUANT_BATCHES:-1,8,32,128} --prompt-tokens 128 \
+          --gen-tokens 128 --dtypes bfloat16,q4 --json "$OUT/tiled-quant-$shape-base.json" | tail -12
+        MLXFUN_TILED_FROM=${TILED_FROM:-33} bench ${QUANT_TIMEOUT:-200} --shape $shape \
+          --batch-sizes ${QUANT_BATCHES:-1,8,32,128} --prompt-tokens 128 --gen-tokens 128 --dtypes q4 \
+          --json "$OUT/tiled-quant-$shape.json" | tail -6
+      done ;;
+    tiled-invariant)
+      MLXFUN_INVARIANT_TILED=1 timeout ${INVARIANT_TIMEOUT:-240} python3 benchmarks/invariant_e2e.py \
+        --models ${INVARIANT_MODELS:-bf16,fp16,q4} --json "$OUT/tiled-invariant-e2e.json" | tail -20
+      for shape in ${INVARIANT_SHAPES:-1B 8B}; do
+        MLXFUN_INVARIANT_TILED=1 bench ${INVARIANT_COST_TIMEOUT:-280} --shape $shape --batch-sizes 1,8,32,128 \
+          --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16 --batch-invariant \
+          --json "$OUT/tiled-invariant-cost-$shape.json" | tail -12
       done ;;
     continuous) bench 300 --shape 1B --continuous 32 --prompts 256 --json "$OUT/continuous-1B.json" ;;
     prefix) bench 300 --shape 1B --prefix --prompts 256 --rows 256 --json "$OUT/prefix-1B.json" ;;

@@ -74,3 +74,46 @@ def test_qmm_tiles_and_limits():
     assert not qmm.fits(8, 4100, 64, 4, mx.bfloat16)  # not whole steps of 64
     assert not qmm.fits(8, 576, 128, 4, mx.bfloat16)  # not whole groups
     assert not qmm.fits(8, 4096, 64, 3, mx.bfloat16)
+
+
+def test_tiled_settings():
+    """The two settings a benchmark tries the tiled product with, read once at import."""
+    assert qmm.tiled_from("") is None and qmm.tiled_from("33") == 33
+    assert not qmm.invariant_tiled("") and not qmm.invariant_tiled("0") and qmm.invariant_tiled("1")
+    for bad in ("0", "x", "-4"):
+        with pytest.raises(ValueError, match="MLXFUN_TILED_FROM"):
+            qmm.tiled_from(bad)
+    with pytest.raises(ValueError, match="MLXFUN_INVARIANT_TILED"):
+        qmm.invariant_tiled("yes")
+    assert qmm.FROM_ROWS is None and not qmm.INVARIANT  # off unless set: nothing calls it by default
+
+
+def test_tiled_settings_route_products(monkeypatch):
+    """MLXFUN_TILED_FROM: quantized products of that many rows or more run `qmm.product` (fewer keep
+    `qmv`); MLXFUN_INVARIANT_TILED: the batch-invariant products run it at every row count, dense
+    maps through `qmm.dense` and quantized ones as they are (no dequantized copy)."""
+    from mlxfun.kernels import attention as kernels
+    from mlxfun.kernels import qmv
+    from mlxfun.model import llama
+
+    calls = []
+    monkeypatch.setattr(kernels, "available", lambda dtype: True)
+    monkeypatch.setattr(qmm, "product", lambda x, w, s, b, gs, bits=4: calls.append(("qmm", x.shape[0], bits))
+                        or mx.zeros((x.shape[0], w.shape[0]), x.dtype))
+    monkeypatch.setattr(qmm, "dense", lambda x, w: calls.append(("dense", x.shape[0])) or x @ w.T)
+    monkeypatch.setattr(qmv, "product", lambda x, w, s, b, gs, bits=4: calls.append(("qmv", x.shape[0], bits))
+                        or mx.zeros((x.shape[0], w.shape[0]), x.dtype))
+    w = mx.random.normal((64, 128)).astype(mx.bfloat16)
+    dense, quant = llama.Dense(w), llama.Quantized(*mx.quantize(w, group_size=64, bits=4))
+    monkeypatch.setattr(qmm, "FROM_ROWS", 16)
+    for rows in (8, 16, 300):
+        llama.linear(quant, mx.zeros((rows, 128), mx.bfloat16), fast=True)
+    assert calls == [("qmv", 8, 4), ("qmm", 16, 4), ("qmm", 300, 4)]
+    calls.clear()
+    monkeypatch.setattr(qmm, "FROM_ROWS", None)
+    monkeypatch.setattr(qmm, "INVARIANT", True)
+    for rows in (1, 9, 300):
+        x = mx.zeros((rows, 128), mx.bfloat16)
+        llama.linear(dense, x, invariant=True)
+        llama.linear(quant, x, invariant=True)
+    assert calls == [("dense", 1), ("qmm", 1, 4), ("dense", 9), ("qmm", 9, 4), ("dense", 300), ("qmm", 300, 4)]

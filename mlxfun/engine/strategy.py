@@ -19,7 +19,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from mlxfun.kernels import blas, qmv
+from mlxfun.kernels import blas, qmm, qmv
 from mlxfun.model import weights
 from mlxfun.model.config import ModelConfig
 from mlxfun.model.llama import Params, Quantized, quant_shape
@@ -58,7 +58,9 @@ class WeightStrategy:
 # maps summed) it takes 0.82x bf16's time at 8 rows, 0.87x at 16, 1.12x at 32, 1.9x at 128: so
 # decode batches of up to 32 rows keep the 4-bit weights, and larger ones run a dense copy where it
 # fits (8B 4-bit at batch 128: 3,840 tok/s on the product against 10,662 for bf16).
-GPU = WeightStrategy(dense_from=qmv.SIMT_ROWS + 1, prompt_dense_from=512, kernel_bits=(4, 8), kernel_rows=32)
+# With MLXFUN_TILED_FROM set (a benchmark's trial of `qmm`, the tiled product), no batch copies.
+GPU = WeightStrategy(dense_from=qmv.SIMT_ROWS + 1, prompt_dense_from=512, kernel_bits=(4, 8),
+                     kernel_rows=32 if qmm.FROM_ROWS is None else 1 << 30)
 CPU = WeightStrategy(dense_from=None)
 # With a system BLAS (mlxfun.kernels.blas) float32 products run 2.6x faster at one row and 10-20x from 8,
 # while the 4-bit kernels stay as they were: the copy wins at every batch size.

@@ -12,8 +12,12 @@ inputs: its order is fixed by IN alone, whatever the rows, their number or the t
 property `batch_invariant` needs).
 
 Not yet measured on a GPU: it is checked on the CPU through `tests/cuda_emulator.py` (PTX's
-fragment layouts) and against ptxas for registers and shared memory; nothing calls it by default.
-`benchmarks/qmv_shapes.py` times it beside `qmv` and bf16 (column `tiled`).
+fragment layouts) and against ptxas for registers and shared memory. Nothing calls it by default;
+two settings, read once at import, let a benchmark try it in a process of its own:
+`MLXFUN_TILED_FROM=N` runs quantized products of N rows or more through it (prompts included, and
+no dense copy of the weights at any batch), and `MLXFUN_INVARIANT_TILED=1` makes it the
+batch-invariant mode's product (`llama.linear(..., invariant=True)`) at every row count, quantized
+maps included without a dequantized copy. `benchmarks/qmv_shapes.py` times it beside `qmv` and bf16.
 
 MLX's affine format: w (OUT, IN * BITS / 32) uint32, value k of a word in bits [BITS k, BITS
 (k + 1)), in input order; scales, biases (OUT, IN / GS); a weight is q * scale + bias.
@@ -21,6 +25,7 @@ MLX's affine format: w (OUT, IN * BITS / 32) uint32, value k of a word in bits [
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -137,6 +142,29 @@ DENSE = compact(_BODY.replace("LOAD_W", _LOAD_DENSE))
 QUANTIZED = compact(_BODY.replace("LOAD_W", _LOAD_QUANTIZED))
 
 STEP = 64  # inputs a block stages per step
+
+FROM_ENV, INVARIANT_ENV = "MLXFUN_TILED_FROM", "MLXFUN_INVARIANT_TILED"
+
+
+def tiled_from(setting: str) -> int | None:
+    """$MLXFUN_TILED_FROM -> the rows from which quantized products run `product` (None: unset, never)."""
+    setting = setting.strip()
+    if not setting:
+        return None
+    if not setting.isdigit() or int(setting) < 1:
+        raise ValueError(f"{FROM_ENV}={setting!r}: expected a row count of 1 or more, or unset")
+    return int(setting)
+
+
+def invariant_tiled(setting: str) -> bool:
+    """$MLXFUN_INVARIANT_TILED -> whether the batch-invariant products run here."""
+    if setting.strip() not in ("", "0", "1"):
+        raise ValueError(f"{INVARIANT_ENV}={setting!r}: expected 1 (on), 0 or unset (off)")
+    return setting.strip() == "1"
+
+
+FROM_ROWS = tiled_from(os.environ.get(FROM_ENV, ""))
+INVARIANT = invariant_tiled(os.environ.get(INVARIANT_ENV, ""))
 
 
 class Tile(NamedTuple):

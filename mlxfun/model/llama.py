@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from mlxfun.errors import InputError
 from mlxfun.kernels import attention as kernels
-from mlxfun.kernels import dmv, qmv
+from mlxfun.kernels import dmv, qmm, qmv
 from mlxfun.model import cache as kv
 from mlxfun.model import masks
 from mlxfun.model.config import ModelConfig
@@ -95,7 +95,10 @@ def linear(p: Linear, x: mx.array, fast: bool = False, invariant: bool = False) 
         y = _invariant_product(p, rows)
     elif isinstance(p, Quantized):
         group_size, bits = quant_shape(p, x.shape[-1])
-        if fast and kernels.available(x.dtype) and qmv.fits(rows.shape[0], x.shape[-1], group_size, bits, x.dtype):
+        if qmm.FROM_ROWS and rows.shape[0] >= qmm.FROM_ROWS and kernels.available(x.dtype) and \
+                qmm.fits(rows.shape[0], x.shape[-1], group_size, bits, x.dtype):
+            y = qmm.product(rows, p.weight, p.scales, p.biases, group_size, bits)  # (MLXFUN_TILED_FROM)
+        elif fast and kernels.available(x.dtype) and qmv.fits(rows.shape[0], x.shape[-1], group_size, bits, x.dtype):
             y = qmv.product(rows, p.weight, p.scales, p.biases, group_size, bits)
         elif kernels.available(x.dtype) and rows.shape[0] > qmv.MAX_ROWS:
             # MLX's 4-bit product costs about 1 us per row on an 8B map: a transient dense map is cheaper.
@@ -114,6 +117,13 @@ def linear(p: Linear, x: mx.array, fast: bool = False, invariant: bool = False) 
 def _invariant_product(p: Linear, rows: mx.array) -> mx.array:
     """rows (M, in) @ p -> (M, out) by `dmv` at any M: the same bits for a row whatever M. A
     quantized map is dequantized first (exact, elementwise: the same dense map for every batch)."""
+    if qmm.INVARIANT:  # (MLXFUN_INVARIANT_TILED) one sum order at every M, quantized maps read as they are
+        if isinstance(p, Quantized):
+            group_size, bits = quant_shape(p, rows.shape[-1])
+            if qmm.fits(rows.shape[0], rows.shape[-1], group_size, bits, rows.dtype):
+                return qmm.product(rows, p.weight, p.scales, p.biases, group_size, bits)
+        elif p.weight.dtype == rows.dtype and qmm.fits(rows.shape[0], rows.shape[-1], 0, 16, rows.dtype):
+            return qmm.dense(rows, p.weight)
     w = dequantize(p, rows.shape[-1]).astype(rows.dtype) if isinstance(p, Quantized) else p.weight
     if not dmv.invariant_fits(rows, w):
         raise InputError(f"batch_invariant: no batch-invariant product for {w.dtype} weights over "
