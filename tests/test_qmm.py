@@ -67,6 +67,8 @@ def test_qmm_tiles_and_limits():
     assert all(qmm.tile(m)[1:] == (128, 2) for m in (1, 64))
     assert qmm.tile(65) == qmm.tile(4096) == qmm.Tile(128, 128, 1)
     assert qmm.tile(65).threads == 256 and qmm.tile(8).threads == 128
+    # both tiles in static shared memory (48 KB), rows padded by 8 values of 2 bytes
+    assert all((t.rows + t.features) * (qmm.STEP + 8) * 2 <= 48 * 1024 for t in map(qmm.tile, (1, 64, 65)))
     assert qmm.grid(300, 130, qmm.Tile(128, 128, 1)) == ((3 * 256, 2, 1), 256)
     assert qmm.fits(4096, 4096, 64, 4, mx.bfloat16) and qmm.fits(1, 576, 32, 8, mx.float16)
     assert qmm.fits(7, 2048, 0, 16, mx.bfloat16)

@@ -63,8 +63,7 @@ _BODY = r"""
                 #pragma unroll
                 for (int e = 0; e < 8; ++e) xv[e] = static_cast<T>(0.f);
             }
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) xs[r][8 * v + e] = xv[e];
+            *reinterpret_cast<AlignedVector<T, 8>*>(&xs[r][8 * v]) = xv;  // rows of 144 bytes: 16-byte aligned
         }
         LOAD_W
         __syncthreads();
@@ -74,16 +73,16 @@ _BODY = r"""
             #pragma unroll
             for (int i = 0; i < FW; ++i) {  // A register r: feature g + 8 (r & 1), inputs 2 t + 8 (r >> 1) + {0, 1}
                 const int f = 16 * (FW * warp + i) + g;
-                a[i][0] = qmv_pack<T>(ws[f][kk + 2 * t], ws[f][kk + 2 * t + 1]);
-                a[i][1] = qmv_pack<T>(ws[f + 8][kk + 2 * t], ws[f + 8][kk + 2 * t + 1]);
-                a[i][2] = qmv_pack<T>(ws[f][kk + 2 * t + 8], ws[f][kk + 2 * t + 9]);
-                a[i][3] = qmv_pack<T>(ws[f + 8][kk + 2 * t + 8], ws[f + 8][kk + 2 * t + 9]);
+                a[i][0] = *reinterpret_cast<const Pair*>(&ws[f][kk + 2 * t]);  // two values a 32-bit load
+                a[i][1] = *reinterpret_cast<const Pair*>(&ws[f + 8][kk + 2 * t]);
+                a[i][2] = *reinterpret_cast<const Pair*>(&ws[f][kk + 2 * t + 8]);
+                a[i][3] = *reinterpret_cast<const Pair*>(&ws[f + 8][kk + 2 * t + 8]);
             }
             #pragma unroll
             for (int n = 0; n < NT; ++n) {  // B register r: inputs 2 t + 8 r + {0, 1}, row g of tile n
                 const int r = 8 * n + g;
-                Pair b[2] = {qmv_pack<T>(xs[r][kk + 2 * t], xs[r][kk + 2 * t + 1]),
-                             qmv_pack<T>(xs[r][kk + 2 * t + 8], xs[r][kk + 2 * t + 9])};
+                Pair b[2] = {*reinterpret_cast<const Pair*>(&xs[r][kk + 2 * t]),
+                             *reinterpret_cast<const Pair*>(&xs[r][kk + 2 * t + 8])};
                 #pragma unroll
                 for (int i = 0; i < FW; ++i) qmv_mma<T>(c[i][n], a[i], b);
             }
@@ -115,8 +114,7 @@ _LOAD_DENSE = r"""
             #pragma unroll
             for (int e = 0; e < 8; ++e) wv[e] = static_cast<T>(0.f);
         }
-        #pragma unroll
-        for (int e = 0; e < 8; ++e) ws[f][8 * v + e] = wv[e];
+        *reinterpret_cast<AlignedVector<T, 8>*>(&ws[f][8 * v]) = wv;
     }
 """
 _LOAD_QUANTIZED = r"""
@@ -129,12 +127,15 @@ _LOAD_QUANTIZED = r"""
             const int64_t group = (int64_t)feature * (IN / GS) + k / GS;
             const float s = static_cast<float>(scales[group]), b = static_cast<float>(biases[group]);
             #pragma unroll
-            for (int e = 0; e < PER_WORD; ++e) {
-                ws[f][PER_WORD * j + e] = static_cast<T>(static_cast<float>((word >> (BITS * e)) & MASK) * s + b);
+            for (int e = 0; e < PER_WORD; e += 2) {  // two values a 32-bit store
+                const T lo = static_cast<T>(static_cast<float>((word >> (BITS * e)) & MASK) * s + b);
+                const T hi = static_cast<T>(static_cast<float>((word >> (BITS * (e + 1))) & MASK) * s + b);
+                *reinterpret_cast<Pair*>(&ws[f][PER_WORD * j + e]) = qmv_pack<T>(lo, hi);
             }
         } else {
+            const Pair zero = qmv_pack<T>(static_cast<T>(0.f), static_cast<T>(0.f));
             #pragma unroll
-            for (int e = 0; e < PER_WORD; ++e) ws[f][PER_WORD * j + e] = static_cast<T>(0.f);
+            for (int e = 0; e < PER_WORD; e += 2) *reinterpret_cast<Pair*>(&ws[f][PER_WORD * j + e]) = zero;
         }
     }
 """

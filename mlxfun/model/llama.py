@@ -88,7 +88,8 @@ def linear(p: Linear, x: mx.array, fast: bool = False, invariant: bool = False) 
     and dense weights at 2 to `dmv.MAX_ROWS` rows its few-row product where enabled (`dmv`); they
     have no gradient. `invariant` (`ModelConfig.batch_invariant`): on CUDA, bf16 and fp16 products
     at every row count run `dmv`, whose sums do not depend on the rows (quantized maps dequantized
-    for it, one map at a time); no gradient either."""
+    for it, one map at a time); no gradient either. (`qmm`'s settings, a benchmark's trial of the
+    tiled product, reroute quantized and invariant products to it.)"""
     # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
     rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
     if invariant and kernels.available(x.dtype) and x.dtype != mx.float32:
