@@ -55,7 +55,7 @@ class WeightStrategy:
 # (0.8 s and 540 MB for SmolLM2) buys little there: the CPU keeps the quantized kernels.
 # mlxfun's product runs bf16 / fp16 rows on tensor cores (the weights dequantized in registers). Per
 # product on an H100 (benchmarks/results/h100/2026-12-06-qmv-shapes.json, 4-bit, the 1B and 8B
-# maps summed) it takes 0.82x bf16's time at 8 rows, 0.87x at 16, 1.12x at 32, 1.9x at 128: so
+# maps summed, chained) it takes 0.90x bf16's time at 8 rows, 0.87x at 16, 1.12x at 32, 1.9x at 128: so
 # decode batches of up to 32 rows keep the 4-bit weights, and larger ones run a dense copy where it
 # fits (8B 4-bit at batch 128: 3,840 tok/s on the product against 10,662 for bf16).
 # With MLXFUN_TILED_FROM set (a benchmark's trial of `qmm`, the tiled product), no batch copies.
