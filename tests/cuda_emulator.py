@@ -48,6 +48,10 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
     return r;
 }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+// Blocks run one after another, so a block's atomics and fences see every earlier block's writes.
+inline int atomicAdd(int* p, int v) { const int old = *p; *p += v; return old; }
+inline void __threadfence() {}
+template <typename T> T __ldcg(const T* p) { return *p; }
 inline float __int_as_float(int v) { return std::bit_cast<float>(v); }
 struct uint4 { uint32_t x, y, z, w; };
 template <typename T, int N> struct AlignedVector {
@@ -115,9 +119,12 @@ CTYPES = {np.dtype(np.float32): "float", np.dtype(np.bool_): "bool", np.dtype(np
 
 
 def run(source: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple], template: list,
-        grid: tuple[int, int, int], threads: int, header: str = "") -> list[np.ndarray]:
+        grid: tuple[int, int, int], threads: int, header: str = "",
+        output_dtypes: dict[str, np.dtype] | None = None) -> list[np.ndarray]:
     """The kernel body `source` over `inputs`, MLX's grid convention (grid in threads along x);
-    `header` (C++) goes before the kernel, as `mx.fast.cuda_kernel`'s does."""
+    `header` (C++) goes before the kernel, as `mx.fast.cuda_kernel`'s does. Outputs start at zero,
+    float32 unless `output_dtypes` names another (int32)."""
+    types = {name: np.dtype((output_dtypes or {}).get(name, np.float32)) for name in outputs}
     params, args = [], []
     for i, (name, a) in enumerate(inputs.items()):
         params.append(f"const {CTYPES[a.dtype]}* {name}")
@@ -126,8 +133,8 @@ def run(source: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple], t
             params.append(f"const Shape {name}_shape")
             args.append("Shape{" + ", ".join(map(str, a.shape)) + "}")
     for j, name in enumerate(outputs):
-        params.append(f"float* {name}")
-        args.append(f"(float*)p[{len(inputs) + j}]")
+        params.append(f"{CTYPES[types[name]]}* {name}")
+        args.append(f"({CTYPES[types[name]]}*)p[{len(inputs) + j}]")
     consts = "".join(f"  using {k} = float;\n" if k == "T" else f"  constexpr int {k} = {v};\n" for k, v in template)
     code = (PRELUDE + header + "void kernel(" + ", ".join(params) + ") {\n" + consts + source + "\n}\n"
             'extern "C" void run(void** p) { launch([&] { kernel(' + ", ".join(args) + "); }, dim3{"
@@ -137,7 +144,7 @@ def run(source: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple], t
         src.write_text(code)
         subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread", str(src), "-o", str(lib)],
                        check=True)
-        outs = [np.zeros(shape, np.float32) for shape in outputs.values()]
+        outs = [np.zeros(shape, types[name]) for name, shape in outputs.items()]
         arrays = [np.ascontiguousarray(a) for a in inputs.values()] + outs
         ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
         ctypes.CDLL(str(lib)).run(ptrs)

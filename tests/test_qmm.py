@@ -16,12 +16,16 @@ from mlxfun.kernels import qmm
 SMALL = qmm.Tile(16, 32, 1)  # 2 warps: an emulated block is one OS thread per CUDA thread
 
 
-def emulated(inputs: dict, bits: int, group_size: int, shape: qmm.Tile) -> np.ndarray:
+def emulated(inputs: dict, bits: int, group_size: int, shape: qmm.Tile, split: int = 1) -> np.ndarray:
     M, OUT = inputs["x"].shape[0], inputs["w"].shape[0]
-    threads, block = qmm.grid(OUT, M, shape)  # as qmm launches it
-    source = qmm.DENSE if bits == 16 else qmm.QUANTIZED
-    template = qmm.template(0, bits, group_size, shape)
-    return run(source, inputs, {"y": (M, OUT)}, template, threads, block, header=QMV_HEADER)[0]
+    threads, block = qmm.grid(OUT, M, shape, split)  # as qmm launches it
+    source = qmm.SOURCES[bits == 16, split > 1]
+    template = qmm.template(0, bits, group_size, shape, split)
+    outputs = {"y": (M, OUT)}
+    if split > 1:  # partial sums and a counter per tile, as qmm launches it (zeroed)
+        outputs |= {"part": (split, M, OUT), "count": (-(-M // shape.rows) * -(-OUT // shape.features),)}
+    return run(source, inputs, outputs, template, threads, block, header=QMV_HEADER,
+               output_dtypes={"count": np.int32})[0]
 
 
 @pytest.mark.parametrize("M,OUT,IN,group_size,bits,shape", [
@@ -45,9 +49,36 @@ def test_emulated_dense_tiled_matches_reference(M, OUT, IN, shape):
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), atol=1e-5)
 
 
+@pytest.mark.parametrize("M,OUT,IN,bits,split", [(5, 40, 256, 4, 2), (20, 33, 512, 4, 4), (3, 50, 256, 16, 4),
+                                                 (9, 24, 256, 8, 2)])
+def test_emulated_split_inputs_match_reference(M, OUT, IN, bits, split):
+    """The inputs in S splits: each block's partial sums, then the last block of a tile adds them
+    (several tiles along both axes, rows and features past the tiles, 4-, 8-bit and dense)."""
+    if bits == 16:
+        rng = np.random.default_rng(M + OUT + IN)
+        x = rng.standard_normal((M, IN)).astype(np.float32)
+        w = (rng.standard_normal((OUT, IN)) * IN**-0.5).astype(np.float32)
+        inputs, want = dict(x=x, w=w), x.astype(np.float64) @ w.T.astype(np.float64)
+    else:
+        inputs, want = quantized_case(M, OUT, IN, 64, seed=M * OUT + IN + split, bits=bits)
+    np.testing.assert_allclose(emulated(inputs, bits, 64, SMALL, split), want, atol=1e-5)
+
+
+def test_splits_follow_the_map_and_the_blocks():
+    """Splits bring a launch toward 264 blocks, each of at least 4 steps of 64 inputs: the 1B's
+    2,048 x 2,048 map (16 blocks of features) 8 splits of 256 inputs; an 8B MLP map with as many
+    blocks as wanted, none; more row blocks, fewer splits (the invariant mode asks with one)."""
+    assert qmm.splits(2048, 2048, 1) == 8
+    assert qmm.splits(4096, 14336, 1) == 8  # 32 blocks x 8; 224 steps of 64, 28 a split
+    assert qmm.splits(28672, 4096, 1) == 1  # 224 blocks already
+    assert qmm.splits(2048, 2048, 8) == 2 and qmm.splits(2048, 2048, 32) == 1
+    assert qmm.splits(2048, 192, 1) == 1  # 3 steps: no split of 4
+
+
 def test_emulated_qmm_row_is_the_same_bits_in_any_batch():
     """A row alone and inside batches of 2-40 rows, at any place and in any tile shape, gives the
-    same bits: each output's sum runs over the inputs in a fixed order (steps of 64, four mma each)."""
+    same bits: each output's sum runs over the inputs in a fixed order (steps of 64, four mma each),
+    at one split as at three (the splits follow the map alone in the invariant mode)."""
     inputs, _ = quantized_case(40, 20, 192, 64, seed=11)
     x = inputs["x"]
     alone = np.concatenate([emulated({**inputs, "x": x[i:i + 1]}, 4, 64, SMALL) for i in (0, 17, 39)])
@@ -58,6 +89,9 @@ def test_emulated_qmm_row_is_the_same_bits_in_any_batch():
         got = emulated({**inputs, "x": batch}, 4, 64, shape)
         for place, i in places.items():
             assert np.array_equal(got[place], alone[i]), (M, place)
+    alone = np.concatenate([emulated({**inputs, "x": x[i:i + 1]}, 4, 64, SMALL, 3) for i in (0, 39)])
+    got = emulated(inputs, 4, 64, qmm.Tile(32, 32, 2), 3)
+    assert np.array_equal(got[[0, 39]], alone)
 
 
 def test_qmm_tiles_and_limits():
@@ -100,9 +134,10 @@ def test_tiled_settings_route_products(monkeypatch):
 
     calls = []
     monkeypatch.setattr(kernels, "available", lambda dtype: True)
-    monkeypatch.setattr(qmm, "product", lambda x, w, s, b, gs, bits=4: calls.append(("qmm", x.shape[0], bits))
-                        or mx.zeros((x.shape[0], w.shape[0]), x.dtype))
-    monkeypatch.setattr(qmm, "dense", lambda x, w: calls.append(("dense", x.shape[0])) or x @ w.T)
+    monkeypatch.setattr(qmm, "product", lambda x, w, s, b, gs, bits=4, invariant=False: calls.append(
+        ("qmm", x.shape[0], bits, invariant)) or mx.zeros((x.shape[0], w.shape[0]), x.dtype))
+    monkeypatch.setattr(qmm, "dense", lambda x, w, invariant=False: calls.append(("dense", x.shape[0], invariant))
+                        or x @ w.T)
     monkeypatch.setattr(qmv, "product", lambda x, w, s, b, gs, bits=4: calls.append(("qmv", x.shape[0], bits))
                         or mx.zeros((x.shape[0], w.shape[0]), x.dtype))
     w = mx.random.normal((64, 128)).astype(mx.bfloat16)
@@ -110,7 +145,7 @@ def test_tiled_settings_route_products(monkeypatch):
     monkeypatch.setattr(qmm, "FROM_ROWS", 16)
     for rows in (8, 16, 300):
         llama.linear(quant, mx.zeros((rows, 128), mx.bfloat16), fast=True)
-    assert calls == [("qmv", 8, 4), ("qmm", 16, 4), ("qmm", 300, 4)]
+    assert calls == [("qmv", 8, 4), ("qmm", 16, 4, False), ("qmm", 300, 4, False)]
     calls.clear()
     monkeypatch.setattr(qmm, "FROM_ROWS", None)
     monkeypatch.setattr(qmm, "INVARIANT", True)
@@ -118,4 +153,4 @@ def test_tiled_settings_route_products(monkeypatch):
         x = mx.zeros((rows, 128), mx.bfloat16)
         llama.linear(dense, x, invariant=True)
         llama.linear(quant, x, invariant=True)
-    assert calls == [("dense", 1), ("qmm", 1, 4), ("dense", 9), ("qmm", 9, 4), ("dense", 300), ("qmm", 300, 4)]
+    assert calls == [c for rows in (1, 9, 300) for c in (("dense", rows, True), ("qmm", rows, 4, True))]

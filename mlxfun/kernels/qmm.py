@@ -8,8 +8,10 @@ dequantized once, by the whole block) in shared memory, and its warps multiply t
 there: x is read once per BN features, W once per BM rows, and no dense weights reach memory.
 
 Each output's sum runs over the inputs in steps of 64, in order, each step as four mma of 16
-inputs: its order is fixed by IN alone, whatever the rows, their number or the tile (the same
-property `batch_invariant` needs).
+inputs. A map with few blocks of features (a 1B's 2,048 outputs: 16 blocks) splits its inputs into
+S parts (`splits`), each block storing float32 partial sums that the tile's last block adds in
+split order. So each sum's order is fixed by IN and S, whatever the rows, their number or the
+tile; the batch-invariant mode picks S by the map alone.
 
 Not yet measured on a GPU: it is checked on the CPU through `tests/cuda_emulator.py` (PTX's
 fragment layouts) and against ptxas for registers and shared memory. Nothing calls it by default;
@@ -43,6 +45,7 @@ _BODY = r"""
     // that a fragment's 32 lanes read 32 different banks.
     constexpr int BK = 64, PAD = 8, NT = BM / 8, THREADS = 32 * (BN / (16 * FW));
     const int M = x_shape[0], IN = x_shape[1], OUT = w_shape[0];
+    const int K0 = blockIdx.z * (IN / S), K1 = K0 + IN / S;  // split blockIdx.z of S: these inputs
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int fb = blockIdx.x * BN, rb = blockIdx.y * BM;
     __shared__ T xs[BM][BK + PAD];
@@ -53,7 +56,7 @@ _BODY = r"""
         #pragma unroll
         for (int n = 0; n < NT; ++n) c[i][n][0] = c[i][n][1] = c[i][n][2] = c[i][n][3] = 0.f;
     }
-    for (int k0 = 0; k0 < IN; k0 += BK) {
+    for (int k0 = K0; k0 < K1; k0 += BK) {
         for (int i = tid; i < BM * 8; i += THREADS) {  // x: 8 values a load
             const int r = i >> 3, v = i & 7, row = rb + r;
             AlignedVector<T, 8> xv;
@@ -96,7 +99,32 @@ _BODY = r"""
             #pragma unroll
             for (int e = 0; e < 4; ++e) {  // c[e]: feature g (+ 8 for e >= 2), row 2 t + e % 2 of tile n
                 const int f = fb + 16 * (FW * warp + i) + g + 8 * (e >> 1), row = rb + 8 * n + 2 * t + (e & 1);
-                if (f < OUT && row < M) y[(int64_t)row * OUT + f] = static_cast<T>(c[i][n][e]);
+                if (f < OUT && row < M) STORE;
+            }
+        }
+    }
+    SPLIT_SUM
+"""
+
+# One split: each output stored at once. S splits: each block stores its partial sums in float32;
+# the last of a tile's S blocks to finish (a counter per tile) adds the S partials in split order
+# and stores the outputs: the same order whichever block finishes last.
+_STORE = "y[(int64_t)row * OUT + f] = static_cast<T>(c[i][n][e])"
+_STORE_PART = "part[((int64_t)blockIdx.z * M + row) * OUT + f] = c[i][n][e]"
+_SPLIT_SUM = r"""
+    __threadfence();  // the partials visible to the block that adds them
+    __syncthreads();
+    __shared__ int last;
+    if (tid == 0) last = atomicAdd(&count[blockIdx.y * gridDim.x + blockIdx.x], 1) == S - 1;
+    __syncthreads();
+    if (last) {
+        __threadfence();
+        for (int i = tid; i < BM * BN; i += THREADS) {
+            const int row = rb + i / BN, f = fb + i % BN;
+            if (row < M && f < OUT) {
+                float v = 0.f;
+                for (int q = 0; q < S; ++q) v += __ldcg(part + ((int64_t)q * M + row) * OUT + f);
+                y[(int64_t)row * OUT + f] = static_cast<T>(v);
             }
         }
     }
@@ -139,8 +167,17 @@ _LOAD_QUANTIZED = r"""
         }
     }
 """
-DENSE = compact(_BODY.replace("LOAD_W", _LOAD_DENSE))
-QUANTIZED = compact(_BODY.replace("LOAD_W", _LOAD_QUANTIZED))
+
+
+def source(bits: int, split: bool) -> str:
+    """The kernel for dense (16) or quantized W, in one split or several."""
+    body = _BODY.replace("LOAD_W", _LOAD_DENSE if bits == 16 else _LOAD_QUANTIZED)
+    body = body.replace("STORE", _STORE_PART if split else _STORE)
+    return compact(body.replace("SPLIT_SUM", _SPLIT_SUM if split else ""))
+
+
+# (dense, split) -> the kernel's source (4- and 8-bit share one: BITS is a template constant).
+SOURCES = {(dense, split): source(16 if dense else 4, split) for dense in (False, True) for split in (False, True)}
 
 STEP = 64  # inputs a block stages per step
 
@@ -193,34 +230,61 @@ def fits(rows: int, in_features: int, group_size: int, bits: int, dtype: mx.Dtyp
     return dtype in (mx.bfloat16, mx.float16) and rows >= 1 and in_features % STEP == 0 and quantized_ok
 
 
-def grid(out_features: int, rows: int, shape: Tile) -> tuple[tuple[int, int, int], int]:
-    """(grid in threads, threads per block): a block per BN features and BM rows."""
-    return (shape.threads * -(-out_features // shape.features), -(-rows // shape.rows), 1), shape.threads
+# Blocks a launch aims for: two per SM of an H100 or H200 (132).
+TARGET_BLOCKS = 264
+MAX_SPLITS = 16
 
 
-def template(dtype, bits: int, group_size: int, shape: Tile) -> list:
+def splits(out_features: int, in_features: int, row_blocks: int) -> int:
+    """S, the splits of the inputs: a power of two that brings the grid's blocks toward
+    TARGET_BLOCKS, each split at least 4 steps of 64 (a 1B's 2,048 x 2,048 map makes 16 blocks of
+    128 features for a row block). The batch-invariant mode asks with one row block, so that S,
+    and with it each sum's order, depends on the map alone."""
+    blocks, steps, s = -(-out_features // 128) * row_blocks, in_features // STEP, 1
+    while 2 * s <= MAX_SPLITS and blocks * 2 * s <= TARGET_BLOCKS and steps % (2 * s) == 0 and steps // (2 * s) >= 4:
+        s *= 2
+    return s
+
+
+def grid(out_features: int, rows: int, shape: Tile, split: int = 1) -> tuple[tuple[int, int, int], int]:
+    """(grid in threads, threads per block): a block per BN features, BM rows and split."""
+    return (shape.threads * -(-out_features // shape.features), -(-rows // shape.rows), split), shape.threads
+
+
+def template(dtype, bits: int, group_size: int, shape: Tile, split: int = 1) -> list:
     """The kernel's template constants (the dense kernel has no BITS or GS)."""
     quantized = [("BITS", bits), ("GS", group_size)] if bits != 16 else []
-    return [("T", dtype), *quantized, ("BM", shape.rows), ("BN", shape.features), ("FW", shape.per_warp)]
+    return [("T", dtype), *quantized, ("BM", shape.rows), ("BN", shape.features), ("FW", shape.per_warp),
+            ("S", split)]
 
 
 def _launch(x: mx.array, inputs: list[mx.array], names: list[str], out: int, group_size: int, bits: int,
-            shape: Tile | None) -> mx.array:
-    M = x.shape[0]
+            shape: Tile | None, invariant: bool) -> mx.array:
+    M, IN = x.shape
     shape = tile(M) if shape is None else shape
-    kernel = mx.fast.cuda_kernel(name="mlxfun_qmm_dense" if bits == 16 else "mlxfun_qmm", input_names=names,
-                                 output_names=["y"], source=DENSE if bits == 16 else QUANTIZED, header=MMA_HEADER)
-    threads, block = grid(out, M, shape)
-    return kernel(inputs=inputs, template=template(x.dtype, bits, group_size, shape), grid=threads,
-                  threadgroup=(block, 1, 1), output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]
+    row_blocks = -(-M // shape.rows)
+    S = splits(out, IN, 1 if invariant else row_blocks)
+    kernel = mx.fast.cuda_kernel(name=f"mlxfun_qmm{'_dense' if bits == 16 else ''}{'_split' if S > 1 else ''}",
+                                 input_names=names, output_names=["y", "part", "count"] if S > 1 else ["y"],
+                                 source=SOURCES[bits == 16, S > 1], header=MMA_HEADER)
+    threads, block = grid(out, M, shape, S)
+    if S == 1:
+        outputs = dict(output_shapes=[(M, out)], output_dtypes=[x.dtype])
+    else:  # partial sums, and a counter per tile (zeroed: init_value)
+        outputs = dict(output_shapes=[(M, out), (S, M, out), (row_blocks * -(-out // shape.features),)],
+                       output_dtypes=[x.dtype, mx.float32, mx.int32], init_value=0)
+    return kernel(inputs=inputs, template=template(x.dtype, bits, group_size, shape, S), grid=threads,
+                  threadgroup=(block, 1, 1), **outputs)[0]
 
 
 def product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int = 4,
-            shape: Tile | None = None) -> mx.array:
-    """x (M, IN) @ dequantize(w, scales, biases)^T -> (M, OUT), 4- or 8-bit w; needs `fits`."""
-    return _launch(x, [x, w, scales, biases], ["x", "w", "scales", "biases"], w.shape[0], group_size, bits, shape)
+            shape: Tile | None = None, invariant: bool = False) -> mx.array:
+    """x (M, IN) @ dequantize(w, scales, biases)^T -> (M, OUT), 4- or 8-bit w; needs `fits`.
+    `invariant`: the splits of the inputs follow the map alone (`splits`)."""
+    return _launch(x, [x, w, scales, biases], ["x", "w", "scales", "biases"], w.shape[0], group_size, bits, shape,
+                   invariant)
 
 
-def dense(x: mx.array, w: mx.array, shape: Tile | None = None) -> mx.array:
+def dense(x: mx.array, w: mx.array, shape: Tile | None = None, invariant: bool = False) -> mx.array:
     """x (M, IN) @ w (OUT, IN)^T -> (M, OUT), w of x's dtype; needs `fits(..., bits=16, ...)`."""
-    return _launch(x, [x, w], ["x", "w"], w.shape[0], 32, 16, shape)
+    return _launch(x, [x, w], ["x", "w"], w.shape[0], 32, 16, shape, invariant)

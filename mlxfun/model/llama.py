@@ -122,9 +122,9 @@ def _invariant_product(p: Linear, rows: mx.array) -> mx.array:
         if isinstance(p, Quantized):
             group_size, bits = quant_shape(p, rows.shape[-1])
             if qmm.fits(rows.shape[0], rows.shape[-1], group_size, bits, rows.dtype):
-                return qmm.product(rows, p.weight, p.scales, p.biases, group_size, bits)
+                return qmm.product(rows, p.weight, p.scales, p.biases, group_size, bits, invariant=True)
         elif p.weight.dtype == rows.dtype and qmm.fits(rows.shape[0], rows.shape[-1], 0, 16, rows.dtype):
-            return qmm.dense(rows, p.weight)
+            return qmm.dense(rows, p.weight, invariant=True)
     w = dequantize(p, rows.shape[-1]).astype(rows.dtype) if isinstance(p, Quantized) else p.weight
     if not dmv.invariant_fits(rows, w):
         raise InputError(f"batch_invariant: no batch-invariant product for {w.dtype} weights over "
