@@ -68,6 +68,28 @@ def one_map(OUT: int, IN: int, bits: int, rows: list[int], calls: int) -> list[d
     return out
 
 
+def tiled_only(OUT: int, IN: int, bits: int, rows: list[int], calls: int) -> list[dict]:
+    """Prompt-sized row counts, where `qmv` does not run: the tiled product against bf16 and a
+    per-product dequantized map, with its error."""
+    w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(mx.bfloat16)
+    q = mx.quantize(w, group_size=64, bits=bits)
+    dense = mx.dequantize(*q, group_size=64, bits=bits).astype(mx.bfloat16)
+    mx.eval(q, dense)
+    out = []
+    for M in rows:
+        xs = [mx.random.normal((M, IN)).astype(mx.bfloat16) for _ in range(calls)]
+        mx.eval(xs)
+        want = xs[0].astype(mx.float32) @ dense.astype(mx.float32).T
+        got = qmm.product(xs[0], *q, 64, bits=bits).astype(mx.float32)
+        r = dict(OUT=OUT, IN=IN, bits=bits, M=M, dense_us=timed(lambda x: x @ dense.T, xs),
+                 dequant_us=timed(lambda x: x @ mx.dequantize(*q, group_size=64, bits=bits).astype(x.dtype).T, xs),
+                 tiled_us=timed(lambda x: qmm.product(x, *q, 64, bits=bits), xs),
+                 tiled_err=mx.abs(got - want).max().item() / mx.abs(want).max().item())
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+        out.append(r)
+    return out
+
+
 def summary(results: list[dict]) -> list[dict]:
     """Per (bits, M): total microseconds over the maps of each shape, the least, and the pick's."""
     rows = []
@@ -95,6 +117,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="8B,1B")
     p.add_argument("--rows", default="1,4,8,16,32,64,128,256")
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--tiled-rows", default="1024,4096", help="prompt-sized rows: the tiled product alone")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rows = [int(m) for m in args.rows.split(",")]
@@ -103,6 +126,8 @@ def main(argv=None) -> int:
         for OUT, IN in MAPS[model]:
             for bits in (4, 8) if (OUT, IN) in EIGHT_BIT else (4,):
                 results += [dict(r, model=model) for r in one_map(OUT, IN, bits, rows, args.calls)]
+    prompts = [dict(r, model=model) for model in args.models.split(",") for OUT, IN in MAPS[model]
+               for r in tiled_only(OUT, IN, 4, [int(m) for m in args.tiled_rows.split(",") if m], 10)]
     table = summary(results)
     print(f"{'bits':>4} {'M':>5} {'best':>5} {'us':>8} {'pick':>5} {'us':>8} {'bf16':>8} {'deq+bf16':>9} "
           f"{'tiled':>8} {'tiled16':>8} ok")
@@ -111,7 +136,8 @@ def main(argv=None) -> int:
               f"{r['dense_us']:>8} {r['dequant_us']:>9} {r['tiled_us']:>8} {r['tiled_dense_us']:>8} {r['tiled_ok']}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device": str(mx.default_device()), "results": results, "summary": table}, fh, indent=1)
+            json.dump({"device": str(mx.default_device()), "results": results, "summary": table, "prompts": prompts},
+                      fh, indent=1)
     return 0
 
 
