@@ -29,32 +29,45 @@ SHAPES = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)
 SPILLS = {(8, 2, 4), (8, 1, 8)}  # (bits, N, F) ptxas spills
 
 
-def one_map(OUT: int, IN: int, bits: int, rows: list[int], calls: int) -> list[dict]:
+def quantized_map(OUT: int, IN: int, bits: int) -> tuple[tuple, mx.array]:
+    """A random (OUT, IN) map quantized (w, scales, biases; groups of 64) and its dequantized bf16 map."""
     w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(mx.bfloat16)
     q = mx.quantize(w, group_size=64, bits=bits)
     dense = mx.dequantize(*q, group_size=64, bits=bits).astype(mx.bfloat16)
     mx.eval(q, dense)
+    return q, dense
+
+
+def rel_err(got: mx.array, want: mx.array) -> float:
+    return mx.abs(got.astype(mx.float32) - want).max().item() / mx.abs(want).max().item()
+
+
+def row_case(q: tuple, dense: mx.array, bits: int, M: int, calls: int) -> tuple[list, mx.array, dict]:
+    """`calls` inputs of M rows, the float32 product of the first, and what every row count
+    measures: bf16, a per-product dequantized map and the tiled product (time, error)."""
+    xs = [mx.random.normal((M, dense.shape[1])).astype(mx.bfloat16) for _ in range(calls)]
+    mx.eval(xs)
+    want = xs[0].astype(mx.float32) @ dense.astype(mx.float32).T
+    r = dict(OUT=dense.shape[0], IN=dense.shape[1], bits=bits, M=M, dense_us=timed(lambda x: x @ dense.T, xs),
+             dequant_us=timed(lambda x: x @ mx.dequantize(*q, group_size=64, bits=bits).astype(x.dtype).T, xs),
+             tiled_us=timed(lambda x: qmm.product(x, *q, 64, bits=bits), xs),
+             tiled_err=rel_err(qmm.product(xs[0], *q, 64, bits=bits), want))
+    return xs, want, r
+
+
+def one_map(OUT: int, IN: int, bits: int, rows: list[int], calls: int) -> list[dict]:
+    q, dense = quantized_map(OUT, IN, bits)
     out = []
     for M in rows:
-        xs = [mx.random.normal((M, IN)).astype(mx.bfloat16) for _ in range(calls)]
-        mx.eval(xs)
-        want = xs[0].astype(mx.float32) @ dense.astype(mx.float32).T
-        scale = mx.abs(want).max().item()
-        r = dict(OUT=OUT, IN=IN, bits=bits, M=M, dense_us=timed(lambda x: x @ dense.T, xs),
-                 dequant_us=timed(lambda x: x @ mx.dequantize(*q, group_size=64, bits=bits).astype(x.dtype).T, xs),
-                 pick=list(qmv.block_shape(M, bits)), shapes={})
-        tiled = qmm.product(xs[0], *q, 64, bits=bits).astype(mx.float32)
-        r["tiled_err"] = mx.abs(tiled - want).max().item() / scale
-        r["tiled_us"] = timed(lambda x: qmm.product(x, *q, 64, bits=bits), xs)
+        xs, want, r = row_case(q, dense, bits, M, calls)
+        r.update(pick=list(qmv.block_shape(M)), shapes={})
         # dense, as the batch-invariant mode runs it (splits by the map alone)
-        dense_tiled = qmm.dense(xs[0], dense, invariant=True).astype(mx.float32)
-        r["tiled_dense_err"] = mx.abs(dense_tiled - want).max().item() / scale
+        r["tiled_dense_err"] = rel_err(qmm.dense(xs[0], dense, invariant=True), want)
         r["tiled_dense_us"] = timed(lambda x: qmm.dense(x, dense, invariant=True), xs)
         for shape in SHAPES:
             if (bits, *shape) in SPILLS or (shape[0] > 1 and 8 * shape[0] > 2 * max(M, 8)):
                 continue  # no tiles past twice the rows
-            got = qmv.mma(xs[0], *q, 64, bits=bits, shape=shape).astype(mx.float32)
-            err = (mx.abs(got - want).max().item()) / scale
+            err = rel_err(qmv.mma(xs[0], *q, 64, bits=bits, shape=shape), want)
             us = timed(lambda x, s=shape: qmv.mma(x, *q, 64, bits=bits, shape=s), xs)
             r["shapes"][f"{shape[0]}x{shape[1]}"] = dict(us=round(us, 2), rel_err=err, ok=err < 2e-2)
         best = min(r["shapes"], key=lambda k: r["shapes"][k]["us"])
@@ -71,20 +84,10 @@ def one_map(OUT: int, IN: int, bits: int, rows: list[int], calls: int) -> list[d
 def tiled_only(OUT: int, IN: int, bits: int, rows: list[int], calls: int) -> list[dict]:
     """Prompt-sized row counts, where `qmv` does not run: the tiled product against bf16 and a
     per-product dequantized map, with its error."""
-    w = (mx.random.normal((OUT, IN)) * IN**-0.5).astype(mx.bfloat16)
-    q = mx.quantize(w, group_size=64, bits=bits)
-    dense = mx.dequantize(*q, group_size=64, bits=bits).astype(mx.bfloat16)
-    mx.eval(q, dense)
+    q, dense = quantized_map(OUT, IN, bits)
     out = []
     for M in rows:
-        xs = [mx.random.normal((M, IN)).astype(mx.bfloat16) for _ in range(calls)]
-        mx.eval(xs)
-        want = xs[0].astype(mx.float32) @ dense.astype(mx.float32).T
-        got = qmm.product(xs[0], *q, 64, bits=bits).astype(mx.float32)
-        r = dict(OUT=OUT, IN=IN, bits=bits, M=M, dense_us=timed(lambda x: x @ dense.T, xs),
-                 dequant_us=timed(lambda x: x @ mx.dequantize(*q, group_size=64, bits=bits).astype(x.dtype).T, xs),
-                 tiled_us=timed(lambda x: qmm.product(x, *q, 64, bits=bits), xs),
-                 tiled_err=mx.abs(got - want).max().item() / mx.abs(want).max().item())
+        r = row_case(q, dense, bits, M, calls)[2]
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
         out.append(r)
     return out

@@ -207,7 +207,7 @@ def test_qmv_warps_fit_a_block_registers():
         assert qmv.warps_for(n, f, bits) * 32 * registers <= 65536, (bits, n, f)
     for bits in (4, 8):
         for m in (1, 2, 3, 8, 9, 16, 17, 33, 64, 256, 4096):
-            assert qmv.block_shape(m, bits) in {k[1:] for k in QMV_REGISTERS if k[0] == bits}, (bits, m)
+            assert qmv.block_shape(m) in {k[1:] for k in QMV_REGISTERS if k[0] == bits}, (bits, m)
 
 
 def test_qmv_tiles_and_grid():
@@ -220,7 +220,7 @@ def test_qmv_tiles_and_grid():
     assert qmv.mma_grid(40, 129, 4, (2, 4)) == ((1 * 128, 9, 1), 128)
     assert qmv.mma_grid(80, 8, 16, (1, 2)) == ((3 * 512, 1, 1), 512)
     assert [qmv.block_shape(m) for m in (1, 8, 9, 16, 17, 256)] == [(1, 2)] * 2 + [(2, 2)] * 2 + [(4, 2)] * 2
-    assert [qmv.block_shape(m, 8) for m in (1, 9, 256)] == [(1, 2), (2, 2), (4, 2)]
+    assert [qmv.block_shape(m) for m in (1, 9, 256)] == [(1, 2), (2, 2), (4, 2)]  # 8-bit takes the same
 
 
 @pytest.mark.parametrize("M,OUT,IN,group_size,per_warp", [(1, 70, 256, 64, 4), (3, 33, 576, 32, 2),

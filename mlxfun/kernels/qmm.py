@@ -56,17 +56,22 @@ _BODY = r"""
         #pragma unroll
         for (int n = 0; n < NT; ++n) c[i][n][0] = c[i][n][1] = c[i][n][2] = c[i][n][3] = 0.f;
     }
+    // Values 8 v ... 8 v + 7 of a tile row from `src` (zeros where !inside) into `dst`: one 16-byte
+    // load and store (rows of 144 bytes stay 16-byte aligned).
+    auto stage8 = [](T* dst, const T* src, bool inside, int v) {
+        AlignedVector<T, 8> vals;
+        if (inside) {
+            vals = unsafe_load_vector<8>(src, v);
+        } else {
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) vals[e] = static_cast<T>(0.f);
+        }
+        *reinterpret_cast<AlignedVector<T, 8>*>(dst) = vals;
+    };
     for (int k0 = K0; k0 < K1; k0 += BK) {
         for (int i = tid; i < BM * 8; i += THREADS) {  // x: 8 values a load
             const int r = i >> 3, v = i & 7, row = rb + r;
-            AlignedVector<T, 8> xv;
-            if (row < M) {
-                xv = unsafe_load_vector<8>(x + (int64_t)row * IN + k0, v);
-            } else {
-                #pragma unroll
-                for (int e = 0; e < 8; ++e) xv[e] = static_cast<T>(0.f);
-            }
-            *reinterpret_cast<AlignedVector<T, 8>*>(&xs[r][8 * v]) = xv;  // rows of 144 bytes: 16-byte aligned
+            stage8(&xs[r][8 * v], x + (int64_t)min(row, M - 1) * IN + k0, row < M, v);
         }
         LOAD_W
         __syncthreads();
@@ -135,14 +140,7 @@ _SPLIT_SUM = r"""
 _LOAD_DENSE = r"""
     for (int i = tid; i < BN * 8; i += THREADS) {
         const int f = i >> 3, v = i & 7, feature = fb + f;
-        AlignedVector<T, 8> wv;
-        if (feature < OUT) {
-            wv = unsafe_load_vector<8>(w + (int64_t)feature * IN + k0, v);
-        } else {
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) wv[e] = static_cast<T>(0.f);
-        }
-        *reinterpret_cast<AlignedVector<T, 8>*>(&ws[f][8 * v]) = wv;
+        stage8(&ws[f][8 * v], w + (int64_t)min(feature, OUT - 1) * IN + k0, feature < OUT, v);
     }
 """
 _LOAD_QUANTIZED = r"""

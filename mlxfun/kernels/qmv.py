@@ -375,7 +375,7 @@ def tiles(rows: int) -> int:
     return min(MAX_TILES, 1 << (need - 1).bit_length())
 
 
-def block_shape(rows: int, bits: int = 4) -> tuple[int, int]:
+def block_shape(rows: int) -> tuple[int, int]:
     """(N, F) for `rows` rows, the least total time over the 1B and 8B maps on an H100, 4- and
     8-bit alike (`benchmarks/qmv_shapes.py`, benchmarks/results/h100/2026-12-06-qmv-shapes.json):
     up to 8 rows 1 x 2, to 16 rows 2 x 2, then 4 x 2 (at 128 rows 0.72x the time of 8 x 1)."""
@@ -407,7 +407,7 @@ def mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
     """`product` on tensor cores (bf16 or fp16 x, 4- or 8-bit w); `warps` (default `warps_for`),
     `in_flight` and the block's `shape` (N, F; default `block_shape`) as a benchmark varies them."""
     M, out = x.shape[0], w.shape[0]
-    N, F = block_shape(M, bits) if shape is None else shape
+    N, F = block_shape(M) if shape is None else shape
     warps = warps_for(N, F, bits) if warps is None else warps
     kernel = mx.fast.cuda_kernel(name="mlxfun_qmv4_mma", input_names=["x", "w", "scales", "biases"],
                                  output_names=["y"], source=_MMA, header=MMA_HEADER)
