@@ -6,7 +6,7 @@
 #   smoke        batched == alone in float32, the decode kernels on (benchmarks/smoke.py)
 #   kernels      the CUDA kernels against MLX references (benchmarks/kernels_check.py; $KERNELS_ONLY: one kernel)
 #   qmv-shapes   benchmarks/qmv_shapes.py: the quantized product's block shapes (N x F) per map and row count,
-#                against bf16 products
+#                against bf16 products ($SHAPES_ARGS: qmv_shapes.py options, e.g. --shapes pick --targets 528)
 #   invariance   benchmarks/invariance.py: a row's product alone vs inside batches of 2-257, plain and at one fixed
 #                row count (bf16, fp16, 4-bit), and each way's time
 #   invariant-e2e  benchmarks/invariant_e2e.py: batch_invariant off and on, a row's tokens and logprobs alone vs batched,
@@ -70,7 +70,7 @@ for suite in "$@"; do
     smoke) timeout 150 python3 benchmarks/smoke.py --json "$OUT/smoke.json" ;;
     kernels) timeout ${KERNELS_TIMEOUT:-240} python3 benchmarks/kernels_check.py ${KERNELS_ONLY:+--only $KERNELS_ONLY} \
       --json "$OUT/kernels.json" | grep -v '"ok": true' | tail -20 ;;
-    qmv-shapes) timeout ${SHAPES_TIMEOUT:-240} python3 benchmarks/qmv_shapes.py --json "$OUT/qmv-shapes.json" | tail -24 ;;
+    qmv-shapes) timeout ${SHAPES_TIMEOUT:-240} python3 benchmarks/qmv_shapes.py ${SHAPES_ARGS:-} --json "$OUT/qmv-shapes.json" | tail -24 ;;
     invariant-e2e) timeout ${INVARIANT_TIMEOUT:-240} python3 benchmarks/invariant_e2e.py --models ${INVARIANT_MODELS:-bf16,fp16,q4} \
       --json "$OUT/invariant-e2e.json" ;;
     invariant-cost)  # issue 54: mlxfun bench with and without --batch-invariant

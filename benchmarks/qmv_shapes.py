@@ -42,9 +42,11 @@ def rel_err(got: mx.array, want: mx.array) -> float:
     return mx.abs(got.astype(mx.float32) - want).max().item() / mx.abs(want).max().item()
 
 
-def row_case(q: tuple, dense: mx.array, bits: int, M: int, calls: int) -> tuple[list, mx.array, dict]:
+def row_case(q: tuple, dense: mx.array, bits: int, M: int, calls: int,
+             targets: tuple[int, ...] = ()) -> tuple[list, mx.array, dict]:
     """`calls` inputs of M rows, the float32 product of the first, and what every row count
-    measures: bf16, a per-product dequantized map and the tiled product (time, error)."""
+    measures: bf16, a per-product dequantized map and the tiled product (time, error; and its
+    time with its inputs split toward each of `targets` blocks, `qmm.splits`)."""
     xs = [mx.random.normal((M, dense.shape[1])).astype(mx.bfloat16) for _ in range(calls)]
     mx.eval(xs)
     want = xs[0].astype(mx.float32) @ dense.astype(mx.float32).T
@@ -52,19 +54,22 @@ def row_case(q: tuple, dense: mx.array, bits: int, M: int, calls: int) -> tuple[
              dequant_us=timed(lambda x: x @ mx.dequantize(*q, group_size=64, bits=bits).astype(x.dtype).T, xs),
              tiled_us=timed(lambda x: qmm.product(x, *q, 64, bits=bits), xs),
              tiled_err=rel_err(qmm.product(xs[0], *q, 64, bits=bits), want))
+    r["tiled_targets"] = {n: round(timed(lambda x, n=n: qmm.product(x, *q, 64, bits=bits, target=n), xs), 2)
+                          for n in targets}
     return xs, want, r
 
 
-def one_map(OUT: int, IN: int, bits: int, rows: list[int], calls: int) -> list[dict]:
+def one_map(OUT: int, IN: int, bits: int, rows: list[int], calls: int, pick_only: bool,
+            targets: tuple[int, ...]) -> list[dict]:
     q, dense = quantized_map(OUT, IN, bits)
     out = []
     for M in rows:
-        xs, want, r = row_case(q, dense, bits, M, calls)
+        xs, want, r = row_case(q, dense, bits, M, calls, targets)
         r.update(pick=list(qmv.block_shape(M)), shapes={})
         # dense, as the batch-invariant mode runs it (splits by the map alone)
         r["tiled_dense_err"] = rel_err(qmm.dense(xs[0], dense, invariant=True), want)
         r["tiled_dense_us"] = timed(lambda x: qmm.dense(x, dense, invariant=True), xs)
-        for shape in SHAPES:
+        for shape in [tuple(r["pick"])] if pick_only else SHAPES:
             if (bits, *shape) in SPILLS or (shape[0] > 1 and 8 * shape[0] > 2 * max(M, 8)):
                 continue  # no tiles past twice the rows
             err = rel_err(qmv.mma(xs[0], *q, 64, bits=bits, shape=shape), want)
@@ -81,13 +86,13 @@ def one_map(OUT: int, IN: int, bits: int, rows: list[int], calls: int) -> list[d
     return out
 
 
-def tiled_only(OUT: int, IN: int, bits: int, rows: list[int], calls: int) -> list[dict]:
+def tiled_only(OUT: int, IN: int, bits: int, rows: list[int], calls: int, targets: tuple[int, ...]) -> list[dict]:
     """Prompt-sized row counts, where `qmv` does not run: the tiled product against bf16 and a
     per-product dequantized map, with its error."""
     q, dense = quantized_map(OUT, IN, bits)
     out = []
     for M in rows:
-        r = row_case(q, dense, bits, M, calls)[2]
+        r = row_case(q, dense, bits, M, calls, targets)[2]
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
         out.append(r)
     return out
@@ -109,6 +114,8 @@ def summary(results: list[dict]) -> list[dict]:
                              pick_us=round(totals.get(pick, float("nan")), 1),
                              dense_us=round(sum(r["dense_us"] for r in rs), 1),
                              tiled_us=round(sum(r["tiled_us"] for r in rs), 1),
+                             **{f"tiled_{n}_us": round(sum(r["tiled_targets"][n] for r in rs), 1)
+                                for n in rs[0]["tiled_targets"]},
                              tiled_dense_us=round(sum(r["tiled_dense_us"] for r in rs), 1),
                              tiled_ok=all(r["tiled_err"] < 2e-2 and r["tiled_dense_err"] < 2e-2 for r in rs),
                              dequant_us=round(sum(r["dequant_us"] for r in rs), 1)))
@@ -121,22 +128,29 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="1,4,8,16,32,64,128,256")
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--tiled-rows", default="1024,4096", help="prompt-sized rows: the tiled product alone")
+    p.add_argument("--shapes", choices=("all", "pick"), default="all",
+                   help="the product's block shapes: all of them, or qmv.block_shape's pick alone")
+    p.add_argument("--targets", default="", help="blocks the tiled product's splits aim for, beside the default "
+                   f"{qmm.TARGET_BLOCKS} (comma-separated)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rows = [int(m) for m in args.rows.split(",")]
+    targets = tuple(int(n) for n in args.targets.split(",") if n)
     results = []
     for model in args.models.split(","):
         for OUT, IN in MAPS[model]:
             for bits in (4, 8) if (OUT, IN) in EIGHT_BIT else (4,):
-                results += [dict(r, model=model) for r in one_map(OUT, IN, bits, rows, args.calls)]
+                results += [dict(r, model=model) for r in one_map(OUT, IN, bits, rows, args.calls,
+                                                                  args.shapes == "pick", targets)]
     prompts = [dict(r, model=model) for model in args.models.split(",") for OUT, IN in MAPS[model]
-               for r in tiled_only(OUT, IN, 4, [int(m) for m in args.tiled_rows.split(",") if m], 10)]
+               for r in tiled_only(OUT, IN, 4, [int(m) for m in args.tiled_rows.split(",") if m], 10, targets)]
     table = summary(results)
     print(f"{'bits':>4} {'M':>5} {'best':>5} {'us':>8} {'pick':>5} {'us':>8} {'bf16':>8} {'deq+bf16':>9} "
-          f"{'tiled':>8} {'tiled16':>8} ok")
+          f"{'tiled':>8} {'tiled16':>8} ok " + " ".join(f"{'t' + str(n):>8}" for n in targets))
     for r in table:
         print(f"{r['bits']:>4} {r['M']:>5} {r['best']:>5} {r['best_us']:>8} {r['pick']:>5} {r['pick_us']:>8} "
-              f"{r['dense_us']:>8} {r['dequant_us']:>9} {r['tiled_us']:>8} {r['tiled_dense_us']:>8} {r['tiled_ok']}")
+              f"{r['dense_us']:>8} {r['dequant_us']:>9} {r['tiled_us']:>8} {r['tiled_dense_us']:>8} {r['tiled_ok']} "
+              + " ".join(f"{r[f'tiled_{n}_us']:>8}" for n in targets))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": str(mx.default_device()), "results": results, "summary": table, "prompts": prompts},

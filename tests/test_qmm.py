@@ -20,7 +20,7 @@ def emulated(inputs: dict, bits: int, group_size: int, shape: qmm.Tile, split: i
     M, OUT = inputs["x"].shape[0], inputs["w"].shape[0]
     threads, block = qmm.grid(OUT, M, shape, split)  # as qmm launches it
     source = qmm.SOURCES[bits == 16, split > 1]
-    template = qmm.template(0, bits, group_size, shape, split)
+    template = qmm.template(0, bits, group_size, shape)
     outputs = {"y": (M, OUT)}
     if split > 1:  # partial sums and a counter per tile, as qmm launches it (zeroed)
         outputs |= {"part": (split, M, OUT), "count": (-(-M // shape.rows) * -(-OUT // shape.features),)}

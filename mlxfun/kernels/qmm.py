@@ -36,15 +36,20 @@ from mlxfun.kernels.attention import compact
 from mlxfun.kernels.qmv import MMA_HEADER
 
 _BODY = r"""
-    // y (M, OUT) = x (M, IN) W^T. A block: BN features (blockIdx.x) x BM rows (blockIdx.y); warp w
-    // takes features 16 FW w ... of the block, for all BM rows (NT tiles of 8). Per step of 64
-    // inputs: the block loads x's tile and W's (dequantized: q * scale + bias, rounded once to T)
-    // into shared memory, then each warp runs 4 x FW x NT mma m16n8k16 (A: 16 features x 16
-    // inputs, B: 16 inputs x 8 rows) with fragments read in PTX's layouts. Rows past M and
-    // features past OUT are zeros, never stored. Rows of the tiles are padded by 8 values so
-    // that a fragment's 32 lanes read 32 different banks.
+    // y (M, OUT) = x (M, IN) W^T. A block: BN features (blockIdx.x) x BM rows (blockIdx.y) x the
+    // inputs of split blockIdx.z; warp w takes features 16 FW w ... of the block, for all BM rows
+    // (NT tiles of 8). Per step of 64 inputs the block stores x's tile and W's (dequantized: q *
+    // scale + bias, rounded once to T) in shared memory, then each warp runs 4 x FW x NT mma
+    // m16n8k16 (A: 16 features x 16 inputs, B: 16 inputs x 8 rows), fragments read in PTX's
+    // layouts. The next step's tiles are loaded into registers while the mma run, so that the
+    // global loads of one step overlap the arithmetic of the one before. A step's inputs sit in
+    // shared memory in the order the dequantization gives them (`perm`: 4-bit, nibbles p and p + 4
+    // of a word side by side), x's in the same order, so each product is unchanged. Rows past M
+    // and features past OUT are zeros, never stored; tile rows are padded by 8 values so that a
+    // fragment's 32 lanes read 32 different banks.
     constexpr int BK = 64, PAD = 8, NT = BM / 8, THREADS = 32 * (BN / (16 * FW));
-    const int M = x_shape[0], IN = x_shape[1], OUT = w_shape[0];
+    constexpr int XV = (BM * 8 + THREADS - 1) / THREADS;  // x's 16-byte loads a thread makes per step
+    const int M = x_shape[0], IN = x_shape[1], OUT = w_shape[0], S = gridDim.z;
     const int K0 = blockIdx.z * (IN / S), K1 = K0 + IN / S;  // split blockIdx.z of S: these inputs
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int fb = blockIdx.x * BN, rb = blockIdx.y * BM;
@@ -56,25 +61,41 @@ _BODY = r"""
         #pragma unroll
         for (int n = 0; n < NT; ++n) c[i][n][0] = c[i][n][1] = c[i][n][2] = c[i][n][3] = 0.f;
     }
-    // Values 8 v ... 8 v + 7 of a tile row from `src` (zeros where !inside) into `dst`: one 16-byte
-    // load and store (rows of 144 bytes stay 16-byte aligned).
-    auto stage8 = [](T* dst, const T* src, bool inside, int v) {
-        AlignedVector<T, 8> vals;
-        if (inside) {
-            vals = unsafe_load_vector<8>(src, v);
-        } else {
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) vals[e] = static_cast<T>(0.f);
+    auto perm = [](int e) { return PERMUTATION; };  // the input at place e of 8 in shared memory
+    AlignedVector<T, 8> xr[XV];
+    W_REGS
+    auto fetch = [&](int k0) {  // the step at k0, global memory -> registers
+        #pragma unroll
+        for (int j = 0; j < XV; ++j) {
+            const int i = tid + j * THREADS, row = rb + (i >> 3);
+            if (i < BM * 8) {
+                if (row < M) {
+                    xr[j] = unsafe_load_vector<8>(x + (int64_t)row * IN + k0, i & 7);
+                } else {
+                    #pragma unroll
+                    for (int e = 0; e < 8; ++e) xr[j][e] = static_cast<T>(0.f);
+                }
+            }
         }
-        *reinterpret_cast<AlignedVector<T, 8>*>(dst) = vals;
+        W_FETCH
     };
-    for (int k0 = K0; k0 < K1; k0 += BK) {
-        for (int i = tid; i < BM * 8; i += THREADS) {  // x: 8 values a load
-            const int r = i >> 3, v = i & 7, row = rb + r;
-            stage8(&xs[r][8 * v], x + (int64_t)min(row, M - 1) * IN + k0, row < M, v);
+    auto put = [&]() {  // registers -> shared memory, x in W's order of inputs
+        #pragma unroll
+        for (int j = 0; j < XV; ++j) {
+            const int i = tid + j * THREADS;
+            if (i < BM * 8) {
+                Pair* dst = reinterpret_cast<Pair*>(&xs[i >> 3][8 * (i & 7)]);
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) dst[e] = qmv_pack<T>(xr[j][perm(2 * e)], xr[j][perm(2 * e + 1)]);
+            }
         }
-        LOAD_W
+        W_PUT
+    };
+    fetch(K0);
+    for (int k0 = K0; k0 < K1; k0 += BK) {
+        put();
         __syncthreads();
+        if (k0 + BK < K1) fetch(k0 + BK);  // in flight during this step's mma
         #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
             Pair a[FW][4];
@@ -95,7 +116,7 @@ _BODY = r"""
                 for (int i = 0; i < FW; ++i) qmv_mma<T>(c[i][n], a[i], b);
             }
         }
-        __syncthreads();  // every warp has read the tiles before they are overwritten
+        __syncthreads();  // every warp has read the tiles before the next put
     }
     #pragma unroll
     for (int i = 0; i < FW; ++i) {
@@ -135,41 +156,78 @@ _SPLIT_SUM = r"""
     }
 """
 
-# W's tile into shared memory, dense (8 values a load) or quantized (a 32-bit word of 32 / BITS
-# values a load, one group's scale and bias, each value rounded once to T).
-_LOAD_DENSE = r"""
-    for (int i = tid; i < BN * 8; i += THREADS) {
-        const int f = i >> 3, v = i & 7, feature = fb + f;
-        stage8(&ws[f][8 * v], w + (int64_t)min(feature, OUT - 1) * IN + k0, feature < OUT, v);
-    }
-"""
-_LOAD_QUANTIZED = r"""
-    constexpr int PER_WORD = 32 / BITS, WORDS = BK / PER_WORD;
-    constexpr uint32_t MASK = (1u << BITS) - 1u;
-    for (int i = tid; i < BN * WORDS; i += THREADS) {
-        const int f = i / WORDS, j = i % WORDS, feature = fb + f, k = k0 + PER_WORD * j;
-        if (feature < OUT) {
-            const uint32_t word = w[(int64_t)feature * (IN / PER_WORD) + k / PER_WORD];
-            const int64_t group = (int64_t)feature * (IN / GS) + k / GS;
-            const float s = static_cast<float>(scales[group]), b = static_cast<float>(biases[group]);
-            #pragma unroll
-            for (int e = 0; e < PER_WORD; e += 2) {  // two values a 32-bit store
-                const T lo = static_cast<T>(static_cast<float>((word >> (BITS * e)) & MASK) * s + b);
-                const T hi = static_cast<T>(static_cast<float>((word >> (BITS * (e + 1))) & MASK) * s + b);
-                *reinterpret_cast<Pair*>(&ws[f][PER_WORD * j + e]) = qmv_pack<T>(lo, hi);
+# W's step: dense, 8 values a 16-byte load, in input order; quantized, 16-byte loads of 4 words
+# (4-bit: 32 inputs, 8-bit: 16, within one group of 32 or more) and their group's scale and bias,
+# dequantized by `qmv_dequant` two values at a time: 4-bit nibbles (p, p + 4) of a word, 8-bit
+# bytes (p, p + 2), stored side by side (`perm` gives the input at each place of 8).
+_DENSE = dict(REGS=r"""
+    constexpr int WV = (BN * 8 + THREADS - 1) / THREADS;
+    AlignedVector<T, 8> wr[WV];
+""", FETCH=r"""
+        #pragma unroll
+        for (int j = 0; j < WV; ++j) {
+            const int i = tid + j * THREADS, feature = fb + (i >> 3);
+            if (i < BN * 8) {
+                if (feature < OUT) {
+                    wr[j] = unsafe_load_vector<8>(w + (int64_t)feature * IN + k0, i & 7);
+                } else {
+                    #pragma unroll
+                    for (int e = 0; e < 8; ++e) wr[j][e] = static_cast<T>(0.f);
+                }
             }
-        } else {
-            const Pair zero = qmv_pack<T>(static_cast<T>(0.f), static_cast<T>(0.f));
-            #pragma unroll
-            for (int e = 0; e < PER_WORD; e += 2) *reinterpret_cast<Pair*>(&ws[f][PER_WORD * j + e]) = zero;
         }
-    }
-"""
+""", PUT=r"""
+        #pragma unroll
+        for (int j = 0; j < WV; ++j) {
+            const int i = tid + j * THREADS;
+            if (i < BN * 8) *reinterpret_cast<AlignedVector<T, 8>*>(&ws[i >> 3][8 * (i & 7)]) = wr[j];
+        }
+""", PERM="e")
+_QUANTIZED = dict(REGS=r"""
+    constexpr int PER_WORD = 32 / BITS, VPF = BK / PER_WORD / 4;  // inputs a word; 16-byte loads a feature
+    constexpr int WV = (BN * VPF + THREADS - 1) / THREADS;
+    uint4 wr[WV];
+    Pair sr[WV], br[WV];
+""", FETCH=r"""
+        #pragma unroll
+        for (int j = 0; j < WV; ++j) {
+            const int i = tid + j * THREADS, v = i % VPF, feature = fb + i / VPF;
+            if (i < BN * VPF) {
+                if (feature < OUT) {
+                    const uint32_t* row = w + (int64_t)feature * (IN / PER_WORD) + k0 / PER_WORD;
+                    wr[j] = *reinterpret_cast<const uint4*>(row + 4 * v);
+                    const int64_t group = (int64_t)feature * (IN / GS) + (k0 + 4 * PER_WORD * v) / GS;
+                    sr[j] = qmv_pack<T>(scales[group], scales[group]);
+                    br[j] = qmv_pack<T>(biases[group], biases[group]);
+                } else {  // 0 * 0 + 0
+                    wr[j] = uint4{0u, 0u, 0u, 0u};
+                    sr[j] = br[j] = qmv_pack<T>(static_cast<T>(0.f), static_cast<T>(0.f));
+                }
+            }
+        }
+""", PUT=r"""
+        #pragma unroll
+        for (int j = 0; j < WV; ++j) {
+            const int i = tid + j * THREADS;
+            if (i < BN * VPF) {
+                const uint32_t words[4] = {wr[j].x, wr[j].y, wr[j].z, wr[j].w};
+                Pair* dst = reinterpret_cast<Pair*>(&ws[i / VPF][4 * PER_WORD * (i % VPF)]);
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    #pragma unroll
+                    for (int p = 0; p < PER_WORD / 2; ++p)
+                        dst[PER_WORD / 2 * u + p] = qmv_dequant<T, BITS>(words[u], p, sr[j], br[j]);
+                }
+            }
+        }
+""", PERM="BITS == 4 ? (e >> 1) + 4 * (e & 1) : (e & 4) + ((e >> 1) & 1) + 2 * (e & 1)")
 
 
 def source(bits: int, split: bool) -> str:
     """The kernel for dense (16) or quantized W, in one split or several."""
-    body = _BODY.replace("LOAD_W", _LOAD_DENSE if bits == 16 else _LOAD_QUANTIZED)
+    parts = _DENSE if bits == 16 else _QUANTIZED
+    body = _BODY.replace("W_REGS", parts["REGS"]).replace("W_FETCH", parts["FETCH"]).replace("W_PUT", parts["PUT"])
+    body = body.replace("PERMUTATION", parts["PERM"])
     body = body.replace("STORE", _STORE_PART if split else _STORE)
     return compact(body.replace("SPLIT_SUM", _SPLIT_SUM if split else ""))
 
@@ -233,13 +291,13 @@ TARGET_BLOCKS = 264
 MAX_SPLITS = 16
 
 
-def splits(out_features: int, in_features: int, row_blocks: int) -> int:
-    """S, the splits of the inputs: a power of two that brings the grid's blocks toward
-    TARGET_BLOCKS, each split at least 4 steps of 64 (a 1B's 2,048 x 2,048 map makes 16 blocks of
-    128 features for a row block). The batch-invariant mode asks with one row block, so that S,
-    and with it each sum's order, depends on the map alone."""
+def splits(out_features: int, in_features: int, row_blocks: int, target: int = TARGET_BLOCKS) -> int:
+    """S, the splits of the inputs: a power of two that brings the grid's blocks toward `target`,
+    each split at least 4 steps of 64 (a 1B's 2,048 x 2,048 map makes 16 blocks of 128 features
+    for a row block). The batch-invariant mode asks with one row block, so that S, and with it
+    each sum's order, depends on the map alone."""
     blocks, steps, s = -(-out_features // 128) * row_blocks, in_features // STEP, 1
-    while 2 * s <= MAX_SPLITS and blocks * 2 * s <= TARGET_BLOCKS and steps % (2 * s) == 0 and steps // (2 * s) >= 4:
+    while 2 * s <= MAX_SPLITS and blocks * 2 * s <= target and steps % (2 * s) == 0 and steps // (2 * s) >= 4:
         s *= 2
     return s
 
@@ -249,19 +307,19 @@ def grid(out_features: int, rows: int, shape: Tile, split: int = 1) -> tuple[tup
     return (shape.threads * -(-out_features // shape.features), -(-rows // shape.rows), split), shape.threads
 
 
-def template(dtype, bits: int, group_size: int, shape: Tile, split: int = 1) -> list:
-    """The kernel's template constants (the dense kernel has no BITS or GS)."""
+def template(dtype, bits: int, group_size: int, shape: Tile) -> list:
+    """The kernel's template constants (the dense kernel has no BITS or GS; the splits are the
+    grid's third axis)."""
     quantized = [("BITS", bits), ("GS", group_size)] if bits != 16 else []
-    return [("T", dtype), *quantized, ("BM", shape.rows), ("BN", shape.features), ("FW", shape.per_warp),
-            ("S", split)]
+    return [("T", dtype), *quantized, ("BM", shape.rows), ("BN", shape.features), ("FW", shape.per_warp)]
 
 
 def _launch(x: mx.array, inputs: list[mx.array], names: list[str], out: int, group_size: int, bits: int,
-            shape: Tile | None, invariant: bool) -> mx.array:
+            shape: Tile | None, invariant: bool, target: int) -> mx.array:
     M, IN = x.shape
     shape = tile(M) if shape is None else shape
     row_blocks = -(-M // shape.rows)
-    S = splits(out, IN, 1 if invariant else row_blocks)
+    S = splits(out, IN, 1 if invariant else row_blocks, target)
     kernel = mx.fast.cuda_kernel(name=f"mlxfun_qmm{'_dense' if bits == 16 else ''}{'_split' if S > 1 else ''}",
                                  input_names=names, output_names=["y", "part", "count"] if S > 1 else ["y"],
                                  source=SOURCES[bits == 16, S > 1], header=MMA_HEADER)
@@ -271,18 +329,20 @@ def _launch(x: mx.array, inputs: list[mx.array], names: list[str], out: int, gro
     else:  # partial sums, and a counter per tile (zeroed: init_value)
         outputs = dict(output_shapes=[(M, out), (S, M, out), (row_blocks * -(-out // shape.features),)],
                        output_dtypes=[x.dtype, mx.float32, mx.int32], init_value=0)
-    return kernel(inputs=inputs, template=template(x.dtype, bits, group_size, shape, S), grid=threads,
+    return kernel(inputs=inputs, template=template(x.dtype, bits, group_size, shape), grid=threads,
                   threadgroup=(block, 1, 1), **outputs)[0]
 
 
 def product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int = 4,
-            shape: Tile | None = None, invariant: bool = False) -> mx.array:
+            shape: Tile | None = None, invariant: bool = False, target: int = TARGET_BLOCKS) -> mx.array:
     """x (M, IN) @ dequantize(w, scales, biases)^T -> (M, OUT), 4- or 8-bit w; needs `fits`.
-    `invariant`: the splits of the inputs follow the map alone (`splits`)."""
+    `invariant`: the splits of the inputs follow the map alone; `target`: blocks the splits aim
+    for (`splits`)."""
     return _launch(x, [x, w, scales, biases], ["x", "w", "scales", "biases"], w.shape[0], group_size, bits, shape,
-                   invariant)
+                   invariant, target)
 
 
-def dense(x: mx.array, w: mx.array, shape: Tile | None = None, invariant: bool = False) -> mx.array:
+def dense(x: mx.array, w: mx.array, shape: Tile | None = None, invariant: bool = False,
+          target: int = TARGET_BLOCKS) -> mx.array:
     """x (M, IN) @ w (OUT, IN)^T -> (M, OUT), w of x's dtype; needs `fits(..., bits=16, ...)`."""
-    return _launch(x, [x, w], ["x", "w"], w.shape[0], 32, 16, shape, invariant)
+    return _launch(x, [x, w], ["x", "w"], w.shape[0], 32, 16, shape, invariant, target)
