@@ -90,6 +90,23 @@ def dmv_case(M: int, OUT: int, IN: int, launch: dmv.Launch, dtype: mx.Dtype) -> 
 
 
 @mx.compile
+def experts_case(tokens: int, k: int, E: int, OUT: int, IN: int, dtype: mx.Dtype) -> dict:
+    """dmv.experts_product on `tokens` x k routes drawn from E experts, sorted, against each row
+    times its expert's map in float32 on the CPU."""
+    mx.random.seed(tokens * E + OUT)
+    w = (mx.random.normal((E, OUT, IN)) * IN**-0.5).astype(dtype)
+    index = mx.sort(mx.random.randint(0, E, (tokens * k,)).astype(mx.uint32))
+    x = mx.random.normal((tokens * k, IN)).astype(dtype)
+    got = dmv.experts_product(x, w, index).astype(mx.float32)
+    with mx.stream(mx.cpu):
+        want = (x.astype(mx.float32)[:, None] @ w.astype(mx.float32)[index].swapaxes(-1, -2))[:, 0]
+        err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
+    tol = {mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]
+    out = dict(kernel="experts", routes=tokens * k, E=E, OUT=OUT, IN=IN, dtype=str(dtype), rel_err=err, ok=err < tol)
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def _after(x: mx.array, y: mx.array) -> mx.array:
     """x, made to wait for y (one small fused kernel)."""
     return x + y[:, :1] * 0
@@ -141,7 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--time-dmv", action="store_true",
                    help="also time dmv (at each launch) against MLX's matmul at --rows rows")
     p.add_argument("--rows", default="2,5,8", help="--time-dmv at these row counts")
-    p.add_argument("--only", choices=("attention", "qmv", "dmv"), default=None, help="check one kernel only")
+    p.add_argument("--only", choices=("attention", "qmv", "dmv", "experts"), default=None, help="check one kernel only")
     args = p.parse_args(argv)
     results = []
     for dtype in (mx.float32, mx.bfloat16, mx.float16):
@@ -175,6 +192,10 @@ def main(argv=None) -> int:
                                        (32, 2048, 8192, dmv.Launch(8, 2)), (300, 2048, 2048, None),
                                        (1000, 576, 1536, None)):
                 results.append(dmv_case(M, OUT, IN, launch or dmv.launch_for(OUT, IN), dtype))
+        if dtype != mx.float32 and args.only in (None, "experts"):  # Qwen3-30B-A3B's maps, Mixtral's down
+            for tokens, k, E, OUT, IN in ((1, 8, 128, 1536, 2048), (8, 8, 128, 2048, 768), (32, 8, 128, 1536, 2048),
+                                          (128, 8, 128, 2048, 768), (5, 2, 8, 4096, 14336), (3, 2, 4, 40, 96)):
+                results.append(experts_case(tokens, k, E, OUT, IN, dtype))
     ok = all(r["ok"] for r in results)
     print("KERNELS", "OK" if ok else "FAILED", flush=True)
     rows = [int(m) for m in args.rows.split(",")]

@@ -169,14 +169,52 @@ def test_routes_beyond_one_launch_go_in_slices(monkeypatch, family, quantized):
     whole = logits(model.config, params, tokens, positions)
     launches = []
     product = llama.expert_product
-    monkeypatch.setattr(llama, "expert_product", lambda p, x, index, grouped: launches.append(index.size) or
-                        product(p, x, index, grouped))
+    monkeypatch.setattr(llama, "expert_product", lambda p, x, index, grouped, kernel=False:
+                        launches.append(index.size) or product(p, x, index, grouped, kernel))
     monkeypatch.setattr(llama, "MAX_ROUTES", 7)
     sliced = logits(model.config, params, tokens, positions)
     routes = 80 * model.config.experts_per_tok
     moe_layers = sum(model.config.moe_layers)
     assert launches.count(7) == 2 * moe_layers * (routes // 7) and max(launches) == 7  # gate_up and down
     assert np.array_equal(sliced, whole)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_dense_experts_route_through_the_kernel_when_fast(monkeypatch, family):
+    """On CUDA (`fast`), dense experts of up to `llama.KERNEL_ROUTES` routes run
+    `dmv.experts_product` with the rows sorted by expert (here a stand-in that multiplies each row
+    by its expert's map): the layer's output is the plain path's to bf16 rounding. More routes, or
+    4-bit experts, keep MLX's gathered products."""
+    from mlxfun.kernels import attention as kernels
+    from mlxfun.kernels import dmv
+
+    model = model_for(family, seed=10, hidden_size=64, intermediate_size=64)  # inputs in blocks of 32
+    config, params = model.config, weights.cast(model.config, model.params, mx.bfloat16)
+    layer = next(i for i, m in enumerate(config.moe_layers) if m)
+    experts, reference = params.layers[layer].experts, model.params.layers[layer].experts  # bf16, float32
+    calls = []
+
+    def stand_in(x, w, index):
+        calls.append((x.shape, w.shape, np.array(index)))
+        return (x[:, None, :] @ w[index].swapaxes(-1, -2))[:, 0]
+
+    monkeypatch.setattr(kernels, "available", lambda dtype: True)
+    monkeypatch.setattr(dmv, "experts_product", stand_in)
+    k, E = config.experts_per_tok, config.hidden_size
+    for tokens in (1, 5):
+        x = mx.array(np.random.default_rng(tokens).normal(size=(tokens, E)).astype(np.float32))
+        calls.clear()
+        fast = llama.moe(config, experts, x.astype(mx.bfloat16), fast=True).astype(mx.float32)
+        plain = llama.moe(config, reference, x)  # (MLX's CPU gathered product takes float32 only)
+        assert rel_error(np.array(fast), np.array(plain)) < 2e-2
+        assert [c[0] for c in calls] == [(tokens * k, E), (tokens * k, config.moe_intermediate_size)]
+        assert all(np.all(np.diff(c[2].astype(np.int64)) >= 0) for c in calls)  # sorted by expert
+    calls.clear()
+    monkeypatch.setattr(llama, "KERNEL_ROUTES", 4 * k)
+    llama.moe(config, experts, mx.zeros((5, E), mx.bfloat16), fast=True)
+    q = weights.quantize(config, params, bits=4, group_size=32).layers[layer].experts
+    llama.moe(config, q, mx.zeros((2, E), mx.bfloat16), fast=True)
+    assert calls == []
 
 
 def test_shards_of_experts_sum_to_the_whole():

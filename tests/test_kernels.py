@@ -338,6 +338,29 @@ def test_emulated_dense_product_row_is_the_same_bits_in_any_batch():
             assert np.array_equal(got[place], alone[i]), (M, place)
 
 
+@pytest.mark.parametrize("counts,OUT,IN,launch", [
+    ([3, 0, 1, 0, 4], 40, 256, dmv.Launch(2, 2)),  # empty experts among used ones; features past 16
+    ([0, 21, 2], 17, 96, dmv.Launch(1, 1)),  # N = 2, 16 rows a pass: 21 rows in two; the first expert empty
+    ([9, 30, 1, 0], 33, 512, dmv.Launch(4, 2)),  # N = 4, 32 rows a pass: 30 rows in one, part-filled
+    ([1, 1, 1, 1, 1, 1, 1, 1], 20, 64, dmv.Launch(2, 4)),  # a row each; blocks of inputs past a warp's share
+])
+def test_emulated_experts_product_matches_reference(counts, OUT, IN, launch):
+    """The experts' product: rows sorted by expert, a block per expert (its rows found by binary
+    search, 8 N at a time) and 16 features, each row times its own expert's map."""
+    rng = np.random.default_rng(sum(counts) * OUT + IN)
+    E, R = len(counts), sum(counts)
+    index = np.repeat(np.arange(E), counts).astype(np.uint32)
+    x = rng.standard_normal((R, IN)).astype(np.float32)
+    w = (rng.standard_normal((E, OUT, IN)) * IN**-0.5).astype(np.float32)
+    threads, block = dmv.grid(OUT, launch)  # as dmv.experts_product launches it
+    N = dmv.tiles(max(1, 2 * R // E))
+    template = [("T", 0), ("N", N), ("KW", launch.warps), ("U", launch.in_flight)]
+    got = run(dmv._MMA_EXPERTS, dict(x=x, w=w, index=index), {"y": (R, OUT)}, template, (threads[0], 1, E), block,
+              header=QMV_HEADER)[0]
+    want = np.einsum("ri,roi->ro", x.astype(np.float64), w.astype(np.float64)[index])
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
 def test_dense_product_limits(monkeypatch):
     monkeypatch.setattr(dmv, "ENABLED", True)
     x, w = mx.zeros((5, 4096), mx.bfloat16), mx.zeros((128, 4096), mx.bfloat16)

@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlxfun.kernels.attention import compact
 from mlxfun.kernels.qmv import MMA_HEADER
 
-_MMA = compact(r"""
+_BODY = r"""
     // y (M, OUT) = x (M, IN) W^T, W dense, on tensor cores: mma m16n8k16 with A = 16 features x
     // 16 inputs of W, B = 16 inputs x 8 rows of x, N tiles of 8 rows sharing each A (block row
     // blockIdx.y: rows 8 N y ...; rows past M read row M - 1, never stored). A dot product may take its inputs in any
@@ -40,15 +40,19 @@ _MMA = compact(r"""
     // U of them in flight, each U with its own accumulators (consecutive mma on one accumulator
     // wait for each other); shared memory sums the warps' partials. The order of every sum is fixed
     // by IN, KW and U alone: a row's outputs are the same bits whatever the other rows, their
-    // number or the row's place among them (`batch_invariant`).
-    const int M = x_shape[0], IN = x_shape[1], OUT = w_shape[0], blocks = IN / 32;
+    // number or the row's place among them (`batch_invariant`). The block's W (wm) and
+    // the rows it takes from row_first to row_end, 8 N at a time (one pass in the plain product).
+    const int M = x_shape[0], IN = x_shape[1], blocks = IN / 32;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int f0 = blockIdx.x * 16, row0 = blockIdx.y * 8 * N;
-    const T* wa = w + (int64_t)min(f0 + g, OUT - 1) * IN;  // past OUT: recomputes the last, never stored
-    const T* wb = w + (int64_t)min(f0 + g + 8, OUT - 1) * IN;
+    const int f0 = blockIdx.x * 16;
+    ROW_SETUP
+    const T* wa = wm + (int64_t)min(f0 + g, OUT - 1) * IN;  // past OUT: recomputes the last, never stored
+    const T* wb = wm + (int64_t)min(f0 + g + 8, OUT - 1) * IN;
+    __shared__ float partial[KW][32][N * 4];
+    for (int row0 = row_first; row0 < row_end; row0 += row_step) {
     const T* xr[N];
     #pragma unroll
-    for (int n = 0; n < N; ++n) xr[n] = x + (int64_t)min(row0 + 8 * n + g, M - 1) * IN;
+    for (int n = 0; n < N; ++n) xr[n] = x + (int64_t)min(row0 + 8 * n + g, row_end - 1) * IN;
     float c[U][N][4];
     #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -90,7 +94,6 @@ _MMA = compact(r"""
             }
         }
     }
-    __shared__ float partial[KW][32][N * 4];
     #pragma unroll
     for (int i = 0; i < N * 4; ++i) {
         float v = 0.f;
@@ -107,10 +110,32 @@ _MMA = compact(r"""
             #pragma unroll
             for (int k = 0; k < KW; ++k) v += partial[k][lane][i];
             const int j = i % 4, f = f0 + g + 8 * (j >> 1), row = row0 + 8 * (i / 4) + 2 * t + (j & 1);
-            if (f < OUT && row < M) y[(int64_t)row * OUT + f] = static_cast<T>(v);
+            if (f < OUT && row < row_end) y[(int64_t)row * OUT + f] = static_cast<T>(v);
         }
     }
-""")
+    __syncthreads();  // warp 0 has read `partial` before the next rows write it
+    }
+"""
+
+# The plain product: a block's rows are its 8 N of blockIdx.y. The experts' product: x's rows are
+# sorted by the expert each goes to (`index`, ascending), and blockIdx.z is the expert: its rows
+# are found by binary search, taken 8 N at a time, with that expert's map of w (E, OUT, IN).
+_PLAIN = """const int OUT = w_shape[0], row_first = blockIdx.y * 8 * N, row_end = M, row_step = M;
+const T* wm = w;"""
+_EXPERTS = """const int OUT = w_shape[1];
+auto lower = [&](uint32_t v) {  // the first row whose expert is v or later
+    int lo = 0, hi = M;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (index[mid] < v) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+};
+const int row_first = lower(blockIdx.z), row_end = lower(blockIdx.z + 1), row_step = 8 * N;
+const T* wm = w + (int64_t)blockIdx.z * OUT * IN;"""
+_MMA = compact(_BODY.replace("ROW_SETUP", _PLAIN))
+_MMA_EXPERTS = compact(_BODY.replace("ROW_SETUP", _EXPERTS))
+
 
 ENV = "MLXFUN_DENSE_KERNEL"
 LIMIT = 32  # rows the kernel takes at most: 4 tiles of 8
@@ -197,3 +222,25 @@ def product(x: mx.array, w: mx.array, launch: Launch | None = None) -> mx.array:
     template = [("T", x.dtype), ("N", tiles(M)), ("KW", launch.warps), ("U", launch.in_flight)]
     return kernel(inputs=[x, w], template=template, grid=threads, threadgroup=(block, 1, 1),
                   output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]
+
+
+def experts_fit(x: mx.array, w: mx.array) -> bool:
+    """x (R, IN) rows, w (E, OUT, IN) stacked experts: bf16 or fp16 on both, inputs in whole blocks of 32."""
+    return x.ndim == 2 and w.ndim == 3 and x.shape[-1] == w.shape[-1] and invariant_fits(x, w)
+
+
+def experts_product(x: mx.array, w: mx.array, index: mx.array, launch: Launch | None = None) -> mx.array:
+    """Row r of x (R, IN) times expert index[r]'s map of w (E, OUT, IN), transposed -> (R, OUT); the
+    rows sorted by expert (`index` ascending, uint32). A block per 16 features and expert reads that
+    map once for all the expert's rows, 8 N at a time, N for about twice the mean rows an expert
+    gets (most take one pass); experts without rows return at once. Needs `experts_fit`."""
+    (R, IN), (E, out) = x.shape, w.shape[:2]
+    launch = Launch(2 if IN // 32 >= 32 else 1, 2) if launch is None else launch
+    N = tiles(max(1, 2 * R // E))
+    kernel = mx.fast.cuda_kernel(name="mlxfun_dmv_experts", input_names=["x", "w", "index"], output_names=["y"],
+                                 source=_MMA_EXPERTS, header=MMA_HEADER)
+    threads, block = grid(out, launch)
+    return kernel(inputs=[x, w, index], template=[("T", x.dtype), ("N", N), ("KW", launch.warps),
+                                                  ("U", launch.in_flight)],
+                  grid=(threads[0], 1, E), threadgroup=(block, 1, 1), output_shapes=[(R, out)],
+                  output_dtypes=[x.dtype])[0]

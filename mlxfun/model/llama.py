@@ -387,7 +387,7 @@ def layer_masks(config: ModelConfig, positions: mx.array, key_pos: mx.array, mas
 def mlp(config: ModelConfig, layer: Layer, x: mx.array, fast: bool = False) -> mx.array:
     """x (..., E) -> (..., E): the gated MLP, or the layer's experts."""
     if layer.experts is not None:
-        return reduce(config, moe(config, layer.experts, x))
+        return reduce(config, moe(config, layer.experts, x, fast))
     gate, up = mx.split(linear(layer.gate_up, x, fast, config.batch_invariant), 2, axis=-1)  # (B, T, I) each
     return reduce(config, linear(layer.down, activation(config, gate) * up, fast, config.batch_invariant))
 
@@ -412,12 +412,18 @@ SORT_ROUTES = 64
 # than 8,191 tokens at 8 experts each failed to launch ("cuGraphAddKernelNode ... invalid
 # argument"). Each slice of the sorted routes is still sorted.
 MAX_ROUTES = 65535
+# Routes (token, expert) up to which dense experts run mlxfun's product on CUDA (`moe(fast=True)`):
+# decode steps of up to 128 tokens at 8 experts each. A block reads an expert's map once for all
+# its rows, where MLX's grouped product took 22 ms a step at 8 tokens of a Qwen3-30B-A3B shape
+# (bf16, 24 layers, H100), 5x its one-token step. Prompts keep MLX's grouped product.
+KERNEL_ROUTES = 1024
 
 
-def moe(config: ModelConfig, experts: Experts, x: mx.array) -> mx.array:
+def moe(config: ModelConfig, experts: Experts, x: mx.array, fast: bool = False) -> mx.array:
     """x (..., E) -> (..., E): each token through its `experts_per_tok` best experts (a softmax
     over the router's scores, in float32, as Mixtral and Qwen3-MoE route), their outputs summed
-    with those probabilities (renormalised over the chosen when `norm_topk_prob`)."""
+    with those probabilities (renormalised over the chosen when `norm_topk_prob`). `fast`: on
+    CUDA, dense experts of up to KERNEL_ROUTES routes run mlxfun's product (`dmv.experts_product`)."""
     E, k = x.shape[-1], config.experts_per_tok
     flat = x.reshape(-1, E)  # (N, E)
     probs = mx.softmax(linear(experts.router, flat).astype(mx.float32), axis=-1, precise=True)  # (N, n)
@@ -426,11 +432,15 @@ def moe(config: ModelConfig, experts: Experts, x: mx.array) -> mx.array:
     if config.norm_topk_prob:
         weight = weight / weight.sum(axis=-1, keepdims=True)
     N = flat.shape[0]
-    if N * k >= SORT_ROUTES:
+    kernel = fast and N * k <= KERNEL_ROUTES and isinstance(experts.down, Dense) and \
+        kernels.available(x.dtype) and dmv.experts_fit(flat, experts.gate_up.weight)
+    if N * k >= SORT_ROUTES or kernel:
         routes = chosen.flatten()  # (N k,)
         order = mx.argsort(routes)
         rows, index = flat[order // k][:, None], routes[order]  # (N k, 1, E), (N k,): grouped by expert
-        if N * k <= MAX_ROUTES:  # nearly always: one product, no slicing or copying
+        if kernel:
+            y = expert_mlp(config, experts, rows[:, 0], index, True, kernel=True)[:, None]
+        elif N * k <= MAX_ROUTES:  # nearly always: one product, no slicing or copying
             y = expert_mlp(config, experts, rows, index, True)
         else:
             y = mx.concatenate([expert_mlp(config, experts, rows[s:s + MAX_ROUTES], index[s:s + MAX_ROUTES], True)
@@ -442,15 +452,20 @@ def moe(config: ModelConfig, experts: Experts, x: mx.array) -> mx.array:
     return (y * weight[..., None].astype(y.dtype)).sum(axis=1).reshape(x.shape)
 
 
-def expert_mlp(config: ModelConfig, experts: Experts, x: mx.array, index: mx.array, grouped: bool) -> mx.array:
+def expert_mlp(config: ModelConfig, experts: Experts, x: mx.array, index: mx.array, grouped: bool,
+               kernel: bool = False) -> mx.array:
     """x (..., 1, E) through the experts `index` names (broadcast against x's batch dims) ->
-    (..., 1, E). `grouped`: the index is sorted."""
-    gate, up = mx.split(expert_product(experts.gate_up, x, index, grouped), 2, axis=-1)
-    return expert_product(experts.down, activation(config, gate) * up, index, grouped)
+    (..., 1, E). `grouped`: the index is sorted. `kernel`: x (R, E) rows sorted by expert, through
+    mlxfun's product (dense experts on CUDA) -> (R, E)."""
+    gate, up = mx.split(expert_product(experts.gate_up, x, index, grouped, kernel), 2, axis=-1)
+    return expert_product(experts.down, activation(config, gate) * up, index, grouped, kernel)
 
 
-def expert_product(p: Linear, x: mx.array, index: mx.array, grouped: bool) -> mx.array:
-    """x (..., 1, in) times the stacked maps `index` picks (n, out, in) -> (..., 1, out)."""
+def expert_product(p: Linear, x: mx.array, index: mx.array, grouped: bool, kernel: bool = False) -> mx.array:
+    """x (..., 1, in) times the stacked maps `index` picks (n, out, in) -> (..., 1, out); with
+    `kernel`, x (R, in) sorted by expert -> (R, out)."""
+    if kernel:
+        return dmv.experts_product(x, p.weight, index)
     if isinstance(p, Quantized):
         group_size, bits = quant_shape(p, x.shape[-1])
         return mx.gather_qmm(x, p.weight, p.scales, p.biases, rhs_indices=index, transpose=True,
