@@ -38,8 +38,10 @@
 #                after keep_freed (CUDA's pool keeps freed memory)
 #   families     mlxfun bench: Gemma 3 4B and Qwen3-30B-A3B (24 of 48 layers) shapes ($FAMILY_SHAPES), batch
 #                1/8/32/128, q4 and bf16 ($FAMILY_DTYPES), mlx-lm beside (installed from .whl, as for serve)
-#   moe          mlxfun bench: the Qwen3-30B-A3B shape (24 of 48 layers), $FAMILY_DTYPES (q4), batch 1/8/32/128,
-#                mlx-lm beside; on a CUDA-graph launch failure, again at batch 1/8 with MLX_USE_CUDA_GRAPHS=0
+#   moe          mlxfun bench: the Qwen3-30B-A3B shape (24 of 48 layers), $FAMILY_DTYPES (q4), batch 1/8/32/128
+#                ($FAMILY_BATCHES), $FAMILY_GEN (64) generated, mlx-lm beside; on a CUDA-graph launch failure,
+#                again at batch 1/8 with MLX_USE_CUDA_GRAPHS=0 (dense experts through dmv.experts_product: set
+#                MLXFUN_EXPERTS_KERNEL=1)
 #   sampling     benchmarks/sampling_search.py: top-k/top-p by threshold search against $AB_REF's sort (128K vocab)
 #   ab-static    this tree against the package in $AB_REF (default .ab/ref, made here by
 #                `echo /.ab/ >> .git/info/exclude; mkdir -p .ab/ref; git archive REV mlxfun | tar -x -C .ab/ref`
@@ -141,8 +143,8 @@ for suite in "$@"; do
     moe)  # the Qwen3-MoE shape beside mlx-lm; if MLX's CUDA graph launch fails, again without CUDA graphs
       wheels
       log=$OUT/moe-${FAMILY_DTYPES:-q4}.log
-      bench ${FAMILY_TIMEOUT:-330} --shape qwen3-30B-A3B-24L --batch-sizes 1,8,32,128 --prompt-tokens 128 \
-        --gen-tokens 64 --dtypes ${FAMILY_DTYPES:-q4} --mlx-lm --json "$OUT/moe-${FAMILY_DTYPES:-q4}.json" 2>&1 | tee "$log" | grep -v "^$" | tail -30
+      bench ${FAMILY_TIMEOUT:-330} --shape qwen3-30B-A3B-24L --batch-sizes ${FAMILY_BATCHES:-1,8,32,128} --prompt-tokens 128 \
+        --gen-tokens ${FAMILY_GEN:-64} --dtypes ${FAMILY_DTYPES:-q4} --mlx-lm --json "$OUT/moe-${FAMILY_DTYPES:-q4}.json" 2>&1 | tee "$log" | grep -v "^$" | tail -30
       if grep -q "cuGraph" "$log"; then
         MLX_USE_CUDA_GRAPHS=0 bench 150 --shape qwen3-30B-A3B-24L --batch-sizes 1,8 --prompt-tokens 128 --gen-tokens 32 \
           --dtypes ${FAMILY_DTYPES:-q4} --json "$OUT/moe-nographs.json" 2>&1 | grep -v "^$" | tail -12

@@ -199,6 +199,7 @@ def test_dense_experts_route_through_the_kernel_when_fast(monkeypatch, family):
         return (x[:, None, :] @ w[index].swapaxes(-1, -2))[:, 0]
 
     monkeypatch.setattr(kernels, "available", lambda dtype: True)
+    monkeypatch.setattr(dmv, "EXPERTS", True)
     monkeypatch.setattr(dmv, "experts_product", stand_in)
     k, E = config.experts_per_tok, config.hidden_size
     for tokens in (1, 5):
@@ -214,7 +215,14 @@ def test_dense_experts_route_through_the_kernel_when_fast(monkeypatch, family):
     llama.moe(config, experts, mx.zeros((5, E), mx.bfloat16), fast=True)
     q = weights.quantize(config, params, bits=4, group_size=32).layers[layer].experts
     llama.moe(config, q, mx.zeros((2, E), mx.bfloat16), fast=True)
+    monkeypatch.setattr(llama, "KERNEL_ROUTES", 1024)
+    monkeypatch.setattr(dmv, "EXPERTS", False)  # off ($MLXFUN_EXPERTS_KERNEL=0 at import)
+    llama.moe(config, experts, mx.zeros((2, E), mx.bfloat16), fast=True)
     assert calls == []
+    assert dmv.experts_setting("1") and not dmv.experts_setting("0")
+    assert dmv.experts_setting("") == dmv.EXPERTS_DEFAULT
+    with pytest.raises(ValueError, match="MLXFUN_EXPERTS_KERNEL"):
+        dmv.experts_setting("yes")
 
 
 def test_shards_of_experts_sum_to_the_whole():

@@ -224,9 +224,26 @@ def product(x: mx.array, w: mx.array, launch: Launch | None = None) -> mx.array:
                   output_shapes=[(M, out)], output_dtypes=[x.dtype])[0]
 
 
+EXPERTS_ENV = "MLXFUN_EXPERTS_KERNEL"
+# Off unless set: checked on the CPU's CUDA emulator and by ptxas, not yet run on a GPU.
+EXPERTS_DEFAULT = False
+
+
+def experts_setting(setting: str) -> bool:
+    """$MLXFUN_EXPERTS_KERNEL -> whether dense experts run `experts_product` ("1" on, "0" off,
+    unset: EXPERTS_DEFAULT)."""
+    if setting.strip() not in ("", "0", "1"):
+        raise ValueError(f"{EXPERTS_ENV}={setting!r}: expected 1 (on), 0 (off) or unset")
+    return EXPERTS_DEFAULT if not setting.strip() else setting.strip() == "1"
+
+
+EXPERTS = experts_setting(os.environ.get(EXPERTS_ENV, ""))  # read once, at import
+
+
 def experts_fit(x: mx.array, w: mx.array) -> bool:
-    """x (R, IN) rows, w (E, OUT, IN) stacked experts: bf16 or fp16 on both, inputs in whole blocks of 32."""
-    return x.ndim == 2 and w.ndim == 3 and x.shape[-1] == w.shape[-1] and invariant_fits(x, w)
+    """x (R, IN) rows, w (E, OUT, IN) stacked experts: bf16 or fp16 on both, inputs in whole blocks of
+    32 (and the kernel on: EXPERTS)."""
+    return EXPERTS and x.ndim == 2 and w.ndim == 3 and x.shape[-1] == w.shape[-1] and invariant_fits(x, w)
 
 
 def experts_product(x: mx.array, w: mx.array, index: mx.array, launch: Launch | None = None) -> mx.array:
