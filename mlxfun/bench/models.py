@@ -7,6 +7,7 @@ measured without downloads.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 import os
@@ -52,6 +53,9 @@ SHAPES = {
                                   "rope_theta": 1_000_000.0, "max_position_embeddings": 40960,
                                   "tie_word_embeddings": False}),
 }
+# The same with 6 layers: quick A/B runs of the experts' products.
+SHAPES["qwen3-30B-A3B-6L"] = dataclasses.replace(SHAPES["qwen3-30B-A3B-24L"], num_layers=6, layer_windows=(),
+                                                 local_layers=(), moe_layers=(True,) * 6, layer_sinks=())
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 QUANT = {"q4": 4, "q8": 8}
 
