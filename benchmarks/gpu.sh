@@ -19,6 +19,10 @@
 #   tiled-quant  mlxfun bench, bf16 and q4 (and q4 with MLXFUN_TILED_FROM=$TILED_FROM, default 33: quantized
 #                products from that many rows through the tiled kernel, qmm.py, no dense copy), $QUANT_SHAPES, $QUANT_BATCHES
 #   tiled-invariant  invariant-e2e and invariant-cost with MLXFUN_INVARIANT_TILED=1 (the mode's products tiled)
+#   invariant-pieces invariant-e2e and invariant-cost with MLXFUN_INVARIANT_PIECES=$PIECES (128): the mode's
+#                products as MLX matmuls of exactly that many rows (mlxfun/model/pieces.py)
+#   moe-ab       kernels_check --only experts, then the 6-layer Qwen3-30B-A3B shape in bf16, batch 1/8/32/128,
+#                with MLXFUN_EXPERTS_KERNEL=0 and =1 (dmv.experts_product for dense experts)
 #   continuous   mlxfun bench --continuous 32: 256 mixed requests, static batches vs continuous (1B)
 #   prefix       mlxfun bench --prefix: 256 requests sharing a 2,000-token prefix, cache off vs on (1B)
 #   speculative  mlxfun bench --speculative --rule-only (1B target, 135M draft)
@@ -105,6 +109,20 @@ for suite in "$@"; do
         MLXFUN_TILED_FROM=${TILED_FROM:-33} bench ${QUANT_TIMEOUT:-200} --shape $shape \
           --batch-sizes ${QUANT_BATCHES:-1,8,32,128} --prompt-tokens 128 --gen-tokens 128 --dtypes q4 \
           --json "$OUT/tiled-quant-$shape.json" | tail -6
+      done ;;
+    invariant-pieces)  # issue 54: the mode's products as MLX matmuls of one row count ($PIECES, 128)
+      MLXFUN_INVARIANT_PIECES=${PIECES:-128} timeout ${INVARIANT_TIMEOUT:-240} python3 benchmarks/invariant_e2e.py \
+        --models ${INVARIANT_MODELS:-bf16,fp16,q4} --json "$OUT/pieces-invariant-e2e.json" | tail -20
+      for shape in ${INVARIANT_SHAPES:-1B 8B}; do
+        MLXFUN_INVARIANT_PIECES=${PIECES:-128} bench ${INVARIANT_COST_TIMEOUT:-280} --shape $shape \
+          --batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16 --batch-invariant \
+          --json "$OUT/pieces-invariant-cost-$shape.json" | tail -12
+      done ;;
+    moe-ab)  # issue 55: dmv.experts_product checked, then the 6-layer MoE shape in bf16 without and with it
+      timeout ${KERNELS_TIMEOUT:-120} python3 benchmarks/kernels_check.py --only experts --json "$OUT/experts.json" | tail -4
+      for on in 0 1; do
+        MLXFUN_EXPERTS_KERNEL=$on bench ${FAMILY_TIMEOUT:-150} --shape qwen3-30B-A3B-6L --batch-sizes 1,8,32,128 \
+          --prompt-tokens 128 --gen-tokens 32 --dtypes bfloat16 --json "$OUT/moe-ab-6L-$on.json" | tail -8
       done ;;
     tiled-invariant)
       MLXFUN_INVARIANT_TILED=1 timeout ${INVARIANT_TIMEOUT:-240} python3 benchmarks/invariant_e2e.py \

@@ -120,3 +120,33 @@ def test_invariant_prefill_runs_each_token_as_a_row(monkeypatch, bf16_model):
         step.prefill_chunk(config, bf16_model.params, mx.zeros((2, 4), mx.int32), mx.zeros((2, 4), mx.int32),
                            None, None, mx.zeros((2,), mx.int32))
     assert seen == [True]
+
+
+
+def test_invariant_products_in_pieces_have_one_shape(monkeypatch):
+    """MLXFUN_INVARIANT_PIECES=N: the mode's products run MLX's matmul on pieces of exactly N rows
+    (zeros padding the last), dense and quantized maps (dequantized) alike, never dmv: every
+    product one shape, so one cuBLAS kernel, whatever the rows. A row's bits are the same alone
+    and in any batch, and the product is the plain one to bf16 rounding."""
+    from mlxfun.model import pieces
+
+    shapes, dmv_calls = [], []
+    monkeypatch.setattr(kernels, "available", lambda dtype: True)
+    monkeypatch.setattr(dmv, "product", lambda x, w, launch=None: dmv_calls.append(x.shape) or x @ w.T)
+    monkeypatch.setattr(pieces, "ROWS", 8)
+    monkeypatch.setattr(pieces, "piece", lambda rows, w_t: shapes.append(rows.shape) or rows @ w_t)
+    w = mx.random.normal((64, 128)).astype(mx.bfloat16)
+    dense, quant = llama.Dense(w), llama.Quantized(*mx.quantize(w, group_size=64, bits=4))
+    deq = mx.dequantize(quant.weight, quant.scales, quant.biases, group_size=64, bits=4).astype(mx.bfloat16)
+    x = mx.random.normal((21, 128)).astype(mx.bfloat16)
+    for p, wd in ((dense, w), (quant, deq)):
+        alone = llama.linear(p, x[3:4], fast=True, invariant=True)
+        for rows in (8, 21):
+            got = llama.linear(p, x[:rows], fast=True, invariant=True)
+            assert got.shape == (rows, 64) and mx.array_equal(got[3], alone[0]).item()
+            want = x[:rows].astype(mx.float32) @ wd.astype(mx.float32).T
+            assert (mx.abs(got.astype(mx.float32) - want).max() / mx.abs(want).max()).item() < 1e-2
+    assert set(shapes) == {(8, 128)} and len(shapes) == 2 * (1 + 1 + 3) and dmv_calls == []
+    with pytest.raises(ValueError, match="MLXFUN_INVARIANT_PIECES"):
+        pieces.pieces_setting("0")
+    assert pieces.pieces_setting("") is None and pieces.pieces_setting("128") == 128

@@ -17,7 +17,7 @@ from mlxfun.errors import InputError
 from mlxfun.kernels import attention as kernels
 from mlxfun.kernels import dmv, qmm, qmv
 from mlxfun.model import cache as kv
-from mlxfun.model import masks
+from mlxfun.model import masks, pieces
 from mlxfun.model.config import ModelConfig
 
 
@@ -89,7 +89,8 @@ def linear(p: Linear, x: mx.array, fast: bool = False, invariant: bool = False) 
     have no gradient. `invariant` (`ModelConfig.batch_invariant`): on CUDA, bf16 and fp16 products
     at every row count run `dmv`, whose sums do not depend on the rows (quantized maps dequantized
     for it, one map at a time); no gradient either. (`qmm`'s settings, a benchmark's trial of the
-    tiled product, reroute quantized and invariant products to it.)"""
+    tiled product, reroute quantized and invariant products to it; `pieces`', invariant products
+    to MLX's matmul in pieces of one row count.)"""
     # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
     rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
     if invariant and kernels.available(x.dtype) and x.dtype != mx.float32:
@@ -126,6 +127,9 @@ def _invariant_product(p: Linear, rows: mx.array) -> mx.array:
         elif p.weight.dtype == rows.dtype and qmm.fits(rows.shape[0], rows.shape[-1], 0, 16, rows.dtype):
             return qmm.dense(rows, p.weight, invariant=True)
     w = dequantize(p, rows.shape[-1]).astype(rows.dtype) if isinstance(p, Quantized) else p.weight
+    if pieces.ROWS:  # (MLXFUN_INVARIANT_PIECES) MLX's matmul on products of one fixed shape
+        w_t = w.T if isinstance(p, Quantized) or p.weight_t is None else p.weight_t
+        return pieces.product(rows, w_t, pieces.ROWS)
     if not dmv.invariant_fits(rows, w):
         raise InputError(f"batch_invariant: no batch-invariant product for {w.dtype} weights over "
                          f"{rows.shape[-1]} inputs with {rows.dtype} activations (bf16 or fp16 on both, "
