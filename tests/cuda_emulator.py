@@ -2,10 +2,10 @@
 
 Each kernel body is wrapped as MLX's `mx.fast.cuda_kernel` wraps it (the same signature: inputs,
 their `_shape` arrays where the source uses them, outputs, template constants), compiled as C++
-with g++, and run block by block with one OS thread per CUDA thread: `__syncthreads` is a block
-barrier, `__shfl_xor_sync` exchanges through memory between two warp barriers, `__shared__` is a
-static. float32 only: it checks indexing, partitioning and merging, not speed or bf16 rounding
-(benchmarks/kernels_check.py does those on a GPU).
+with g++, and run block by block, each CUDA thread a fiber (ucontext) of one OS thread switched
+at barriers: `__syncthreads` is a block barrier, `__shfl_xor_sync` exchanges through memory between
+two warp barriers, `__shared__` is a static. float32 only: it checks indexing, partitioning and
+merging, not speed or bf16 rounding (benchmarks/kernels_check.py does those on a GPU).
 """
 
 from __future__ import annotations
@@ -19,32 +19,47 @@ import numpy as np
 
 PRELUDE = r"""
 #include <array>
-#include <barrier>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <ucontext.h>
 #define __global__
 #define __grid_constant__
 #define __shared__ static
 using std::min;
 using Shape = std::array<int32_t, 10>;
 struct dim3 { int x, y, z; };
-thread_local dim3 threadIdx, blockIdx;
-dim3 blockDim, gridDim;
-std::barrier<>* block_barrier;
-std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+// A block's CUDA threads are fibers on one OS thread (ucontext), switched at barriers: a fiber
+// waits at __syncthreads until every live fiber of the block is there, and at a warp barrier
+// until every fiber of its warp is. Warps are released one at a time, so one runs ahead of the
+// others up to the next block barrier: a missing __syncthreads shows as a wrong result.
+enum Wait { RUNNING, AT_BLOCK, AT_WARP, DONE };
+struct Fiber { ucontext_t ctx; dim3 tid; Wait wait; };
+std::vector<Fiber> fibers;
+std::vector<std::vector<char>> stacks;
+ucontext_t scheduler;
+int current_fiber;
+dim3 blockIdx, blockDim, gridDim;
+#define threadIdx (fibers[current_fiber].tid)
+inline void yield_at(Wait w) {
+    fibers[current_fiber].wait = w;
+    swapcontext(&fibers[current_fiber].ctx, &scheduler);
+}
+inline void __syncthreads() { yield_at(AT_BLOCK); }
+inline void warp_sync() { yield_at(AT_WARP); }
 float exchange[1024];
-inline void __syncthreads() { block_barrier->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int off) {
-    const int t = threadIdx.x, w = t / 32;
+    const int t = threadIdx.x;
     exchange[t] = v;
-    warp_barriers[w]->arrive_and_wait();
+    warp_sync();
     const float r = exchange[(t & ~31) | ((t & 31) ^ off)];
-    warp_barriers[w]->arrive_and_wait();
+    warp_sync();
     return r;
 }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
@@ -64,18 +79,61 @@ template <int N, typename T> AlignedVector<T, N> unsafe_load_vector(const T* p, 
     for (int i = 0; i < N; ++i) v[i] = p[off * N + i];
     return v;
 }
+std::function<void()>* fiber_body;
+void fiber_entry() { (*fiber_body)(); fibers[current_fiber].wait = DONE; }
 template <typename F> void launch(F f, dim3 grid, int threads) {
     gridDim = grid;
     blockDim = {threads, 1, 1};
+    std::function<void()> body = f;
+    fiber_body = &body;
+    fibers.resize(threads);
+    stacks.resize(threads);
+    for (auto& st : stacks) st.resize(1 << 18);
     for (int z = 0; z < grid.z; ++z) for (int y = 0; y < grid.y; ++y) for (int x = 0; x < grid.x; ++x) {
-        std::barrier<> bar(threads);
-        block_barrier = &bar;
-        warp_barriers.clear();
-        for (int w = 0; w < threads / 32; ++w) warp_barriers.emplace_back(new std::barrier<>(32));
-        std::vector<std::thread> ts;
-        for (int t = 0; t < threads; ++t)
-            ts.emplace_back([&, t] { threadIdx = {t, 0, 0}; blockIdx = {x, y, z}; f(); });
-        for (auto& t : ts) t.join();
+        blockIdx = {x, y, z};
+        for (int t = 0; t < threads; ++t) {
+            Fiber& fb = fibers[t];
+            fb.tid = {t, 0, 0};
+            fb.wait = RUNNING;
+            getcontext(&fb.ctx);
+            fb.ctx.uc_stack.ss_sp = stacks[t].data();
+            fb.ctx.uc_stack.ss_size = stacks[t].size();
+            fb.ctx.uc_link = &scheduler;
+            makecontext(&fb.ctx, fiber_entry, 0);
+        }
+        for (;;) {  // run every runnable fiber to its next barrier (or its end), then release barriers
+            bool live = false;
+            for (int t = 0; t < threads; ++t) {
+                if (fibers[t].wait != RUNNING) continue;
+                current_fiber = t;
+                swapcontext(&scheduler, &fibers[t].ctx);
+            }
+            bool all_block = true;
+            for (int t = 0; t < threads; ++t) {
+                if (fibers[t].wait != DONE) live = true;
+                if (fibers[t].wait != DONE && fibers[t].wait != AT_BLOCK) all_block = false;
+            }
+            if (!live) break;
+            bool released = false;
+            if (all_block) {
+                for (auto& fb : fibers) if (fb.wait == AT_BLOCK) { fb.wait = RUNNING; released = true; }
+            } else {
+                for (int w = 0; w * 32 < threads; ++w) {
+                    const int end = min(threads, 32 * w + 32);
+                    bool all = true, any = false;  // lanes that have ended count as arrived
+                    for (int t = 32 * w; t < end; ++t) {
+                        all &= fibers[t].wait == AT_WARP || fibers[t].wait == DONE;
+                        any |= fibers[t].wait == AT_WARP;
+                    }
+                    if (all && any) {  // one warp at a time: warps drift apart as far as barriers let them
+                        for (int t = 32 * w; t < end; ++t) if (fibers[t].wait == AT_WARP) fibers[t].wait = RUNNING;
+                        released = true;
+                        break;
+                    }
+                }
+            }
+            if (!released) { fprintf(stderr, "emulator: deadlock at a barrier\n"); abort(); }
+        }
     }
 }
 """
@@ -99,7 +157,7 @@ template <typename T> void qmv_mma(float* c, const Pair* a, const Pair* b) {
     const int me = threadIdx.x, base = me & ~31, lane = me & 31, g = lane >> 2, t = lane & 3;
     for (int r = 0; r < 4; ++r) mma_a[me][r] = a[r];
     for (int r = 0; r < 2; ++r) mma_b[me][r] = b[r];
-    warp_barriers[me / 32]->arrive_and_wait();
+    warp_sync();
     for (int i = 0; i < 4; ++i) {
         const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
         float sum = 0.f;
@@ -110,7 +168,7 @@ template <typename T> void qmv_mma(float* c, const Pair* a, const Pair* b) {
         }
         c[i] += sum;
     }
-    warp_barriers[me / 32]->arrive_and_wait();
+    warp_sync();
 }
 """
 
