@@ -154,3 +154,18 @@ def test_tiled_settings_route_products(monkeypatch):
         llama.linear(dense, x, invariant=True)
         llama.linear(quant, x, invariant=True)
     assert calls == [c for rows in (1, 9, 300) for c in (("dense", rows, True), ("qmm", rows, 4, True))]
+
+
+def test_emulator_catches_a_missing_barrier():
+    """Without the barrier that ends a step, a warp overwrites the tiles while others still read
+    them; the emulator lets one warp run ahead to the next block barrier, so the result is wrong."""
+    inputs, want = quantized_case(20, 64, 256, 64, seed=5)
+    barrier = "__syncthreads();\n}\n#pragma unroll\nfor (int i = 0; i < FW; ++i) {"
+    source = qmm.SOURCES[False, False]
+    assert source.count(barrier) == 1
+    shape = qmm.Tile(16, 64, 1)  # 4 warps
+    threads, block = qmm.grid(64, 20, shape)
+    got = run(source.replace(barrier, "}\n#pragma unroll\nfor (int i = 0; i < FW; ++i) {"), inputs, {"y": (20, 64)},
+              qmm.template(0, 4, 64, shape), threads, block, header=QMV_HEADER)[0]
+    assert np.allclose(emulated(inputs, 4, 64, shape), want, atol=1e-5)
+    assert not np.allclose(got, want, atol=1e-3)
