@@ -16,7 +16,7 @@ from helpers import rel_error, tiny_tokenizer
 import mlxfun
 from mlxfun.engine import strategy
 from mlxfun.model import config as cfg
-from mlxfun.model import llama, weights
+from mlxfun.model import llama, moe, weights
 from mlxfun.model import tokenizer as tok
 from mlxfun.model.load import Model
 from mlxfun.parallel import shard
@@ -148,9 +148,9 @@ def test_quantized_experts_equal_their_dequantized_copy(family):
         assert rel_error(logits(model.config, q, tokens, positions),
                          logits(model.config, dense, tokens, positions)) < 1e-4
     copy = strategy.dense_copy(model.config, q)
-    moe = next(i for i, m in enumerate(model.config.moe_layers) if m)
-    assert isinstance(copy.layers[moe].experts.down, llama.Quantized)
-    assert isinstance(copy.layers[moe].qkv, llama.Dense)
+    first = next(i for i, m in enumerate(model.config.moe_layers) if m)
+    assert isinstance(copy.layers[first].experts.down, llama.Quantized)
+    assert isinstance(copy.layers[first].qkv, llama.Dense)
     maps = [copy.embed, copy.lm_head] + [x for layer in copy.layers
                                          for x in (layer.qkv, layer.o, layer.gate_up, layer.down) if x is not None]
     assert strategy.dense_bytes(model.config, q) == sum(p.weight.size * 4 for p in maps if p is not None)
@@ -159,7 +159,7 @@ def test_quantized_experts_equal_their_dequantized_copy(family):
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("quantized", [False, True])
 def test_routes_beyond_one_launch_go_in_slices(monkeypatch, family, quantized):
-    """A gathered product takes at most `llama.MAX_ROUTES` sorted routes (CUDA's grid-z cap of 65,535
+    """A gathered product takes at most `moe.MAX_ROUTES` sorted routes (CUDA's grid-z cap of 65,535
     broke a 16,384-token chunk of a Qwen3-MoE shape at 8 experts each): more are cut into slices
     of sorted routes, with the same answer bit for bit. A limit of 7 here: uneven slices, and
     a token's routes split across two."""
@@ -168,10 +168,10 @@ def test_routes_beyond_one_launch_go_in_slices(monkeypatch, family, quantized):
     tokens, positions = padded_rows(96, [40, 30])  # 140 or 160 routes: sorted
     whole = logits(model.config, params, tokens, positions)
     launches = []
-    product = llama.expert_product
-    monkeypatch.setattr(llama, "expert_product", lambda p, x, index, grouped, kernel=False:
+    product = moe.expert_product
+    monkeypatch.setattr(moe, "expert_product", lambda p, x, index, grouped, kernel=False:
                         launches.append(index.size) or product(p, x, index, grouped, kernel))
-    monkeypatch.setattr(llama, "MAX_ROUTES", 7)
+    monkeypatch.setattr(moe, "MAX_ROUTES", 7)
     sliced = logits(model.config, params, tokens, positions)
     routes = 80 * model.config.experts_per_tok
     moe_layers = sum(model.config.moe_layers)
@@ -181,7 +181,7 @@ def test_routes_beyond_one_launch_go_in_slices(monkeypatch, family, quantized):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_dense_experts_route_through_the_kernel_when_fast(monkeypatch, family):
-    """On CUDA (`fast`), dense experts of up to `llama.KERNEL_ROUTES` routes run
+    """On CUDA (`fast`), dense experts of up to `moe.KERNEL_ROUTES` routes run
     `dmv.experts_product` with the rows sorted by expert (here a stand-in that multiplies each row
     by its expert's map): the layer's output is the plain path's to bf16 rounding. More routes, or
     4-bit experts, keep MLX's gathered products."""
@@ -205,19 +205,19 @@ def test_dense_experts_route_through_the_kernel_when_fast(monkeypatch, family):
     for tokens in (1, 5):
         x = mx.array(np.random.default_rng(tokens).normal(size=(tokens, E)).astype(np.float32))
         calls.clear()
-        fast = llama.moe(config, experts, x.astype(mx.bfloat16), fast=True).astype(mx.float32)
-        plain = llama.moe(config, reference, x)  # (MLX's CPU gathered product takes float32 only)
+        fast = moe.layer(config, experts, x.astype(mx.bfloat16), fast=True).astype(mx.float32)
+        plain = moe.layer(config, reference, x)  # (MLX's CPU gathered product takes float32 only)
         assert rel_error(np.array(fast), np.array(plain)) < 2e-2
         assert [c[0] for c in calls] == [(tokens * k, E), (tokens * k, config.moe_intermediate_size)]
         assert all(np.all(np.diff(c[2].astype(np.int64)) >= 0) for c in calls)  # sorted by expert
     calls.clear()
-    monkeypatch.setattr(llama, "KERNEL_ROUTES", 4 * k)
-    llama.moe(config, experts, mx.zeros((5, E), mx.bfloat16), fast=True)
+    monkeypatch.setattr(moe, "KERNEL_ROUTES", 4 * k)
+    moe.layer(config, experts, mx.zeros((5, E), mx.bfloat16), fast=True)
     q = weights.quantize(config, params, bits=4, group_size=32).layers[layer].experts
-    llama.moe(config, q, mx.zeros((2, E), mx.bfloat16), fast=True)
-    monkeypatch.setattr(llama, "KERNEL_ROUTES", 1024)
+    moe.layer(config, q, mx.zeros((2, E), mx.bfloat16), fast=True)
+    monkeypatch.setattr(moe, "KERNEL_ROUTES", 1024)
     monkeypatch.setattr(dmv, "EXPERTS", False)  # off ($MLXFUN_EXPERTS_KERNEL=0 at import)
-    llama.moe(config, experts, mx.zeros((2, E), mx.bfloat16), fast=True)
+    moe.layer(config, experts, mx.zeros((2, E), mx.bfloat16), fast=True)
     assert calls == []
     assert dmv.experts_setting("1") and not dmv.experts_setting("0")
     assert dmv.experts_setting("") == dmv.EXPERTS_DEFAULT
@@ -232,8 +232,8 @@ def test_shards_of_experts_sum_to_the_whole():
     config, params = model.config, model.params
     layer = next(i for i, m in enumerate(config.moe_layers) if m)
     x = mx.array(np.random.default_rng(0).normal(size=(5, config.hidden_size)).astype(np.float32))
-    whole = llama.moe(config, params.layers[layer].experts, x)
-    parts = [llama.moe(dataclasses.replace(config, moe_intermediate_size=config.moe_intermediate_size // 2),
+    whole = moe.layer(config, params.layers[layer].experts, x)
+    parts = [moe.layer(dataclasses.replace(config, moe_intermediate_size=config.moe_intermediate_size // 2),
                        shard.shard_params(config, params, 2, r).layers[layer].experts, x) for r in range(2)]
     assert rel_error(np.array(parts[0] + parts[1]), np.array(whole)) < 1e-5
     assert parts[0].shape == whole.shape and rel_error(np.array(parts[0]), np.array(whole)) > 1e-2
