@@ -67,20 +67,24 @@ _BODY = r"""
         for (int n = 0; n < NT; ++n) c[i][n][0] = c[i][n][1] = c[i][n][2] = c[i][n][3] = 0.f;
     }
     auto perm = [](int e) { return PERMUTATION; };  // the input at place e of 8 in shared memory
+    // Values 8 v ... 8 v + 7 of a row from `src` (zeros where !inside): one 16-byte load.
+    auto load8 = [](const T* src, bool inside, int v) {
+        AlignedVector<T, 8> vals;
+        if (inside) {
+            vals = unsafe_load_vector<8>(src, v);
+        } else {
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) vals[e] = static_cast<T>(0.f);
+        }
+        return vals;
+    };
     AlignedVector<T, 8> xr[XV];
     W_REGS
     auto fetch = [&](int k0) {  // the step at k0, global memory -> registers
         #pragma unroll
         for (int j = 0; j < XV; ++j) {
             const int i = tid + j * THREADS, row = rb + (i >> 3);
-            if (i < BM * 8) {
-                if (row < M) {
-                    xr[j] = unsafe_load_vector<8>(x + (int64_t)row * IN + k0, i & 7);
-                } else {
-                    #pragma unroll
-                    for (int e = 0; e < 8; ++e) xr[j][e] = static_cast<T>(0.f);
-                }
-            }
+            if (i < BM * 8) xr[j] = load8(x + (int64_t)min(row, M - 1) * IN + k0, row < M, i & 7);
         }
         W_FETCH
     };
@@ -172,14 +176,7 @@ _DENSE = dict(REGS=r"""
         #pragma unroll
         for (int j = 0; j < WV; ++j) {
             const int i = tid + j * THREADS, feature = fb + (i >> 3);
-            if (i < BN * 8) {
-                if (feature < OUT) {
-                    wr[j] = unsafe_load_vector<8>(w + (int64_t)feature * IN + k0, i & 7);
-                } else {
-                    #pragma unroll
-                    for (int e = 0; e < 8; ++e) wr[j][e] = static_cast<T>(0.f);
-                }
-            }
+            if (i < BN * 8) wr[j] = load8(w + (int64_t)min(feature, OUT - 1) * IN + k0, feature < OUT, i & 7);
         }
 """, PUT=r"""
         #pragma unroll
