@@ -28,6 +28,8 @@ PRELUDE = r"""
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <type_traits>
 #include <ucontext.h>
 #define __global__
 #define __grid_constant__
@@ -79,6 +81,13 @@ template <int N, typename T> AlignedVector<T, N> unsafe_load_vector(const T* p, 
     for (int i = 0; i < N; ++i) v[i] = p[off * N + i];
     return v;
 }
+// cp.async: a thread's copies are queued in groups and land only when it waits for them
+// (cp_async_wait), so that reading a stage before its wait, or before the barrier after
+// everyone's wait, reads stale data.
+struct Copy { void* dst; const void* src; size_t bytes; };
+std::vector<std::vector<Copy>> copy_groups[1024];
+std::vector<Copy> copy_open[1024];
+size_t dynamic_smem = 0;  // the launch's dynamic shared memory, in the GPU's bytes
 std::function<void()>* fiber_body;
 void fiber_entry() { (*fiber_body)(); fibers[current_fiber].wait = DONE; }
 template <typename F> void launch(F f, dim3 grid, int threads) {
@@ -91,6 +100,7 @@ template <typename F> void launch(F f, dim3 grid, int threads) {
     for (auto& st : stacks) st.resize(1 << 18);
     for (int z = 0; z < grid.z; ++z) for (int y = 0; y < grid.y; ++y) for (int x = 0; x < grid.x; ++x) {
         blockIdx = {x, y, z};
+        for (int t = 0; t < threads; ++t) { copy_groups[t].clear(); copy_open[t].clear(); }
         for (int t = 0; t < threads; ++t) {
             Fiber& fb = fibers[t];
             fb.tid = {t, 0, 0};
@@ -172,16 +182,59 @@ template <typename T> void qmv_mma(float* c, const Pair* a, const Pair* b) {
 }
 """
 
+# CPU versions of what `qmm.QMM_HEADER` adds: ldmatrix through the warp's exchanged row addresses,
+# cp.async as deferred copies (16 bytes on the GPU: 8 values of T, which is float here, or 4 words),
+# and the dynamic shared memory as a static buffer, checked against the launch's size.
+QMM_HEADER = QMV_HEADER + r"""
+#define QMM_SMEM(name, bytes) alignas(16) static unsigned char name[1 << 22]; \
+    if ((size_t)(bytes) > dynamic_smem) { \
+        fprintf(stderr, "emulator: %zu bytes of shared memory, launched with %zu\n", (size_t)(bytes), dynamic_smem); \
+        abort(); \
+    }
+template <typename E> void cp_async16(E* dst, const E* src) {
+    constexpr size_t n = std::is_same_v<E, uint32_t> ? 4 : 8;
+    copy_open[threadIdx.x].push_back({dst, src, n * sizeof(E)});
+}
+inline void cp_async_commit() {
+    copy_groups[threadIdx.x].push_back(copy_open[threadIdx.x]);
+    copy_open[threadIdx.x].clear();
+}
+template <int N> void cp_async_wait() {
+    auto& groups = copy_groups[threadIdx.x];
+    while (groups.size() > N) {
+        for (const Copy& c : groups.front()) memcpy(c.dst, c.src, c.bytes);
+        groups.erase(groups.begin());
+    }
+}
+const void* ldsm_rows[1024];
+template <typename E> void ldsm_x4(Pair* r, const E* row) {
+    const int me = threadIdx.x, base = me & ~31, lane = me & 31, g = lane >> 2, t = lane & 3;
+    ldsm_rows[me] = row;
+    warp_sync();
+    for (int m = 0; m < 4; ++m) {
+        const E* p = static_cast<const E*>(ldsm_rows[base + 8 * m + g]);
+        r[m] = {p[2 * t], p[2 * t + 1]};
+    }
+    warp_sync();
+}
+template <typename T, int BITS> Pair qmm_dequant(uint32_t word, int p, Pair scale, Pair bias) {
+    const uint32_t mask = (1u << BITS) - 1;
+    return {float((word >> (2 * BITS * p)) & mask) * scale.lo + bias.lo,
+            float((word >> (2 * BITS * p + BITS)) & mask) * scale.hi + bias.hi};
+}
+"""
+
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.bool_): "bool", np.dtype(np.uint32): "uint32_t",
           np.dtype(np.int32): "int32_t"}
 
 
 def run(source: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple], template: list,
         grid: tuple[int, int, int], threads: int, header: str = "",
-        output_dtypes: dict[str, np.dtype] | None = None) -> list[np.ndarray]:
+        output_dtypes: dict[str, np.dtype] | None = None, shared_memory: int = 0) -> list[np.ndarray]:
     """The kernel body `source` over `inputs`, MLX's grid convention (grid in threads along x);
     `header` (C++) goes before the kernel, as `mx.fast.cuda_kernel`'s does. Outputs start at zero,
-    float32 unless `output_dtypes` names another (int32)."""
+    float32 unless `output_dtypes` names another (int32). `shared_memory`: the launch's dynamic shared
+    memory in bytes, as `mx.fast.cuda_kernel` takes it (a kernel asking for more aborts)."""
     types = {name: np.dtype((output_dtypes or {}).get(name, np.float32)) for name in outputs}
     params, args = [], []
     for i, (name, a) in enumerate(inputs.items()):
@@ -195,7 +248,8 @@ def run(source: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple], t
         args.append(f"({CTYPES[types[name]]}*)p[{len(inputs) + j}]")
     consts = "".join(f"  using {k} = float;\n" if k == "T" else f"  constexpr int {k} = {v};\n" for k, v in template)
     code = (PRELUDE + header + "void kernel(" + ", ".join(params) + ") {\n" + consts + source + "\n}\n"
-            'extern "C" void run(void** p) { launch([&] { kernel(' + ", ".join(args) + "); }, dim3{"
+            f'extern "C" void run(void** p) {{ dynamic_smem = {shared_memory}; '
+            + 'launch([&] { kernel(' + ", ".join(args) + "); }, dim3{"
             + f"{-(-grid[0] // threads)}, {grid[1]}, {grid[2]}" + "}, " + f"{min(threads, grid[0])}); }}\n")
     with tempfile.TemporaryDirectory() as tmp:
         src, lib = Path(tmp) / "k.cpp", Path(tmp) / "k.so"

@@ -1,14 +1,14 @@
 """The tiled tensor-core product (`mlxfun.kernels.qmm`) through the CUDA emulator: 4-bit, 8-bit and
 dense weights against float64 references, tiles past the rows and features, several steps of
-inputs, and a row's bits the same in any batch. (Correct on an H200 but slower than bf16; nothing
-calls it by default.)"""
+inputs (more than the ring's stages), and a row's bits the same in any batch. (Nothing calls it by
+default.)"""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from cuda_emulator import QMV_HEADER, run
+from cuda_emulator import QMM_HEADER, run
 from test_kernels import quantized_case
 
 from mlxfun.kernels import qmm
@@ -24,8 +24,8 @@ def emulated(inputs: dict, bits: int, group_size: int, shape: qmm.Tile, split: i
     outputs = {"y": (M, OUT)}
     if split > 1:  # partial sums and a counter per tile, as qmm launches it (zeroed)
         outputs |= {"part": (split, M, OUT), "count": (-(-M // shape.rows) * -(-OUT // shape.features),)}
-    return run(source, inputs, outputs, template, threads, block, header=QMV_HEADER,
-               output_dtypes={"count": np.int32})[0]
+    return run(source, inputs, outputs, template, threads, block, header=QMM_HEADER,
+               output_dtypes={"count": np.int32}, shared_memory=qmm.shared_bytes(bits, shape))[0]
 
 
 @pytest.mark.parametrize("M,OUT,IN,group_size,bits,shape", [
@@ -95,15 +95,16 @@ def test_emulated_qmm_row_is_the_same_bits_in_any_batch():
 
 
 def test_qmm_tiles_and_limits():
-    """Tiles of 16-64 rows in 4 warps (two groups of 16 features each), 128 rows in 8 warps; grids
-    of a block per 128 features and per tile of rows; inputs in whole steps of 64."""
-    assert [qmm.tile(m).rows for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
-    assert all(qmm.tile(m)[1:] == (128, 2) for m in (1, 64))
-    assert qmm.tile(65) == qmm.tile(4096) == qmm.Tile(128, 128, 1)
-    assert qmm.tile(65).threads == 256 and qmm.tile(8).threads == 128
-    # both tiles in static shared memory (48 KB), rows padded by 8 values of 2 bytes
-    assert all((t.rows + t.features) * (qmm.STEP + 8) * 2 <= 48 * 1024 for t in map(qmm.tile, (1, 64, 65)))
-    assert qmm.grid(300, 130, qmm.Tile(128, 128, 1)) == ((3 * 256, 2, 1), 256)
+    """Tiles of 16, 32 or 64 rows (ldmatrix reads rows 16 at a time), 128 features in 4 warps of two
+    groups of 16; a ring of stages within an H100's 227 KB of shared memory a block; grids of a
+    block per 128 features and per tile of rows; inputs in whole steps of 64."""
+    assert [qmm.tile(m).rows for m in (1, 16, 17, 32, 33, 64, 65, 4096)] == [16, 16, 32, 32, 64, 64, 64, 64]
+    assert all(qmm.tile(m)[1:] == (128, 2) and qmm.tile(m).threads == 128 for m in (1, 64, 4096))
+    # stage: x (BM x 64 x 2 bytes) and W (4-bit: 128 rows of 8 + 4 words; 8-bit: 16 + 4; dense: 64 values)
+    assert qmm.shared_bytes(4, qmm.tile(64)) == qmm.STAGES * (64 * 128 + 128 * 12 * 4)
+    assert qmm.shared_bytes(8, qmm.tile(16)) == qmm.STAGES * (16 * 128 + 128 * 20 * 4)
+    assert max(qmm.shared_bytes(bits, qmm.tile(64)) for bits in (4, 8, 16)) <= 227 * 1024
+    assert qmm.grid(300, 130, qmm.tile(130)) == ((3 * 128, 3, 1), 128)
     assert qmm.fits(4096, 4096, 64, 4, mx.bfloat16) and qmm.fits(1, 576, 32, 8, mx.float16)
     assert qmm.fits(7, 2048, 0, 16, mx.bfloat16)
     assert not qmm.fits(8, 4096, 64, 4, mx.float32)  # tensor cores: bf16 / fp16 only
@@ -157,15 +158,30 @@ def test_tiled_settings_route_products(monkeypatch):
 
 
 def test_emulator_catches_a_missing_barrier():
-    """Without the barrier that ends a step, a warp overwrites the tiles while others still read
-    them; the emulator lets one warp run ahead to the next block barrier, so the result is wrong."""
+    """Without the barrier that starts a step, a warp multiplies a stage whose other copies have not
+    landed (the emulator lands a thread's cp.async copies only when it waits for them, and lets one
+    warp run ahead to the next block barrier), so the result is wrong."""
     inputs, want = quantized_case(20, 64, 256, 64, seed=5)
-    barrier = "__syncthreads();\n}\n#pragma unroll\nfor (int i = 0; i < FW; ++i) {"
+    barrier = "cp_async_wait<STAGES - 2>();\n__syncthreads();"
     source = qmm.SOURCES[False, False]
     assert source.count(barrier) == 1
     shape = qmm.Tile(16, 64, 1)  # 4 warps
     threads, block = qmm.grid(64, 20, shape)
-    got = run(source.replace(barrier, "}\n#pragma unroll\nfor (int i = 0; i < FW; ++i) {"), inputs, {"y": (20, 64)},
-              qmm.template(0, 4, 64, shape), threads, block, header=QMV_HEADER)[0]
+    got = run(source.replace(barrier, "cp_async_wait<STAGES - 2>();"), inputs, {"y": (20, 64)},
+              qmm.template(0, 4, 64, shape), threads, block, header=QMM_HEADER,
+              shared_memory=qmm.shared_bytes(4, shape))[0]
     assert np.allclose(emulated(inputs, 4, 64, shape), want, atol=1e-5)
+    assert not np.allclose(got, want, atol=1e-3)
+
+
+def test_emulator_catches_a_read_before_the_wait():
+    """Waiting for one group fewer than the ring needs (the step's own copies still in flight) is
+    wrong on the GPU; the emulator's copies land only when waited for, so it shows."""
+    inputs, want = quantized_case(20, 64, 512, 64, seed=6)
+    source = qmm.SOURCES[False, False]
+    shape = qmm.Tile(16, 64, 1)
+    threads, block = qmm.grid(64, 20, shape)
+    got = run(source.replace("cp_async_wait<STAGES - 2>();", "cp_async_wait<STAGES - 1>();"), inputs,
+              {"y": (20, 64)}, qmm.template(0, 4, 64, shape), threads, block, header=QMM_HEADER,
+              shared_memory=qmm.shared_bytes(4, shape))[0]
     assert not np.allclose(got, want, atol=1e-3)

@@ -3,24 +3,32 @@
 `qmv` computes 16 F output features per block and reads x again for every such block, which is
 cheap for a few rows and the larger part of the traffic from about 32 rows on: at 128 rows it took
 1.9x bf16's time per product on an H100 (benchmarks/results/h100/2026-12-06-qmv-shapes.json).
-Here a block stages a tile of x (BM rows x 64 inputs) and a tile of W (BN features x 64 inputs,
-dequantized once, by the whole block) in shared memory, and its warps multiply the tiles from
-there: x is read once per BN features, W once per BM rows, and no dense weights reach memory.
+Here a block of 4 warps takes BN = 128 features and BM = 16-64 rows; warp w takes features
+32 w ... 32 w + 31 for all BM rows, so each weight is dequantized once per block, in registers,
+straight into mma's A fragments, and no dense weights reach memory.
+
+The pipeline is the one of the fast CUDA GEMMs: a ring of STAGES shared-memory stages, each
+holding 64 inputs of x's tile (BM rows) and of W's (BN features: 4- or 8-bit words as stored, or
+dense values), filled by cp.async STAGES - 1 steps ahead of the step the warps multiply, with one
+block barrier a step. x's fragments (and dense W's) come from shared memory by ldmatrix, its
+16-byte chunks stored XOR-swizzled so that the 8 rows a ldmatrix reads lie in 8 different banks.
+Quantized W is read as words (MLX's affine layout, no repacking): lane (g, t) needs inputs 2 t,
+2 t + 1 (+ 8) of features g and g + 8, which are byte t of a 4-bit word (one prmt, then the
+0x4300 / 0x6400 magic) or half t & 1 of an 8-bit one; a group's scale and bias for the next step
+are loaded into registers a step ahead.
 
 Each output's sum runs over the inputs in steps of 64, in order, each step as four mma of 16
-inputs. A map with few blocks of features (a 1B's 2,048 outputs: 16 blocks) splits its inputs into
-S parts (`splits`), each block storing float32 partial sums that the tile's last block adds in
+inputs. A map with few blocks of features (a 1B's 2,048 outputs make 16 blocks) splits its inputs
+into S parts (`splits`), each block storing float32 partial sums that the tile's last block adds in
 split order. So each sum's order is fixed by IN and S, whatever the rows, their number or the
 tile; the batch-invariant mode picks S by the map alone.
 
-Correct on an H200 (within 3e-3 of the float32 product), but slower than bf16 at every row count:
-1.5x bf16's time at 8 rows, 3.0x at 128, 8x on 4,096 rows of an 8B map (about 85 TFLOPs;
-benchmarks/results/h200/2026-12-06-qmm-tiled.json). A step takes 3-5 us whatever the rows: the
-inner loop (32-bit shared-memory loads per fragment, two barriers a step, one 8-warp block per SM)
-bounds it, not the reads of W; ldmatrix, 2-D warp tiles and double-buffered copies are what it
-lacks. It is checked on the CPU through `tests/cuda_emulator.py` (PTX's fragment layouts) and
-against ptxas for registers and shared memory. Nothing calls it by default; two settings, read
-once at import, let a benchmark try it in a process of its own:
+The earlier version of this kernel (one block barrier before and after each step, 32-bit shared
+loads per fragment, 8 warps of one feature group each at 128 rows) was correct on an H200 but
+slower than bf16 at every row count (benchmarks/results/h200/2026-12-06-qmm-tiled.json). This one
+is checked on the CPU through `tests/cuda_emulator.py` (PTX's fragment layouts, ldmatrix, and
+cp.async copies that land only when waited for) and against ptxas for registers. Nothing calls it
+by default; two settings, read once at import, let a benchmark try it in a process of its own:
 `MLXFUN_TILED_FROM=N` runs quantized products of N rows or more through it (prompts included, and
 no dense copy of the weights at any batch), and `MLXFUN_INVARIANT_TILED=1` makes it the
 batch-invariant mode's product (`llama.linear(..., invariant=True)`) at every row count, quantized
@@ -40,92 +48,110 @@ import mlx.core as mx
 from mlxfun.kernels.attention import compact
 from mlxfun.kernels.qmv import MMA_HEADER
 
+# What the tiled product adds to `qmv.MMA_HEADER`: asynchronous copies into shared memory, ldmatrix,
+# the dynamic shared memory, and the dequantization of two neighbouring values of a word.
+QMM_HEADER = MMA_HEADER + "\n" + compact(r"""
+#define QMM_SMEM(name, bytes) extern __shared__ __align__(16) unsigned char name[]
+// 16 bytes global -> shared, landing by cp_async_wait (8 values of T, or 4 words).
+template <typename E> __device__ inline void cp_async16(E* dst, const E* src) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Until at most N of this thread's latest groups are in flight.
+template <int N> __device__ inline void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+// Four 8 x 8 matrices of 2-byte values: lane 8 m + r gives the address of row r of matrix m;
+// r[m] of lane (g, t) is row g, values 2 t and 2 t + 1 of matrix m.
+template <typename E> __device__ inline void ldsm_x4(Pair* r, const E* row) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+// Values 2 p and 2 p + 1 of `word` (4-bit: the nibbles of byte p; 8-bit: the bytes of half p),
+// dequantized: q * scale + bias, rounded once to T (as mx.dequantize).
+template <typename T, int BITS> __device__ inline Pair qmm_dequant(uint32_t word, int p, Pair scale, Pair bias) {
+    using T2 = typename QmvOps<T>::T2;
+    T2 q;
+    if constexpr (BITS == 4) {  // byte p of word -> byte 0, byte p of word >> 4 -> byte 2: nibbles 2 p, 2 p + 1
+        uint32_t both;
+        asm("prmt.b32 %0, %1, %2, %3;" : "=r"(both) : "r"(word), "r"(word >> 4), "r"(p * 0x1111u + 0x4400u));
+        Pair bits = (both & 0x000F000Fu) | QmvOps<T>::MAGIC, magic = QmvOps<T>::MAGIC;
+        q = __hsub2(*reinterpret_cast<T2*>(&bits), *reinterpret_cast<T2*>(&magic));  // exact
+    } else {  // exact in float through the 2^23 magic, then in fp16 and bf16 alike (8 significant bits)
+        const float lo = __uint_as_float(0x4B000000u | ((word >> (16 * p)) & 0xFFu)) - 8388608.f;
+        const float hi = __uint_as_float(0x4B000000u | ((word >> (16 * p + 8)) & 0xFFu)) - 8388608.f;
+        q = T2{static_cast<T>(lo), static_cast<T>(hi)};
+    }
+    T2 w = __hfma2(q, *reinterpret_cast<T2*>(&scale), *reinterpret_cast<T2*>(&bias));
+    return *reinterpret_cast<Pair*>(&w);
+}
+""")
+
 _BODY = r"""
     // y (M, OUT) = x (M, IN) W^T. A block: BN features (blockIdx.x) x BM rows (blockIdx.y) x the
-    // inputs of split blockIdx.z; warp w takes features 16 FW w ... of the block, for all BM rows
-    // (NT tiles of 8). Per step of 64 inputs the block stores x's tile and W's (dequantized: q *
-    // scale + bias, rounded once to T) in shared memory, then each warp runs 4 x FW x NT mma
-    // m16n8k16 (A: 16 features x 16 inputs, B: 16 inputs x 8 rows), fragments read in PTX's
-    // layouts. The next step's tiles are loaded into registers while the mma run, so that the
-    // global loads of one step overlap the arithmetic of the one before. A step's inputs sit in
-    // shared memory in the order the dequantization gives them (`perm`: 4-bit, nibbles p and p + 4
-    // of a word side by side), x's in the same order, so each product is unchanged. Rows past M
-    // and features past OUT are zeros, never stored; tile rows are padded by 8 values so that a
-    // fragment's 32 lanes read 32 different banks.
-    constexpr int BK = 64, PAD = 8, NT = BM / 8, THREADS = 32 * (BN / (16 * FW));
-    constexpr int XV = (BM * 8 + THREADS - 1) / THREADS;  // x's 16-byte loads a thread makes per step
+    // inputs of split blockIdx.z; warp w takes features 16 FW w ... for all BM rows (NT tiles of
+    // 8), as FW x NT mma m16n8k16 per 16 inputs (A: 16 features x 16 inputs, B: 16 inputs x 8
+    // rows). Stage s of the ring holds x's tile (BM x 64, 16-byte chunk c of row r at chunk
+    // c ^ (r & 7)) and W's. Rows past M and features past OUT read row M - 1 / OUT - 1,
+    // and are never stored.
+    constexpr int BK = 64, NT = BM / 8, THREADS = 32 * (BN / (16 * FW));
     const int M = x_shape[0], IN = x_shape[1], OUT = w_shape[0], S = gridDim.z;
-    const int K0 = blockIdx.z * (IN / S), K1 = K0 + IN / S;  // split blockIdx.z of S: these inputs
+    const int K0 = blockIdx.z * (IN / S), STEPS = IN / S / BK;  // split blockIdx.z of S: these inputs
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int fb = blockIdx.x * BN, rb = blockIdx.y * BM;
-    __shared__ T xs[BM][BK + PAD];
-    __shared__ T ws[BN][BK + PAD];
+    W_CONSTS
+    QMM_SMEM(smem, STAGES * (BM * BK * 2 + W_STAGE_BYTES));
+    T* xs = reinterpret_cast<T*>(smem);
+    W_SETUP
     float c[FW][NT][4];
     #pragma unroll
     for (int i = 0; i < FW; ++i) {
         #pragma unroll
         for (int n = 0; n < NT; ++n) c[i][n][0] = c[i][n][1] = c[i][n][2] = c[i][n][3] = 0.f;
     }
-    auto perm = [](int e) { return PERMUTATION; };  // the input at place e of 8 in shared memory
-    // Values 8 v ... 8 v + 7 of a row from `src` (zeros where !inside): one 16-byte load.
-    auto load8 = [](const T* src, bool inside, int v) {
-        AlignedVector<T, 8> vals;
-        if (inside) {
-            vals = unsafe_load_vector<8>(src, v);
-        } else {
+    auto load = [&](int stage, int k0) {  // the step at k0 into `stage`: cp.async, 16 bytes a copy
+        T* xd = xs + stage * BM * BK;
+        #pragma unroll
+        for (int j = 0; j < (BM * 8 + THREADS - 1) / THREADS; ++j) {
+            const int i = tid + j * THREADS, r = i >> 3, ch = i & 7;
+            if (i < BM * 8)
+                cp_async16(xd + r * BK + 8 * (ch ^ (r & 7)), x + (int64_t)min(rb + r, M - 1) * IN + k0 + 8 * ch);
+        }
+        W_LOAD
+    };
+    #pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < STEPS) load(s, K0 + s * BK);
+        cp_async_commit();
+    }
+    SCALES_FIRST
+    for (int step = 0; step < STEPS; ++step) {
+        cp_async_wait<STAGES - 2>();  // this thread's copies of the step have landed
+        __syncthreads();  // everyone's have; and everyone is done with the stage refilled next
+        const int next = step + STAGES - 1;
+        if (next < STEPS) load(next % STAGES, K0 + next * BK);
+        cp_async_commit();
+        SCALES_NEXT
+        const int stage = step % STAGES;
+        const T* xc = xs + stage * BM * BK;
+        #pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            Pair b[NT][2];  // B register r of tile n: inputs 2 t + 8 r + {0, 1} of row 8 n + g
             #pragma unroll
-            for (int e = 0; e < 8; ++e) vals[e] = static_cast<T>(0.f);
-        }
-        return vals;
-    };
-    AlignedVector<T, 8> xr[XV];
-    W_REGS
-    auto fetch = [&](int k0) {  // the step at k0, global memory -> registers
-        #pragma unroll
-        for (int j = 0; j < XV; ++j) {
-            const int i = tid + j * THREADS, row = rb + (i >> 3);
-            if (i < BM * 8) xr[j] = load8(x + (int64_t)min(row, M - 1) * IN + k0, row < M, i & 7);
-        }
-        W_FETCH
-    };
-    auto put = [&]() {  // registers -> shared memory, x in W's order of inputs
-        #pragma unroll
-        for (int j = 0; j < XV; ++j) {
-            const int i = tid + j * THREADS;
-            if (i < BM * 8) {
-                Pair* dst = reinterpret_cast<Pair*>(&xs[i >> 3][8 * (i & 7)]);
+            for (int j = 0; j < NT / 2; ++j) {  // matrices: rows 16 j + 8 (m >> 1) ..., chunk 2 kk + (m & 1)
+                const int m = lane >> 3, r = 16 * j + 8 * (m >> 1) + (lane & 7), ch = 2 * kk + (m & 1);
+                ldsm_x4(&b[2 * j][0], xc + r * BK + 8 * (ch ^ (r & 7)));
+            }
+            #pragma unroll
+            for (int i = 0; i < FW; ++i) {
+                Pair a[4];  // A register r: feature g + 8 (r & 1), inputs 2 t + 8 (r >> 1) + {0, 1}
+                A_FRAGMENT
                 #pragma unroll
-                for (int e = 0; e < 4; ++e) dst[e] = qmv_pack<T>(xr[j][perm(2 * e)], xr[j][perm(2 * e + 1)]);
+                for (int n = 0; n < NT; ++n) qmv_mma<T>(c[i][n], a, b[n]);
             }
         }
-        W_PUT
-    };
-    fetch(K0);
-    for (int k0 = K0; k0 < K1; k0 += BK) {
-        put();
-        __syncthreads();
-        if (k0 + BK < K1) fetch(k0 + BK);  // in flight during this step's mma
-        #pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
-            Pair a[FW][4];
-            #pragma unroll
-            for (int i = 0; i < FW; ++i) {  // A register r: feature g + 8 (r & 1), inputs 2 t + 8 (r >> 1) + {0, 1}
-                const int f = 16 * (FW * warp + i) + g;
-                a[i][0] = *reinterpret_cast<const Pair*>(&ws[f][kk + 2 * t]);  // two values a 32-bit load
-                a[i][1] = *reinterpret_cast<const Pair*>(&ws[f + 8][kk + 2 * t]);
-                a[i][2] = *reinterpret_cast<const Pair*>(&ws[f][kk + 2 * t + 8]);
-                a[i][3] = *reinterpret_cast<const Pair*>(&ws[f + 8][kk + 2 * t + 8]);
-            }
-            #pragma unroll
-            for (int n = 0; n < NT; ++n) {  // B register r: inputs 2 t + 8 r + {0, 1}, row g of tile n
-                const int r = 8 * n + g;
-                Pair b[2] = {*reinterpret_cast<const Pair*>(&xs[r][kk + 2 * t]),
-                             *reinterpret_cast<const Pair*>(&xs[r][kk + 2 * t + 8])};
-                #pragma unroll
-                for (int i = 0; i < FW; ++i) qmv_mma<T>(c[i][n], a[i], b);
-            }
-        }
-        __syncthreads();  // every warp has read the tiles before the next put
     }
     #pragma unroll
     for (int i = 0; i < FW; ++i) {
@@ -165,71 +191,90 @@ _SPLIT_SUM = r"""
     }
 """
 
-# W's step: dense, 8 values a 16-byte load, in input order; quantized, 16-byte loads of 4 words
-# (4-bit: 32 inputs, 8-bit: 16, within one group of 32 or more) and their group's scale and bias,
-# dequantized by `qmv_dequant` two values at a time: 4-bit nibbles (p, p + 4) of a word, 8-bit
-# bytes (p, p + 2), stored side by side (`perm` gives the input at each place of 8).
-_DENSE = dict(REGS=r"""
-    constexpr int WV = (BN * 8 + THREADS - 1) / THREADS;
-    AlignedVector<T, 8> wr[WV];
-""", FETCH=r"""
+# W's stage. Dense: BN x 64 values, swizzled as x's, A fragments by ldmatrix. Quantized: BN rows of
+# WPS words (64 inputs) padded to WROW, so that the 8 features a fragment reads lie in different
+# banks; lane (g, t) dequantizes byte t of 4-bit words (inputs 2 t, 2 t + 1 of 8), or half t & 1 of
+# 8-bit ones (of 4), with the group's scale and bias (G groups a step: 2 for groups of 32).
+_DENSE = dict(CONSTS="", STAGE_BYTES="BN * BK * 2", SETUP=r"""
+    T* ws = xs + STAGES * BM * BK;  // [STAGES][BN][BK]
+""", LOAD=r"""
+        T* wd = ws + stage * BN * BK;
         #pragma unroll
-        for (int j = 0; j < WV; ++j) {
-            const int i = tid + j * THREADS, feature = fb + (i >> 3);
-            if (i < BN * 8) wr[j] = load8(w + (int64_t)min(feature, OUT - 1) * IN + k0, feature < OUT, i & 7);
+        for (int j = 0; j < (BN * 8 + THREADS - 1) / THREADS; ++j) {
+            const int i = tid + j * THREADS, f = i >> 3, ch = i & 7;
+            if (i < BN * 8)
+                cp_async16(wd + f * BK + 8 * (ch ^ (f & 7)), w + (int64_t)min(fb + f, OUT - 1) * IN + k0 + 8 * ch);
         }
-""", PUT=r"""
-        #pragma unroll
-        for (int j = 0; j < WV; ++j) {
-            const int i = tid + j * THREADS;
-            if (i < BN * 8) *reinterpret_cast<AlignedVector<T, 8>*>(&ws[i >> 3][8 * (i & 7)]) = wr[j];
-        }
-""", PERM="e")
-_QUANTIZED = dict(REGS=r"""
-    constexpr int PER_WORD = 32 / BITS, VPF = BK / PER_WORD / 4;  // inputs a word; 16-byte loads a feature
-    constexpr int WV = (BN * VPF + THREADS - 1) / THREADS;
-    uint4 wr[WV];
-    Pair sr[WV], br[WV];
-""", FETCH=r"""
-        #pragma unroll
-        for (int j = 0; j < WV; ++j) {
-            const int i = tid + j * THREADS, v = i % VPF, feature = fb + i / VPF;
-            if (i < BN * VPF) {
-                if (feature < OUT) {
-                    const uint32_t* row = w + (int64_t)feature * (IN / PER_WORD) + k0 / PER_WORD;
-                    wr[j] = *reinterpret_cast<const uint4*>(row + 4 * v);
-                    const int64_t group = (int64_t)feature * (IN / GS) + (k0 + 4 * PER_WORD * v) / GS;
-                    sr[j] = qmv_pack<T>(scales[group], scales[group]);
-                    br[j] = qmv_pack<T>(biases[group], biases[group]);
-                } else {  // 0 * 0 + 0
-                    wr[j] = uint4{0u, 0u, 0u, 0u};
-                    sr[j] = br[j] = qmv_pack<T>(static_cast<T>(0.f), static_cast<T>(0.f));
+""", FRAGMENT=r"""
+                {  // matrices: features 8 (m & 1) ..., chunk 2 kk + (m >> 1)
+                    const int m = lane >> 3, ch = 2 * kk + (m >> 1);
+                    const int f = 16 * (FW * warp + i) + 8 * (m & 1) + (lane & 7);
+                    ldsm_x4(a, ws + (stage * BN + f) * BK + 8 * (ch ^ (f & 7)));
                 }
-            }
-        }
-""", PUT=r"""
+""", SCALES_FIRST="", SCALES_NEXT="")
+_QUANTIZED = dict(CONSTS="constexpr int PER_WORD = 32 / BITS, WPS = BK / PER_WORD, WROW = WPS + 4, "
+                         "G = GS < BK ? BK / GS : 1;",
+                  STAGE_BYTES="BN * WROW * 4", SETUP=r"""
+    uint32_t* wq = reinterpret_cast<uint32_t*>(xs + STAGES * BM * BK);  // [STAGES][BN][WROW]
+    Pair sc[FW][2][G], bi[FW][2][G], sn[FW][2][G], bn[FW][2][G];  // this step's scales and biases, the next's
+    auto scales_at = [&](int k0) {  // features 16 (FW warp + i) + g + 8 h, groups of inputs k0 ...
         #pragma unroll
-        for (int j = 0; j < WV; ++j) {
-            const int i = tid + j * THREADS;
-            if (i < BN * VPF) {
-                const uint32_t words[4] = {wr[j].x, wr[j].y, wr[j].z, wr[j].w};
-                Pair* dst = reinterpret_cast<Pair*>(&ws[i / VPF][4 * PER_WORD * (i % VPF)]);
+        for (int i = 0; i < FW; ++i) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int f = min(fb + 16 * (FW * warp + i) + g + 8 * h, OUT - 1);
                 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    #pragma unroll
-                    for (int p = 0; p < PER_WORD / 2; ++p)
-                        dst[PER_WORD / 2 * u + p] = qmv_dequant<T, BITS>(words[u], p, sr[j], br[j]);
+                for (int q = 0; q < G; ++q) {
+                    const int64_t at = (int64_t)f * (IN / GS) + (k0 + q * GS) / GS;
+                    sn[i][h][q] = qmv_pack<T>(scales[at], scales[at]);
+                    bn[i][h][q] = qmv_pack<T>(biases[at], biases[at]);
                 }
             }
         }
-""", PERM="BITS == 4 ? (e >> 1) + 4 * (e & 1) : (e & 4) + ((e >> 1) & 1) + 2 * (e & 1)")
+    };
+""", LOAD=r"""
+        uint32_t* wd = wq + stage * BN * WROW;
+        #pragma unroll
+        for (int j = 0; j < (BN * WPS / 4 + THREADS - 1) / THREADS; ++j) {
+            const int i = tid + j * THREADS, f = i / (WPS / 4), ch = i % (WPS / 4);
+            if (i < BN * WPS / 4)
+                cp_async16(wd + f * WROW + 4 * ch,
+                           w + (int64_t)min(fb + f, OUT - 1) * (IN / PER_WORD) + k0 / PER_WORD + 4 * ch);
+        }
+""", FRAGMENT=r"""
+                {
+                    const uint32_t* w0 = wq + (stage * BN + 16 * (FW * warp + i) + g) * WROW;
+                    const uint32_t* w1 = w0 + 8 * WROW;
+                    const int q = G == 1 ? 0 : kk * 16 / GS;
+                    // 4-bit: words 2 kk, 2 kk + 1 (inputs 0-7, 8-15 of the 16); 8-bit: 4 kk + t / 2, 4 kk + 2 + t / 2
+                    const int lo = BITS == 4 ? 2 * kk : 4 * kk + (t >> 1), hi = BITS == 4 ? lo + 1 : lo + 2;
+                    const int p = BITS == 4 ? t : t & 1;
+                    a[0] = qmm_dequant<T, BITS>(w0[lo], p, sc[i][0][q], bi[i][0][q]);
+                    a[1] = qmm_dequant<T, BITS>(w1[lo], p, sc[i][1][q], bi[i][1][q]);
+                    a[2] = qmm_dequant<T, BITS>(w0[hi], p, sc[i][0][q], bi[i][0][q]);
+                    a[3] = qmm_dequant<T, BITS>(w1[hi], p, sc[i][1][q], bi[i][1][q]);
+                }
+""", SCALES_FIRST="    scales_at(K0);\n", SCALES_NEXT=r"""
+        #pragma unroll
+        for (int i = 0; i < FW; ++i) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                #pragma unroll
+                for (int q = 0; q < G; ++q) sc[i][h][q] = sn[i][h][q], bi[i][h][q] = bn[i][h][q];
+            }
+        }
+        if (step + 1 < STEPS) scales_at(K0 + (step + 1) * BK);  // in flight during this step's mma
+""")
 
 
 def source(bits: int, split: bool) -> str:
     """The kernel for dense (16) or quantized W, in one split or several."""
     parts = _DENSE if bits == 16 else _QUANTIZED
-    body = _BODY.replace("W_REGS", parts["REGS"]).replace("W_FETCH", parts["FETCH"]).replace("W_PUT", parts["PUT"])
-    body = body.replace("PERMUTATION", parts["PERM"])
+    body = _BODY
+    for key in ("CONSTS", "SETUP", "LOAD", "STAGE_BYTES"):
+        body = body.replace("W_" + key, parts[key])
+    for key in ("FRAGMENT", "SCALES_FIRST", "SCALES_NEXT"):
+        body = body.replace(("A_" if key == "FRAGMENT" else "") + key, parts[key])
     body = body.replace("STORE", _STORE_PART if split else _STORE)
     return compact(body.replace("SPLIT_SUM", _SPLIT_SUM if split else ""))
 
@@ -264,7 +309,7 @@ INVARIANT = invariant_tiled(os.environ.get(INVARIANT_ENV, ""))
 
 
 class Tile(NamedTuple):
-    rows: int  # BM: rows of x per block (a multiple of 8)
+    rows: int  # BM: rows of x per block (a multiple of 16: ldmatrix reads two tiles of 8 at a time)
     features: int  # BN: output features per block
     per_warp: int  # FW: groups of 16 features a warp takes (warps = BN / 16 FW)
 
@@ -274,11 +319,19 @@ class Tile(NamedTuple):
 
 
 def tile(rows: int) -> Tile:
-    """The tile for `rows` rows: rows rounded up to 16-64 per block, 128 features in 4 warps;
-    from 65 rows, 128 rows in 8 warps (accumulators: FW x BM / 8 x 4 floats a thread, at most 64)."""
-    if rows > 64:
-        return Tile(128, 128, 1)
-    return Tile(max(16, 1 << (rows - 1).bit_length()), 128, 2)
+    """The tile for `rows` rows: rows rounded up to 16, 32 or 64 per block, 128 features in 4 warps
+    of 32 (accumulators: FW x BM / 8 x 4 floats a thread, at most 64)."""
+    return Tile(min(64, max(16, 1 << (rows - 1).bit_length())), 128, 2)
+
+
+STAGES = 3  # the ring of shared-memory stages: copies run STAGES - 1 steps ahead of the mma
+
+
+def shared_bytes(bits: int, shape: Tile) -> int:
+    """Dynamic shared memory of a launch: STAGES x (x's tile + W's: dense values, or words in rows
+    padded by 4)."""
+    w_stage = shape.features * STEP * 2 if bits == 16 else shape.features * (STEP * bits // 32 + 4) * 4
+    return STAGES * (shape.rows * STEP * 2 + w_stage)
 
 
 def fits(rows: int, in_features: int, group_size: int, bits: int, dtype: mx.Dtype) -> bool:
@@ -313,7 +366,8 @@ def template(dtype, bits: int, group_size: int, shape: Tile) -> list:
     """The kernel's template constants (the dense kernel has no BITS or GS; the splits are the
     grid's third axis)."""
     quantized = [("BITS", bits), ("GS", group_size)] if bits != 16 else []
-    return [("T", dtype), *quantized, ("BM", shape.rows), ("BN", shape.features), ("FW", shape.per_warp)]
+    return [("T", dtype), *quantized, ("BM", shape.rows), ("BN", shape.features), ("FW", shape.per_warp),
+            ("STAGES", STAGES)]
 
 
 def _launch(x: mx.array, inputs: list[mx.array], names: list[str], out: int, group_size: int, bits: int,
@@ -324,7 +378,8 @@ def _launch(x: mx.array, inputs: list[mx.array], names: list[str], out: int, gro
     S = splits(out, IN, 1 if invariant else row_blocks, target)
     kernel = mx.fast.cuda_kernel(name=f"mlxfun_qmm{'_dense' if bits == 16 else ''}{'_split' if S > 1 else ''}",
                                  input_names=names, output_names=["y", "part", "count"] if S > 1 else ["y"],
-                                 source=SOURCES[bits == 16, S > 1], header=MMA_HEADER)
+                                 source=SOURCES[bits == 16, S > 1], header=QMM_HEADER,
+                                 shared_memory=shared_bytes(bits, shape))
     threads, block = grid(out, M, shape, S)
     if S == 1:
         outputs = dict(output_shapes=[(M, out)], output_dtypes=[x.dtype])
