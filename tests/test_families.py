@@ -181,10 +181,10 @@ def test_routes_beyond_one_launch_go_in_slices(monkeypatch, family, quantized):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_dense_experts_route_through_the_kernel_when_fast(monkeypatch, family):
-    """On CUDA (`fast`), dense experts of up to `moe.KERNEL_ROUTES` routes run
+    """On CUDA (`fast`), dense experts of 2 tokens to `moe.KERNEL_ROUTES` routes run
     `dmv.experts_product` with the rows sorted by expert (here a stand-in that multiplies each row
-    by its expert's map): the layer's output is the plain path's to bf16 rounding. More routes, or
-    4-bit experts, keep MLX's gathered products."""
+    by its expert's map): the layer's output is the plain path's to bf16 rounding. One token, more
+    routes, or 4-bit experts keep MLX's gathered products."""
     from mlxfun.kernels import attention as kernels
     from mlxfun.kernels import dmv
 
@@ -202,13 +202,16 @@ def test_dense_experts_route_through_the_kernel_when_fast(monkeypatch, family):
     monkeypatch.setattr(dmv, "EXPERTS", True)
     monkeypatch.setattr(dmv, "experts_product", stand_in)
     k, E = config.experts_per_tok, config.hidden_size
-    for tokens in (1, 5):
+    for tokens in (1, 2, 5):
         x = mx.array(np.random.default_rng(tokens).normal(size=(tokens, E)).astype(np.float32))
         calls.clear()
         fast = moe.layer(config, experts, x.astype(mx.bfloat16), fast=True).astype(mx.float32)
-        plain = moe.layer(config, reference, x)  # (MLX's CPU gathered product takes float32 only)
+        want = [] if tokens == 1 else [(tokens * k, E), (tokens * k, config.moe_intermediate_size)]
+        assert [c[0] for c in calls] == want
+        if tokens == 1:
+            continue  # MLX's gathered product, which takes float32 only on the CPU
+        plain = moe.layer(config, reference, x)
         assert rel_error(np.array(fast), np.array(plain)) < 2e-2
-        assert [c[0] for c in calls] == [(tokens * k, E), (tokens * k, config.moe_intermediate_size)]
         assert all(np.all(np.diff(c[2].astype(np.int64)) >= 0) for c in calls)  # sorted by expert
     calls.clear()
     monkeypatch.setattr(moe, "KERNEL_ROUTES", 4 * k)

@@ -28,17 +28,20 @@ SORT_ROUTES = 64
 # argument"). Each slice of the sorted routes is still sorted.
 MAX_ROUTES = 65535
 # Routes (token, expert) up to which dense experts run mlxfun's product on CUDA (`layer(fast=True)`):
-# decode steps of up to 128 tokens at 8 experts each. A block reads an expert's map once for all
+# decode steps of 2 to 128 tokens at 8 experts each. A block reads an expert's map once for all
 # its rows, where MLX's grouped product took 22 ms a step at 8 tokens of a Qwen3-30B-A3B shape
-# (bf16, 24 layers, H100), 5x its one-token step. Prompts keep MLX's grouped product.
+# (bf16, 24 layers, H100), 5x its one-token step. Prompts keep MLX's grouped product, and so does
+# a single token, for which it was the faster (6 layers: 871 tok/s against the kernel's 801).
 KERNEL_ROUTES = 1024
+KERNEL_MIN_TOKENS = 2
 
 
 def layer(config: ModelConfig, experts: Experts, x: mx.array, fast: bool = False) -> mx.array:
     """x (..., E) -> (..., E): each token through its `experts_per_tok` best experts (a softmax
     over the router's scores, in float32, as Mixtral and Qwen3-MoE route), their outputs summed
     with those probabilities (renormalised over the chosen when `norm_topk_prob`). `fast`: on
-    CUDA, dense experts of up to KERNEL_ROUTES routes run mlxfun's product (`dmv.experts_product`)."""
+    CUDA, dense experts of KERNEL_MIN_TOKENS tokens to KERNEL_ROUTES routes run mlxfun's product
+    (`dmv.experts_product`)."""
     E, k = x.shape[-1], config.experts_per_tok
     flat = x.reshape(-1, E)  # (N, E)
     probs = mx.softmax(llama.linear(experts.router, flat).astype(mx.float32), axis=-1, precise=True)  # (N, n)
@@ -47,20 +50,20 @@ def layer(config: ModelConfig, experts: Experts, x: mx.array, fast: bool = False
     if config.norm_topk_prob:
         weight = weight / weight.sum(axis=-1, keepdims=True)
     N = flat.shape[0]
-    kernel = fast and N * k <= KERNEL_ROUTES and isinstance(experts.down, llama.Dense) and \
-        kernels.available(x.dtype) and dmv.experts_fit(flat, experts.gate_up.weight)
+    kernel = fast and KERNEL_MIN_TOKENS <= N and N * k <= KERNEL_ROUTES and isinstance(experts.down, llama.Dense) \
+        and kernels.available(x.dtype) and dmv.experts_fit(flat, experts.gate_up.weight)
     if N * k >= SORT_ROUTES or kernel:
         routes = chosen.flatten()  # (N k,)
         order = mx.argsort(routes)
-        rows, index = flat[order // k][:, None], routes[order]  # (N k, 1, E), (N k,): grouped by expert
+        rows, index = flat[order // k], routes[order]  # (N k, E), (N k,): grouped by expert
         if kernel:
-            y = expert_mlp(config, experts, rows[:, 0], index, True, kernel=True)[:, None]
+            y = expert_mlp(config, experts, rows, index, True, kernel=True)  # (N k, E)
         elif N * k <= MAX_ROUTES:  # nearly always: one product, no slicing or copying
-            y = expert_mlp(config, experts, rows, index, True)
+            y = expert_mlp(config, experts, rows[:, None], index, True)  # (N k, 1, E)
         else:
-            y = mx.concatenate([expert_mlp(config, experts, rows[s:s + MAX_ROUTES], index[s:s + MAX_ROUTES], True)
-                                for s in range(0, N * k, MAX_ROUTES)])
-        y = y[mx.argsort(order)]  # (N k, 1, E) back in route order
+            y = mx.concatenate([expert_mlp(config, experts, rows[s:s + MAX_ROUTES, None], index[s:s + MAX_ROUTES],
+                                           True) for s in range(0, N * k, MAX_ROUTES)])
+        y = y[mx.argsort(order)]  # back in route order
     else:
         y = expert_mlp(config, experts, flat[:, None, None], chosen, False)  # (N, k, 1, E)
     y = y.reshape(N, k, E)
