@@ -90,7 +90,6 @@ def dmv_case(M: int, OUT: int, IN: int, launch: dmv.Launch, dtype: mx.Dtype) -> 
     return out
 
 
-@mx.compile
 def experts_case(tokens: int, k: int, E: int, OUT: int, IN: int, dtype: mx.Dtype) -> dict:
     """dmv.experts_product on `tokens` x k routes drawn from E experts, sorted, against each row
     times its expert's map in float32 on the CPU."""
