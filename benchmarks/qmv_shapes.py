@@ -43,10 +43,11 @@ def rel_err(got: mx.array, want: mx.array) -> float:
 
 
 def row_case(q: tuple, dense: mx.array, bits: int, M: int, calls: int,
-             targets: tuple[int, ...] = ()) -> tuple[list, mx.array, dict]:
+             targets: tuple[int, ...] = (), tiles: tuple[qmm.Tile, ...] = ()) -> tuple[list, mx.array, dict]:
     """`calls` inputs of M rows, the float32 product of the first, and what every row count
     measures: bf16, a per-product dequantized map and the tiled product (time, error; and its
-    time with its inputs split toward each of `targets` blocks, `qmm.splits`)."""
+    time with its inputs split toward each of `targets` blocks, `qmm.splits`, and with each of
+    `tiles` instead of `qmm.tile`'s: time and error)."""
     xs = [mx.random.normal((M, dense.shape[1])).astype(mx.bfloat16) for _ in range(calls)]
     mx.eval(xs)
     want = xs[0].astype(mx.float32) @ dense.astype(mx.float32).T
@@ -56,15 +57,28 @@ def row_case(q: tuple, dense: mx.array, bits: int, M: int, calls: int,
              tiled_err=rel_err(qmm.product(xs[0], *q, 64, bits=bits), want))
     r["tiled_targets"] = {n: round(timed(lambda x, n=n: qmm.product(x, *q, 64, bits=bits, target=n), xs), 2)
                           for n in targets}
+    r["tiled_tiles"] = {tile_name(t): dict(us=round(timed(lambda x, t=t: qmm.product(x, *q, 64, bits=bits, shape=t),
+                                                          xs), 2),
+                                           err=rel_err(qmm.product(xs[0], *q, 64, bits=bits, shape=t), want))
+                        for t in tiles}
     return xs, want, r
 
 
+def tile_name(t: qmm.Tile) -> str:
+    return f"{t.rows}x{t.features}x{t.per_warp}"
+
+
+def parse_tiles(text: str) -> tuple[qmm.Tile, ...]:
+    """'64x128x1,32x256x2' -> tiles (rows x features x groups of 16 features a warp)."""
+    return tuple(qmm.Tile(*map(int, part.split("x"))) for part in text.split(",") if part)
+
+
 def one_map(OUT: int, IN: int, bits: int, rows: list[int], calls: int, pick_only: bool,
-            targets: tuple[int, ...]) -> list[dict]:
+            targets: tuple[int, ...], tiles: tuple[qmm.Tile, ...] = ()) -> list[dict]:
     q, dense = quantized_map(OUT, IN, bits)
     out = []
     for M in rows:
-        xs, want, r = row_case(q, dense, bits, M, calls, targets)
+        xs, want, r = row_case(q, dense, bits, M, calls, targets, tiles)
         r.update(pick=list(qmv.block_shape(M)), shapes={})
         # dense, as the batch-invariant mode runs it (splits by the map alone)
         r["tiled_dense_err"] = rel_err(qmm.dense(xs[0], dense, invariant=True), want)
@@ -86,13 +100,14 @@ def one_map(OUT: int, IN: int, bits: int, rows: list[int], calls: int, pick_only
     return out
 
 
-def tiled_only(OUT: int, IN: int, bits: int, rows: list[int], calls: int, targets: tuple[int, ...]) -> list[dict]:
+def tiled_only(OUT: int, IN: int, bits: int, rows: list[int], calls: int, targets: tuple[int, ...],
+               tiles: tuple[qmm.Tile, ...] = ()) -> list[dict]:
     """Prompt-sized row counts, where `qmv` does not run: the tiled product against bf16 and a
     per-product dequantized map, with its error."""
     q, dense = quantized_map(OUT, IN, bits)
     out = []
     for M in rows:
-        r = row_case(q, dense, bits, M, calls, targets)[2]
+        r = row_case(q, dense, bits, M, calls, targets, tiles)[2]
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
         out.append(r)
     return out
@@ -116,8 +131,11 @@ def summary(results: list[dict]) -> list[dict]:
                              tiled_us=round(sum(r["tiled_us"] for r in rs), 1),
                              **{f"tiled_{n}_us": round(sum(r["tiled_targets"][n] for r in rs), 1)
                                 for n in rs[0]["tiled_targets"]},
+                             **{f"tile_{n}_us": round(sum(r["tiled_tiles"][n]["us"] for r in rs), 1)
+                                for n in rs[0]["tiled_tiles"]},
                              tiled_dense_us=round(sum(r["tiled_dense_us"] for r in rs), 1),
-                             tiled_ok=all(r["tiled_err"] < 2e-2 and r["tiled_dense_err"] < 2e-2 for r in rs),
+                             tiled_ok=all(r["tiled_err"] < 2e-2 and r["tiled_dense_err"] < 2e-2 and
+                                          all(v["err"] < 2e-2 for v in r["tiled_tiles"].values()) for r in rs),
                              dequant_us=round(sum(r["dequant_us"] for r in rs), 1)))
     return rows
 
@@ -132,25 +150,30 @@ def main(argv=None) -> int:
                    help="the product's block shapes: all of them, or qmv.block_shape's pick alone")
     p.add_argument("--targets", default="", help="blocks the tiled product's splits aim for, beside the default "
                    f"{qmm.TARGET_BLOCKS} (comma-separated)")
+    p.add_argument("--tiles", default="", help="tiled-product tiles to time beside qmm.tile's, as ROWSxFEATURESxFW "
+                   "(comma-separated, e.g. 64x128x1,64x256x2)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rows = [int(m) for m in args.rows.split(",")]
     targets = tuple(int(n) for n in args.targets.split(",") if n)
+    tiles = parse_tiles(args.tiles)
     results = []
     for model in args.models.split(","):
         for OUT, IN in MAPS[model]:
             for bits in (4, 8) if (OUT, IN) in EIGHT_BIT else (4,):
                 results += [dict(r, model=model) for r in one_map(OUT, IN, bits, rows, args.calls,
-                                                                  args.shapes == "pick", targets)]
+                                                                  args.shapes == "pick", targets, tiles)]
     prompts = [dict(r, model=model) for model in args.models.split(",") for OUT, IN in MAPS[model]
-               for r in tiled_only(OUT, IN, 4, [int(m) for m in args.tiled_rows.split(",") if m], 10, targets)]
+               for r in tiled_only(OUT, IN, 4, [int(m) for m in args.tiled_rows.split(",") if m], 10, targets, tiles)]
     table = summary(results)
     print(f"{'bits':>4} {'M':>5} {'best':>5} {'us':>8} {'pick':>5} {'us':>8} {'bf16':>8} {'deq+bf16':>9} "
-          f"{'tiled':>8} {'tiled16':>8} ok " + " ".join(f"{'t' + str(n):>8}" for n in targets))
+          f"{'tiled':>8} {'tiled16':>8} ok " + " ".join(f"{'t' + str(n):>8}" for n in targets)
+          + " ".join(f"{tile_name(t):>10}" for t in tiles))
     for r in table:
         print(f"{r['bits']:>4} {r['M']:>5} {r['best']:>5} {r['best_us']:>8} {r['pick']:>5} {r['pick_us']:>8} "
               f"{r['dense_us']:>8} {r['dequant_us']:>9} {r['tiled_us']:>8} {r['tiled_dense_us']:>8} {r['tiled_ok']} "
-              + " ".join(f"{r[f'tiled_{n}_us']:>8}" for n in targets))
+              + " ".join(f"{r[f'tiled_{n}_us']:>8}" for n in targets)
+              + " ".join(f"{r[f'tile_{tile_name(t)}_us']:>10}" for t in tiles))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": str(mx.default_device()), "results": results, "summary": table, "prompts": prompts},
