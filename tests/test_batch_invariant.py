@@ -85,10 +85,14 @@ def test_cli_flag_sets_the_option():
 
 
 def test_invariant_products_take_the_kernels_at_every_row_count(monkeypatch):
-    """The structure the mode rests on: with it, a bf16 product of any rows (prompts included) runs
-    dmv, a quantized one on its map dequantized (the same dense map whatever the batch), never
-    MLX's matmul, whose kernel follows the row count; without it, prompts keep MLX's products."""
+    """The structure the mode rests on with MLXFUN_INVARIANT_PIECES=0: a bf16 product of any rows
+    (prompts included) runs dmv, a quantized one on its map dequantized (the same dense map
+    whatever the batch), never MLX's matmul, whose kernel follows the row count; without the mode,
+    prompts keep MLX's products. (In pieces, the default, see the test below.)"""
+    from mlxfun.model import pieces
+
     calls = []
+    monkeypatch.setattr(pieces, "ROWS", None)
     monkeypatch.setattr(kernels, "available", lambda dtype: True)
     monkeypatch.setattr(dmv, "product", lambda x, w, launch=None: calls.append((x.shape[0], w)) or x @ w.T)
     w = mx.random.normal((64, 128)).astype(mx.bfloat16)
@@ -124,7 +128,7 @@ def test_invariant_prefill_runs_each_token_as_a_row(monkeypatch, bf16_model):
 
 
 def test_invariant_products_in_pieces_have_one_shape(monkeypatch):
-    """MLXFUN_INVARIANT_PIECES=N: the mode's products run MLX's matmul on pieces of exactly N rows
+    """MLXFUN_INVARIANT_PIECES=N (128 unset): the mode's products run MLX's matmul on pieces of exactly N rows
     (zeros padding the last), dense and quantized maps (dequantized) alike, never dmv: every
     product one shape, so one cuBLAS kernel, whatever the rows. A row's bits are the same alone
     and in any batch, and the product is the plain one to bf16 rounding."""
@@ -147,6 +151,8 @@ def test_invariant_products_in_pieces_have_one_shape(monkeypatch):
             want = x[:rows].astype(mx.float32) @ wd.astype(mx.float32).T
             assert (mx.abs(got.astype(mx.float32) - want).max() / mx.abs(want).max()).item() < 1e-2
     assert set(shapes) == {(8, 128)} and len(shapes) == 2 * (1 + 1 + 3) and dmv_calls == []
-    with pytest.raises(ValueError, match="MLXFUN_INVARIANT_PIECES"):
-        pieces.pieces_setting("0")
-    assert pieces.pieces_setting("") is None and pieces.pieces_setting("128") == 128
+    for bad in ("x", "-1", "5000"):
+        with pytest.raises(ValueError, match="MLXFUN_INVARIANT_PIECES"):
+            pieces.pieces_setting(bad)
+    assert pieces.pieces_setting("") == pieces.DEFAULT_ROWS == 128 and pieces.pieces_setting("64") == 64
+    assert pieces.pieces_setting("0") is None  # dmv at every row count

@@ -87,10 +87,10 @@ def linear(p: Linear, x: mx.array, fast: bool = False, invariant: bool = False) 
     quantized weights run mlxfun's product (`qmv.fits`: 4- and 8-bit, up to `qmv.MAX_ROWS` rows),
     and dense weights at 2 to `dmv.MAX_ROWS` rows its few-row product where enabled (`dmv`); they
     have no gradient. `invariant` (`ModelConfig.batch_invariant`): on CUDA, bf16 and fp16 products
-    at every row count run `dmv`, whose sums do not depend on the rows (quantized maps dequantized
-    for it, one map at a time); no gradient either. (`qmm`'s settings, a benchmark's trial of the
-    tiled product, reroute quantized and invariant products to it; `pieces`', invariant products
-    to MLX's matmul in pieces of one row count.)"""
+    at every row count run MLX's matmul in pieces of one row count (`pieces`), or with
+    MLXFUN_INVARIANT_PIECES=0 `dmv`, whose sums do not depend on the rows (quantized maps
+    dequantized for them, one map at a time); no gradient with `dmv`. (`qmm`'s settings, a
+    benchmark's trial of the tiled product, reroute quantized and invariant products to it.)"""
     # As (rows, in): on CUDA a (B, 1, in) input runs B one-row products (2x slower at B=8).
     rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
     if invariant and kernels.available(x.dtype) and x.dtype != mx.float32:
@@ -117,8 +117,9 @@ def linear(p: Linear, x: mx.array, fast: bool = False, invariant: bool = False) 
 
 
 def _invariant_product(p: Linear, rows: mx.array) -> mx.array:
-    """rows (M, in) @ p -> (M, out) by `dmv` at any M: the same bits for a row whatever M. A
-    quantized map is dequantized first (exact, elementwise: the same dense map for every batch)."""
+    """rows (M, in) @ p -> (M, out), the same bits for a row whatever M: in pieces of `pieces.ROWS`
+    rows, or by `dmv`. A quantized map is dequantized first (exact, elementwise: the same dense map
+    for every batch)."""
     if qmm.INVARIANT:  # (MLXFUN_INVARIANT_TILED) one sum order at every M, quantized maps read as they are
         if isinstance(p, Quantized):
             group_size, bits = quant_shape(p, rows.shape[-1])
@@ -127,7 +128,7 @@ def _invariant_product(p: Linear, rows: mx.array) -> mx.array:
         elif p.weight.dtype == rows.dtype and qmm.fits(rows.shape[0], rows.shape[-1], 0, 16, rows.dtype):
             return qmm.dense(rows, p.weight, invariant=True)
     w = dequantize(p, rows.shape[-1]).astype(rows.dtype) if isinstance(p, Quantized) else p.weight
-    if pieces.ROWS:  # (MLXFUN_INVARIANT_PIECES) MLX's matmul on products of one fixed shape
+    if pieces.ROWS:  # MLX's matmul on products of one fixed shape (MLXFUN_INVARIANT_PIECES=0: dmv)
         w_t = w.T if isinstance(p, Quantized) or p.weight_t is None else p.weight_t
         return pieces.product(rows, w_t, pieces.ROWS)
     if not dmv.invariant_fits(rows, w):
