@@ -12,6 +12,7 @@
 #   invariant-e2e  benchmarks/invariant_e2e.py: batch_invariant off and on, a row's tokens and logprobs alone vs batched,
 #                reversed, continuous, behind a cached prefix, other chunks (random SmolLM2 shape; bf16, fp16, 4-bit)
 #   invariant-cost mlxfun bench --batch-invariant: bf16 1B and 8B ($INVARIANT_SHAPES) at batch 1/8/32/128, the mode off and on
+#                (its products in pieces of 128 rows, the default; MLXFUN_INVARIANT_PIECES=0 in the environment: dmv)
 #   static       mlxfun bench: 1B and 8B shapes, batch 1/8/32/128, bf16 and q4, mlx-lm beside if installed
 #   quant        mlxfun bench: 1B and 8B ($QUANT_SHAPES), batch 1/8/32/128, bf16 against 4- and 8-bit (peak memory too)
 #   quant-ab     the same, bf16 and q4, then q4 again with MLXFUN_QMV_FEATURES=1 (the product's blocks of one
@@ -19,8 +20,8 @@
 #   tiled-quant  mlxfun bench, bf16 and q4 (and q4 with MLXFUN_TILED_FROM=$TILED_FROM, default 33: quantized
 #                products from that many rows through the tiled kernel, qmm.py, no dense copy), $QUANT_SHAPES, $QUANT_BATCHES
 #   tiled-invariant  invariant-e2e and invariant-cost with MLXFUN_INVARIANT_TILED=1 (the mode's products tiled)
-#   invariant-pieces invariant-e2e and invariant-cost with MLXFUN_INVARIANT_PIECES=$PIECES (128): the mode's
-#                products as MLX matmuls of exactly that many rows (mlxfun/model/pieces.py)
+#   invariant-pieces invariant-e2e and invariant-cost with MLXFUN_INVARIANT_PIECES=$PIECES (128, the default; 0:
+#                dmv): the mode's products as MLX matmuls of exactly that many rows (mlxfun/model/pieces.py)
 #   moe-ab       kernels_check --only experts, then the 6-layer Qwen3-30B-A3B shape in bf16, batch 1/8/32/128,
 #                with MLXFUN_EXPERTS_KERNEL=0 and =1 (dmv.experts_product for dense experts)
 #   continuous   mlxfun bench --continuous 32: 256 mixed requests, static batches vs continuous (1B)
