@@ -222,10 +222,12 @@ def test_dense_experts_route_through_the_kernel_when_fast(monkeypatch, family):
     monkeypatch.setattr(dmv, "EXPERTS", False)  # off ($MLXFUN_EXPERTS_KERNEL=0 at import)
     moe.layer(config, experts, mx.zeros((2, E), mx.bfloat16), fast=True)
     assert calls == []
-    assert dmv.experts_setting("1") and not dmv.experts_setting("0")
-    assert dmv.experts_setting("") == dmv.EXPERTS_DEFAULT
+    from mlxfun.kernels.settings import switch
+
+    assert switch(dmv.EXPERTS_ENV, "1", dmv.EXPERTS_DEFAULT) and not switch(dmv.EXPERTS_ENV, "0", dmv.EXPERTS_DEFAULT)
+    assert switch(dmv.EXPERTS_ENV, "", dmv.EXPERTS_DEFAULT) == dmv.EXPERTS_DEFAULT
     with pytest.raises(ValueError, match="MLXFUN_EXPERTS_KERNEL"):
-        dmv.experts_setting("yes")
+        switch(dmv.EXPERTS_ENV, "yes")
 
 
 def test_shards_of_experts_sum_to_the_whole():

@@ -116,12 +116,14 @@ def test_qmm_tiles_and_limits():
 def test_tiled_settings():
     """The two settings a benchmark tries the tiled product with, read once at import."""
     assert qmm.tiled_from("") is None and qmm.tiled_from("33") == 33
-    assert not qmm.invariant_tiled("") and not qmm.invariant_tiled("0") and qmm.invariant_tiled("1")
+    from mlxfun.kernels.settings import switch
+
+    assert not switch(qmm.INVARIANT_ENV, "") and not switch(qmm.INVARIANT_ENV, "0") and switch(qmm.INVARIANT_ENV, "1")
     for bad in ("0", "x", "-4"):
         with pytest.raises(ValueError, match="MLXFUN_TILED_FROM"):
             qmm.tiled_from(bad)
     with pytest.raises(ValueError, match="MLXFUN_INVARIANT_TILED"):
-        qmm.invariant_tiled("yes")
+        switch(qmm.INVARIANT_ENV, "yes")
     assert qmm.FROM_ROWS is None and not qmm.INVARIANT  # off unless set: nothing calls it by default
 
 

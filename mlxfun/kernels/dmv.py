@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from mlxfun.kernels import settings
 from mlxfun.kernels.attention import compact
 from mlxfun.kernels.qmv import MMA_HEADER
 
@@ -231,15 +232,7 @@ EXPERTS_ENV = "MLXFUN_EXPERTS_KERNEL"
 EXPERTS_DEFAULT = True
 
 
-def experts_setting(setting: str) -> bool:
-    """$MLXFUN_EXPERTS_KERNEL -> whether dense experts run `experts_product` ("1" on, "0" off,
-    unset: EXPERTS_DEFAULT)."""
-    if setting.strip() not in ("", "0", "1"):
-        raise ValueError(f"{EXPERTS_ENV}={setting!r}: expected 1 (on), 0 (off) or unset")
-    return EXPERTS_DEFAULT if not setting.strip() else setting.strip() == "1"
-
-
-EXPERTS = experts_setting(os.environ.get(EXPERTS_ENV, ""))  # read once, at import
+EXPERTS = settings.switch(EXPERTS_ENV, os.environ.get(EXPERTS_ENV, ""), EXPERTS_DEFAULT)  # read once, at import
 
 
 def experts_fit(x: mx.array, w: mx.array) -> bool:

@@ -47,6 +47,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from mlxfun.kernels import settings
 from mlxfun.kernels.attention import compact
 from mlxfun.kernels.qmv import MMA_HEADER
 
@@ -197,9 +198,9 @@ _SPLIT_SUM = r"""
 # WPS words (64 inputs) padded to WROW, so that the 8 features a fragment reads lie in different
 # banks; lane (g, t) dequantizes byte t of 4-bit words (inputs 2 t, 2 t + 1 of 8), or half t & 1 of
 # 8-bit ones (of 4), with the group's scale and bias (G groups a step: 2 for groups of 32).
-_DENSE = dict(CONSTS="", STAGE_BYTES="BN * BK * 2", SETUP=r"""
+_DENSE = dict(W_CONSTS="", W_STAGE_BYTES="BN * BK * 2", W_SETUP=r"""
     T* ws = xs + STAGES * BM * BK;  // [STAGES][BN][BK]
-""", LOAD=r"""
+""", W_LOAD=r"""
         T* wd = ws + stage * BN * BK;
         #pragma unroll
         for (int j = 0; j < (BN * 8 + THREADS - 1) / THREADS; ++j) {
@@ -207,16 +208,16 @@ _DENSE = dict(CONSTS="", STAGE_BYTES="BN * BK * 2", SETUP=r"""
             if (i < BN * 8)
                 cp_async16(wd + f * BK + 8 * (ch ^ (f & 7)), w + (int64_t)min(fb + f, OUT - 1) * IN + k0 + 8 * ch);
         }
-""", FRAGMENT=r"""
+""", A_FRAGMENT=r"""
                 {  // matrices: features 8 (m & 1) ..., chunk 2 kk + (m >> 1)
                     const int m = lane >> 3, ch = 2 * kk + (m >> 1);
                     const int f = 16 * (FW * warp + i) + 8 * (m & 1) + (lane & 7);
                     ldsm_x4(a, ws + (stage * BN + f) * BK + 8 * (ch ^ (f & 7)));
                 }
 """, SCALES_FIRST="", SCALES_NEXT="")
-_QUANTIZED = dict(CONSTS="constexpr int PER_WORD = 32 / BITS, WPS = BK / PER_WORD, WROW = WPS + 4, "
+_QUANTIZED = dict(W_CONSTS="constexpr int PER_WORD = 32 / BITS, WPS = BK / PER_WORD, WROW = WPS + 4, "
                          "G = GS < BK ? BK / GS : 1;",
-                  STAGE_BYTES="BN * WROW * 4", SETUP=r"""
+                  W_STAGE_BYTES="BN * WROW * 4", W_SETUP=r"""
     uint32_t* wq = reinterpret_cast<uint32_t*>(xs + STAGES * BM * BK);  // [STAGES][BN][WROW]
     Pair sc[FW][2][G], bi[FW][2][G], sn[FW][2][G], bn[FW][2][G];  // this step's scales and biases, the next's
     auto scales_at = [&](int k0) {  // features 16 (FW warp + i) + g + 8 h, groups of inputs k0 ...
@@ -234,7 +235,7 @@ _QUANTIZED = dict(CONSTS="constexpr int PER_WORD = 32 / BITS, WPS = BK / PER_WOR
             }
         }
     };
-""", LOAD=r"""
+""", W_LOAD=r"""
         uint32_t* wd = wq + stage * BN * WROW;
         #pragma unroll
         for (int j = 0; j < (BN * WPS / 4 + THREADS - 1) / THREADS; ++j) {
@@ -243,7 +244,7 @@ _QUANTIZED = dict(CONSTS="constexpr int PER_WORD = 32 / BITS, WPS = BK / PER_WOR
                 cp_async16(wd + f * WROW + 4 * ch,
                            w + (int64_t)min(fb + f, OUT - 1) * (IN / PER_WORD) + k0 / PER_WORD + 4 * ch);
         }
-""", FRAGMENT=r"""
+""", A_FRAGMENT=r"""
                 {
                     const uint32_t* w0 = wq + (stage * BN + 16 * (FW * warp + i) + g) * WROW;
                     const uint32_t* w1 = w0 + 8 * WROW;
@@ -271,12 +272,9 @@ _QUANTIZED = dict(CONSTS="constexpr int PER_WORD = 32 / BITS, WPS = BK / PER_WOR
 
 def source(bits: int, split: bool) -> str:
     """The kernel for dense (16) or quantized W, in one split or several."""
-    parts = _DENSE if bits == 16 else _QUANTIZED
     body = _BODY
-    for key in ("CONSTS", "SETUP", "LOAD", "STAGE_BYTES"):
-        body = body.replace("W_" + key, parts[key])
-    for key in ("FRAGMENT", "SCALES_FIRST", "SCALES_NEXT"):
-        body = body.replace(("A_" if key == "FRAGMENT" else "") + key, parts[key])
+    for placeholder, text in (_DENSE if bits == 16 else _QUANTIZED).items():
+        body = body.replace(placeholder, text)
     body = body.replace("STORE", _STORE_PART if split else _STORE)
     return compact(body.replace("SPLIT_SUM", _SPLIT_SUM if split else ""))
 
@@ -299,15 +297,8 @@ def tiled_from(setting: str) -> int | None:
     return int(setting)
 
 
-def invariant_tiled(setting: str) -> bool:
-    """$MLXFUN_INVARIANT_TILED -> whether the batch-invariant products run here."""
-    if setting.strip() not in ("", "0", "1"):
-        raise ValueError(f"{INVARIANT_ENV}={setting!r}: expected 1 (on), 0 or unset (off)")
-    return setting.strip() == "1"
-
-
 FROM_ROWS = tiled_from(os.environ.get(FROM_ENV, ""))
-INVARIANT = invariant_tiled(os.environ.get(INVARIANT_ENV, ""))
+INVARIANT = settings.switch(INVARIANT_ENV, os.environ.get(INVARIANT_ENV, ""))  # the batch-invariant products here
 
 
 class Tile(NamedTuple):

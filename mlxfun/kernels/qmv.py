@@ -16,6 +16,7 @@ import os
 
 import mlx.core as mx
 
+from mlxfun.kernels import settings
 from mlxfun.kernels.attention import compact
 
 _SIMT = compact(r"""
@@ -360,14 +361,7 @@ MAX_TILES = 8
 FEATURES_ENV = "MLXFUN_QMV_FEATURES"
 
 
-def features_setting(setting: str) -> bool:
-    """$MLXFUN_QMV_FEATURES -> whether F stays 1."""
-    if setting.strip() not in ("", "1"):
-        raise ValueError(f"{FEATURES_ENV}={setting!r}: expected 1 (one group of 16 features per block) or unset")
-    return setting.strip() == "1"
-
-
-ONE_GROUP = features_setting(os.environ.get(FEATURES_ENV, ""))
+ONE_GROUP = settings.switch(FEATURES_ENV, os.environ.get(FEATURES_ENV, ""))  # F stays 1
 
 
 def tiles(rows: int) -> int:

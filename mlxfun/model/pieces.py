@@ -22,8 +22,6 @@ import os
 import mlx.core as mx
 
 ENV = "MLXFUN_INVARIANT_PIECES"
-
-
 DEFAULT_ROWS = 128
 
 
