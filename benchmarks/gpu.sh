@@ -20,8 +20,6 @@
 #   tiled-quant  mlxfun bench, bf16 and q4 (and q4 with MLXFUN_TILED_FROM=$TILED_FROM, default 33: quantized
 #                products from that many rows through the tiled kernel, qmm.py, no dense copy), $QUANT_SHAPES, $QUANT_BATCHES
 #   tiled-invariant  invariant-e2e and invariant-cost with MLXFUN_INVARIANT_TILED=1 (the mode's products tiled)
-#   invariant-pieces invariant-e2e and invariant-cost with MLXFUN_INVARIANT_PIECES=$PIECES (128, the default; 0:
-#                dmv): the mode's products as MLX matmuls of exactly that many rows (mlxfun/model/pieces.py)
 #   moe-ab       kernels_check --only experts, then the 6-layer Qwen3-30B-A3B shape in bf16, batch 1/8/32/128,
 #                with MLXFUN_EXPERTS_KERNEL=0 and =1 (dmv.experts_product for dense experts)
 #   continuous   mlxfun bench --continuous 32: 256 mixed requests, static batches vs continuous (1B)
@@ -45,8 +43,8 @@
 #                1/8/32/128, q4 and bf16 ($FAMILY_DTYPES), mlx-lm beside (installed from .whl, as for serve)
 #   moe          mlxfun bench: the Qwen3-30B-A3B shape (24 of 48 layers), $FAMILY_DTYPES (q4), batch 1/8/32/128
 #                ($FAMILY_BATCHES), $FAMILY_GEN (64) generated, mlx-lm beside; on a CUDA-graph launch failure,
-#                again at batch 1/8 with MLX_USE_CUDA_GRAPHS=0 (dense experts through dmv.experts_product: set
-#                MLXFUN_EXPERTS_KERNEL=1)
+#                again at batch 1/8 with MLX_USE_CUDA_GRAPHS=0 (dense experts in decode steps of 2 or more tokens
+#                through dmv.experts_product unless MLXFUN_EXPERTS_KERNEL=0)
 #   sampling     benchmarks/sampling_search.py: top-k/top-p by threshold search against $AB_REF's sort (128K vocab)
 #   ab-static    this tree against the package in $AB_REF (default .ab/ref, made here by
 #                `echo /.ab/ >> .git/info/exclude; mkdir -p .ab/ref; git archive REV mlxfun | tar -x -C .ab/ref`
@@ -110,14 +108,6 @@ for suite in "$@"; do
         MLXFUN_TILED_FROM=${TILED_FROM:-33} bench ${QUANT_TIMEOUT:-200} --shape $shape \
           --batch-sizes ${QUANT_BATCHES:-1,8,32,128} --prompt-tokens 128 --gen-tokens 128 --dtypes q4 \
           --json "$OUT/tiled-quant-$shape.json" | tail -6
-      done ;;
-    invariant-pieces)  # issue 54: the mode's products as MLX matmuls of one row count ($PIECES, 128)
-      MLXFUN_INVARIANT_PIECES=${PIECES:-128} timeout ${INVARIANT_TIMEOUT:-240} python3 benchmarks/invariant_e2e.py \
-        --models ${INVARIANT_MODELS:-bf16,fp16,q4} --json "$OUT/pieces-invariant-e2e.json" | tail -20
-      for shape in ${INVARIANT_SHAPES:-1B 8B}; do
-        MLXFUN_INVARIANT_PIECES=${PIECES:-128} bench ${INVARIANT_COST_TIMEOUT:-280} --shape $shape \
-          --batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16 --batch-invariant \
-          --json "$OUT/pieces-invariant-cost-$shape.json" | tail -12
       done ;;
     moe-ab)  # issue 55: dmv.experts_product checked, then the 6-layer MoE shape in bf16 without and with it
       timeout ${KERNELS_TIMEOUT:-120} python3 benchmarks/kernels_check.py --only experts --json "$OUT/experts.json" | tail -4
