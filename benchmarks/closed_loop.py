@@ -4,13 +4,15 @@
 `serve_load.py`'s clients do), with generation lengths spread so that rows finish at different
 steps and admissions come a few requests at a time. The engine is the server's (fixed shapes,
 warmed up first). Each engine round is timed and reported by kind: rounds that admitted, the round
-after them, and the rest. Each `--runs` entry is KV_GB:SETTLE[:prewarm][:keep]: a KV pool of KV_GB (0:
+after them, and the rest. Each `--runs` entry is KV_GB:SETTLE[:prewarm][:keep][:phases]: a KV pool of KV_GB (0:
 the server's default, most of a GPU), when a pool write waits for the one queued before it
 (`Runner.settle`): `default` (a server's pool from 1 GB on, and always on the CPU), `never` (every
 write queued behind the one in flight) or `always`; and with `prewarm`, 1..rows prompts admitted
 once each before the loop (is a stall the first sight of a prefill shape?); with `keep`, CUDA's
 memory pool keeps the memory it frees (`alloc_probe.keep_freed`). Each of the slowest rounds is
 reported with the memory it queued, CUDA's pool's mapped memory and MLX's buffer cache then.
+With `phases`, the engine's parts run one at a time (each after a device synchronization, timed to
+another): where an admission's time goes, at the cost of the pipelining.
 
 Run: python benchmarks/closed_loop.py --shape 1B --rows 32 --runs 0:default,0:default:prewarm,0.5:default
 """
@@ -31,15 +33,40 @@ from mlxfun.engine.core import Engine
 from mlxfun.engine.options import GenerationConfig, requests
 from mlxfun.engine.warmup import warm_up
 
+PHASES = (("runner", "settle"), ("runner", "prefill"), ("runner", "first_tokens"), ("runner", "decode"),
+          ("engine", "sync"), ("engine", "collect"), ("engine", "_fit_cache"))
+
+
+def time_phases(engine: Engine) -> dict[str, list[float]]:
+    """Each of PHASES' methods run alone, after a synchronization, and synchronized after: its
+    seconds per call, by name ("wait": the synchronizations before them)."""
+    times: dict[str, list[float]] = {"wait": []}
+    for owner, name in PHASES:
+        obj = engine if owner == "engine" else engine.runner
+        method, times[name] = getattr(obj, name), []
+
+        def timed(*args, _method=method, _name=name, **kwargs):
+            t = time.perf_counter()
+            mx.synchronize()
+            t1 = time.perf_counter()
+            out = _method(*args, **kwargs)
+            mx.synchronize()
+            times["wait"].append(t1 - t)
+            times[_name].append(time.perf_counter() - t1)
+            return out
+        setattr(obj, name, timed)
+    return times
+
 
 def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: int | None, settle: str,
-                prewarm: bool = False, keep: bool = False, seed: int = 0) -> dict:
+                prewarm: bool = False, keep: bool = False, phases: bool = False, warmup: bool = True,
+                seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     t = time.perf_counter()
     engine = Engine(model, rows, fixed_shapes=True, kv_memory=kv_memory)
     if settle != "default":
         engine.runner.settle_bytes = None if settle == "never" else 0
-    warm = warm_up(engine)
+    warm = warm_up(engine) if warmup else None
     setup = time.perf_counter() - t
     kept = keep and keep_freed(4 << 30)  # the CUDA pool keeps what it frees, 4 GB of it mapped ahead
 
@@ -61,6 +88,7 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
     for _ in range(rows):
         submit()
     sent, done, tokens, rounds = rows, 0, 0, []
+    times = time_phases(engine) if phases else None
     t0 = time.perf_counter()
     held = mx.get_active_memory()
     while done < total:
@@ -107,6 +135,8 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
                reserved_gb=[round(min(r[3] for r in rounds), 2), round(max(r[3] for r in rounds), 2)],
                cache_gb=[round(min(r[4] for r in rounds), 2), round(max(r[4] for r in rounds), 2)], kept=kept,
                setup_s=setup, warmup_s=warm.seconds if warm else None)
+    if times is not None:  # per phase: calls, median and total ms
+        out["phases"] = {k: [len(v), ms(v), round(1e3 * sum(v), 1)] for k, v in times.items()}
     return out
 
 
@@ -118,11 +148,13 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--gen-tokens", type=int, default=128, help="mean generated tokens (spread over 0.5-1.5x)")
     p.add_argument("--runs", default="0:default,0:default:prewarm,0.5:default",
-                   help="KV_GB:SETTLE[:prewarm][:keep] per run, comma-separated (KV_GB 0: the server's default; "
-                        "prewarm: admit 1..rows prompts once each before the loop, so that every prefill shape "
-                        "of the loop has been seen)")
+                   help="KV_GB:SETTLE[:prewarm][:keep][:phases] per run, comma-separated (KV_GB 0: the server's "
+                        "default; prewarm: admit 1..rows prompts once each before the loop, so that every "
+                        "prefill shape of the loop has been seen; phases: the engine's parts timed one at a time)")
     p.add_argument("--cache-limit", type=float, default=None,
                    help="GB of freed buffers MLX keeps for reuse (mx.set_cache_limit; default: MLX's)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the server's warm-up (each run's first rounds then compile what they meet)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     model = bench.random_model(bench.SHAPES[args.shape])
@@ -133,7 +165,8 @@ def main(argv=None) -> int:
         gb, settle, *extra = run.split(":")
         try:
             r = closed_loop(model, args.rows, args.requests, args.prompt_tokens, args.gen_tokens,
-                            int(float(gb) * 1e9) or None, settle, prewarm="prewarm" in extra, keep="keep" in extra)
+                            int(float(gb) * 1e9) or None, settle, prewarm="prewarm" in extra, keep="keep" in extra,
+                            phases="phases" in extra, warmup=not args.no_warmup)
         except RuntimeError as e:  # a device out of memory, say: the other runs still count
             r = dict(kv=gb, settle=settle, error=f"{type(e).__name__}: {e}")
         runs.append(r)

@@ -28,3 +28,15 @@ def model_f32() -> mlxfun.Model:
     model = mlxfun.load(dtype="float32")
     mx.eval(model.params)
     return model
+
+
+# The files whose tests take longest on the CPU run first. pytest-xdist (`--dist loadfile`) hands
+# files to its workers in collection order, so short files then fill the end of both workers
+# instead of one worker finishing a long file alone.
+LONG_FILES = ("test_distributed", "test_generate_f32", "test_structured_engine", "test_generate", "test_server",
+              "test_kernels", "test_prefix", "test_speculative", "test_server_tools", "test_families")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    first = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: first.get(item.path.stem, len(first)))  # stable: each file keeps its order

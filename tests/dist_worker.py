@@ -27,8 +27,10 @@ from mlxfun.parallel.shard import shard, sharded_load
 
 # Six prompts of mixed lengths (tiny models' word-level ids).
 TINY_PROMPTS = [[5, 9, 2], [7] * 11, [1, 2, 3, 4, 5, 6, 7, 8], [40], [3, 30, 33, 36, 60, 66], list(range(10, 24))]
-REAL_PROMPTS = ["The capital of France is", "def fib(n):", "Hi", "Once upon a time, in a small village by the sea,",
-                "1, 2, 3, 4,", "Translate to French: good morning, my friend."]
+# Three prompts of 5, 1 and 13 tokens: padding in the logits' batch, and few tokens (three float32
+# ranks share this machine's cores with the suite). "def fib(n):" holds the largest logit (35.5) of
+# the six prompts this test used to take, so the relative error keeps its scale.
+REAL_PROMPTS = ["def fib(n):", "Hi", "Once upon a time, in a small village by the sea,"]
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=[11, 12, 13, 14, 15, 16], max_tokens=[5, 8, 3, 6, 4, 7])
 
 
