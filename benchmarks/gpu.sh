@@ -35,7 +35,7 @@
 #   serve-process  serve_load.py (1B, 32 clients, 256 requests, greedy and seeded) against offline generate: the
 #                engine in its own process (the default) and on the server's thread (--engine-thread), one run
 #   closed-loop  benchmarks/closed_loop.py: the server's engine (1B, 32 rows) replacing each finished request at once,
-#                no HTTP; rounds timed by kind, for the default KV pool (most of the GPU), the same after every
+#                no HTTP; rounds timed by kind, for the default KV pool (sized to the rows), the same after every
 #                prefill shape was seen once, and a 0.5 GB pool ($CLOSED_RUNS, $CLOSED_ARGS)
 #   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
 #                after keep_freed (CUDA's pool keeps freed memory)

@@ -126,9 +126,12 @@ class Engine:
                       ladder(context, block_size) if fixed_shapes else None, self.config.sinks)
         if fixed_shapes:
             # One pool size for the engine's life (each size compiles the steps anew): the budget,
-            # or what every row at full context could hold and an eighth more for the prefix cache.
-            full = rows * pages.blocks_for(context, min(prefill_step, context))
-            max_blocks = min(max_blocks, 2 + full + full // 8)
+            # or what every row at full context could hold and an eighth more for the prefix cache;
+            # unless `kv_memory` says, at most what rows of ROW_CONTEXT tokens hold (`fixed_pool_blocks`).
+            transient = min(prefill_step, context)
+            max_blocks = fixed_pool_blocks(max_blocks, rows * pages.blocks_for(context, transient),
+                                           None if kv_memory else max(rows * pages.blocks_for(ROW_CONTEXT, transient),
+                                                                      pages.blocks_for(context, transient)))
             pages.max_blocks = pages.least = max_blocks
         # On a GPU a prefill of a few prompts costs about what one of many does (kernel launches), so
         # new requests wait until a quarter of the rows are free (H200, 256 prompts through 64 rows of
@@ -532,7 +535,7 @@ class Engine:
 def settle_bytes(fixed_shapes: bool) -> int | None:
     """From what KV pool size a pool write waits for the one queued before (`Runner.settle`).
     The CPU: always (a write queued behind work in flight copies the pool there). A server's GPU
-    engine, whose pool is most of the device: from 1 GB. On H100s, servers lost requests to
+    engine, whose pool is allocated at once: from 1 GB. On H100s, servers lost requests to
     out-of-memory errors in prefills in 2 of 4 load runs without the wait (one perhaps because the
     server before it was still exiting) and in none of 4 with it; under a closed loop without HTTP
     the engine ran 4,523 tok/s waiting against 5,028 pipelined (one run each,
@@ -546,6 +549,23 @@ def settle_bytes(fixed_shapes: bool) -> int | None:
 
 # A server's GPU pool from this size on is written only after the write before it has run.
 SERVER_SETTLE_BYTES = 1 << 30
+
+# Tokens a fixed-shape engine's rows hold on average when `kv_memory` is not given. On CUDA every
+# admission stalled about 2 ms per GB of KV pool (H100, 1B, 32 rows: 25 ms at 8 GB, 130 ms at
+# 60.5 GB; cause open), so the budget's whole share of the device (60 GB) served 3,717 tok/s against
+# 5,292 from 8 GB (benchmarks/README.md, 2026-12-07). Rows of 8K tokens (chat) fit; one request
+# may still take its whole context, and when the pool runs out the newest row is preempted.
+ROW_CONTEXT = 8192
+
+
+def fixed_pool_blocks(budget: int, full: int, typical: int | None) -> int:
+    """A fixed-shape engine's pool in blocks: the `budget`, at most `full` (every row at full
+    context) and `typical` (rows of ROW_CONTEXT, at least one full context; None: no such cap),
+    each with an eighth more for the prefix cache and the scratch blocks."""
+    for cap in (full, typical):
+        if cap is not None:
+            budget = min(budget, 2 + cap + cap // 8)
+    return budget
 
 
 def engine_for(model: Model, rows: int, config: GenerationConfig, kv_memory: int | None = None,
