@@ -11,7 +11,8 @@ from helpers import tiny_config, tiny_model
 
 import mlxfun
 from mlxfun.engine import sampling
-from mlxfun.engine.core import ROW_CONTEXT, Engine, fixed_pool_blocks
+from mlxfun.engine.core import Engine
+from mlxfun.engine.kv_budget import ROW_CONTEXT, fixed_pool_blocks
 from mlxfun.engine.options import GenerationConfig, requests
 from mlxfun.generate import generate
 from mlxfun.model.load import Model

@@ -43,6 +43,7 @@ from mlxfun.engine.blocks import Pool
 from mlxfun.engine.detok import RowText
 from mlxfun.engine.events import Event
 from mlxfun.engine.inbox import Inbox
+from mlxfun.engine.kv_budget import ROW_CONTEXT, fixed_pool_blocks, kv_budget, settle_bytes
 from mlxfun.engine.options import GenerationConfig, Request, make_request
 from mlxfun.engine.outputs import hand_out
 from mlxfun.engine.paging import MIN_BLOCKS, MIN_BLOCKS_CPU, Pages, ladder, pool_size
@@ -51,7 +52,7 @@ from mlxfun.engine.rows import Row
 from mlxfun.engine.runner import Runner
 from mlxfun.engine.scheduler import Scheduler
 from mlxfun.engine.step import Mode, StepCache, StepOut, Steps, compiled_steps
-from mlxfun.engine.strategy import WeightStrategy, default_strategy, free_memory, memory_limit
+from mlxfun.engine.strategy import WeightStrategy, default_strategy
 from mlxfun.errors import InputError, check_bool, check_positive_int
 from mlxfun.features import speculative
 from mlxfun.features.constraints import Constraints
@@ -111,11 +112,7 @@ class Engine:
         # Chunk lengths rounded up on a GPU, so attention kernels are built for few shapes.
         self.runner = Runner(model, self.config, rows, strategy, steps, block_size, prefill_step,
                              pad_multiple or prefill.pad_multiple(), settle_bytes(fixed_shapes))
-        # Bytes the cache may take: a share of the device's memory beside what is in use now (weights).
-        self.kv_memory = kv_memory or max(0, int(strategy.memory_fraction * memory_limit()) - mx.get_active_memory())
-        free = free_memory() if fixed_shapes and kv_memory is None else None
-        if free is not None:  # a pool allocated at once must fit beside other processes' memory too
-            self.kv_memory = min(self.kv_memory, int(strategy.memory_fraction * free))
+        self.kv_memory = kv_budget(kv_memory, strategy, fixed_shapes)
         self.slot_bytes = kv.slot_bytes(self.config, self.runner.dtype)
         self.block_bytes = block_size * self.slot_bytes
         max_blocks = max(2, self.kv_memory // self.block_bytes)
@@ -529,43 +526,6 @@ class Engine:
             if plan is not None:
                 runner.compact(*plan)
         self.stats.record_memory(self.scheduler, self.runner.state is not None, self.block_bytes)
-
-
-
-def settle_bytes(fixed_shapes: bool) -> int | None:
-    """From what KV pool size a pool write waits for the one queued before (`Runner.settle`).
-    The CPU: always (a write queued behind work in flight copies the pool there). A server's GPU
-    engine, whose pool is allocated at once: from 1 GB. On H100s, servers lost requests to
-    out-of-memory errors in prefills in 2 of 4 load runs without the wait (one perhaps because the
-    server before it was still exiting) and in none of 4 with it; under a closed loop without HTTP
-    the engine ran 4,523 tok/s waiting against 5,028 pipelined (one run each,
-    `benchmarks/closed_loop.py`). Requests kept are worth a tenth of the rate until the stalls
-    there are understood. An offline engine's pool holds only what its requests need: its steps
-    stay pipelined."""
-    if mx.default_device() == mx.cpu:
-        return 0
-    return SERVER_SETTLE_BYTES if fixed_shapes else None
-
-
-# A server's GPU pool from this size on is written only after the write before it has run.
-SERVER_SETTLE_BYTES = 1 << 30
-
-# Tokens a fixed-shape engine's rows hold on average when `kv_memory` is not given. On CUDA every
-# admission stalled about 2 ms per GB of KV pool (H100, 1B, 32 rows: 25 ms at 8 GB, 130 ms at
-# 60.5 GB; cause open), so the budget's whole share of the device (60 GB) served 3,717 tok/s against
-# 5,292 from 8 GB (benchmarks/README.md, 2026-12-07). Rows of 8K tokens (chat) fit; one request
-# may still take its whole context, and when the pool runs out the newest row is preempted.
-ROW_CONTEXT = 8192
-
-
-def fixed_pool_blocks(budget: int, full: int, typical: int | None) -> int:
-    """A fixed-shape engine's pool in blocks: the `budget`, at most `full` (every row at full
-    context) and `typical` (rows of ROW_CONTEXT, at least one full context; None: no such cap),
-    each with an eighth more for the prefix cache and the scratch blocks."""
-    for cap in (full, typical):
-        if cap is not None:
-            budget = min(budget, 2 + cap + cap // 8)
-    return budget
 
 
 def engine_for(model: Model, rows: int, config: GenerationConfig, kv_memory: int | None = None,

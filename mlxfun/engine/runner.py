@@ -12,7 +12,7 @@ copy the whole pool first: a 134 MB pool took 74 ms per write on a 2-core CPU ag
 On the CPU, work still in flight is such a reference: it holds its outputs until it has run, and a
 write queued behind it copies (a 1 GB pool: 900 ms a step against 0.1 ms). There, and for a
 server's large pool on a GPU, a write into the pool waits for the one queued before it (`settle`,
-`core.settle_bytes`).
+`kv_budget.settle_bytes`).
 """
 
 from __future__ import annotations

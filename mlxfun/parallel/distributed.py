@@ -22,9 +22,10 @@ from typing import Sequence
 import mlx.core as mx
 
 from mlxfun.engine.events import Stats
+from mlxfun.engine.kv_budget import kv_budget
 from mlxfun.engine.options import Request
 from mlxfun.engine.rows import GenerationResult
-from mlxfun.engine.strategy import default_strategy, memory_limit
+from mlxfun.engine.strategy import default_strategy
 from mlxfun.errors import InputError
 
 
@@ -134,7 +135,7 @@ def kv_memory(group) -> int | None:
     admit the same requests at the same steps; None without a group (the engine's own)."""
     if group is None or group.size() == 1:
         return None
-    mine = max(0, int(default_strategy().memory_fraction * memory_limit()) - mx.get_active_memory())
+    mine = kv_budget(None, default_strategy(), fixed_shapes=False)
     mib = mx.distributed.all_min(mx.array([mine >> 20], mx.int32), group=group).item()  # int32 in MiB
     return max(1, mib << 20)
 

@@ -432,7 +432,7 @@ def _uvicorn_server(app: FastAPI, args: argparse.Namespace, bridge: Bridge | Eng
 
 
 def kv_memory_flag(gb: float | None) -> int | None:
-    """--kv-memory in bytes; None on a GPU: the engine sizes the pool to the rows (`core.ROW_CONTEXT`);
+    """--kv-memory in bytes; None on a GPU: the engine sizes the pool to the rows (`kv_budget.ROW_CONTEXT`);
     an eighth of the RAM on the CPU (a server allocates its whole KV pool at start)."""
     import mlx.core as mx
 

@@ -1,0 +1,59 @@
+"""How much KV cache an engine holds, and from what size its writes wait for the one before.
+
+A pool allocated once (a server's engine, fixed shapes) is sized here: the budget (`kv_budget`),
+at most every row at full context, and unless `kv_memory` says, rows of ROW_CONTEXT tokens
+(`fixed_pool_blocks`). `settle_bytes` says from what pool size `Runner.settle` waits.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxfun.engine.strategy import WeightStrategy, free_memory, memory_limit
+
+
+def kv_budget(kv_memory: int | None, strategy: WeightStrategy, fixed_shapes: bool) -> int:
+    """Bytes the KV cache may take: `kv_memory`, else the strategy's share of the device's memory
+    beside what is in use now (the weights); a pool allocated at once (`fixed_shapes`) must also fit
+    beside other processes' memory."""
+    if kv_memory:
+        return kv_memory
+    budget = max(0, int(strategy.memory_fraction * memory_limit()) - mx.get_active_memory())
+    free = free_memory() if fixed_shapes else None  # None where the device cannot say
+    return budget if free is None else min(budget, int(strategy.memory_fraction * free))
+
+
+def settle_bytes(fixed_shapes: bool) -> int | None:
+    """From what KV pool size a pool write waits for the one queued before (`Runner.settle`).
+    The CPU: always (a write queued behind work in flight copies the pool there). A server's GPU
+    engine, whose pool is allocated at once: from 1 GB. On H100s, servers lost requests to
+    out-of-memory errors in prefills in 2 of 4 load runs without the wait (one perhaps because the
+    server before it was still exiting) and in none of 4 with it; under a closed loop without HTTP
+    the engine ran 4,523 tok/s waiting against 5,028 pipelined (one run each,
+    `benchmarks/closed_loop.py`). Requests kept are worth a tenth of the rate until the stalls
+    there are understood. An offline engine's pool holds only what its requests need: its steps
+    stay pipelined."""
+    if mx.default_device() == mx.cpu:
+        return 0
+    return SERVER_SETTLE_BYTES if fixed_shapes else None
+
+
+# A server's GPU pool from this size on is written only after the write before it has run.
+SERVER_SETTLE_BYTES = 1 << 30
+
+# Tokens a fixed-shape engine's rows hold on average when `kv_memory` is not given. On CUDA every
+# admission stalled about 2 ms per GB of KV pool (H100, 1B, 32 rows: 25 ms at 8 GB, 130 ms at
+# 60.5 GB; cause open), so the budget's whole share of the device (60 GB) served 3,717 tok/s against
+# 5,292 from 8 GB (benchmarks/README.md, 2026-12-07). Rows of 8K tokens (chat) fit; one request
+# may still take its whole context, and when the pool runs out the newest row is preempted.
+ROW_CONTEXT = 8192
+
+
+def fixed_pool_blocks(budget: int, full: int, typical: int | None) -> int:
+    """A fixed-shape engine's pool in blocks: the `budget`, at most `full` (every row at full
+    context) and `typical` (rows of ROW_CONTEXT, at least one full context; None: no such cap),
+    each with an eighth more for the prefix cache and the scratch blocks."""
+    for cap in (full, typical):
+        if cap is not None:
+            budget = min(budget, 2 + cap + cap // 8)
+    return budget
