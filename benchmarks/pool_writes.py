@@ -18,8 +18,6 @@ import numpy as np
 from mlxfun.bench import models as bench
 from mlxfun.model import cache as kv
 
-BLOCK = 16
-
 
 def timed(fn, reps: int = 5) -> float:
     """Median seconds of fn() evaluated and synchronized."""
@@ -34,17 +32,16 @@ def timed(fn, reps: int = 5) -> float:
 
 
 def probe(config, gb: float, rows: int, tokens: int, dtype) -> dict:
-    per_slot = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.size
-    blocks = max(2, int(gb * 1e9) // (per_slot * BLOCK))
-    keys, values, positions = kv.pool(config, blocks, BLOCK, dtype)
+    blocks = max(2, int(gb * 1e9) // (kv.slot_bytes(config, dtype) * kv.BLOCK))
+    keys, values, positions = kv.pool(config, blocks, kv.BLOCK, dtype)
     pool = [*keys, *values]
     mx.eval(pool, positions)
     new = mx.random.normal((rows, config.num_kv_heads, tokens, config.head_dim)).astype(dtype)
-    slots = mx.array((1 + np.arange(rows * tokens)).reshape(rows, tokens) * 7 % (blocks * BLOCK - 1) + 1, mx.int32)
-    start = mx.array([BLOCK], mx.int32)
+    slots = mx.array((1 + np.arange(rows * tokens)).reshape(rows, tokens) * 7 % (blocks * kv.BLOCK - 1) + 1, mx.int32)
+    start = mx.array([kv.BLOCK], mx.int32)
     pos = mx.broadcast_to(mx.arange(tokens, dtype=mx.int32), (rows, tokens))
     mx.eval(new, slots, pos)
-    r = dict(gb=round(blocks * BLOCK * per_slot / 1e9, 2), blocks=blocks)
+    r = dict(gb=round(blocks * kv.BLOCK * kv.slot_bytes(config, dtype) / 1e9, 2), blocks=blocks)
 
     def in_place(write):
         def run():

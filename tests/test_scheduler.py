@@ -259,7 +259,8 @@ def test_memory_budget_refuses_what_never_fits_and_delays_what_fits_alone(tiny):
 def test_static_batch_that_does_not_fit_runs_in_waves(tiny, monkeypatch):
     """generate() admits what fits the budget and queues the rest: outputs still equal alone."""
     block = kv.BLOCK * kv.slot_bytes(tiny.config, mx.float32)
-    monkeypatch.setattr("mlxfun.engine.kv_budget.memory_limit", lambda: int((mx.get_active_memory() + 45.5 * block) / 0.75))
+    limit = lambda: int((mx.get_active_memory() + 45.5 * block) / 0.75)  # noqa: E731
+    monkeypatch.setattr("mlxfun.engine.kv_budget.memory_limit", limit)
     # 20, 20, 20 and 17 blocks: two at a time fit 45 blocks.
     prompts, max_tokens = [[5] * 300, [6] * 290, [7] * 10, [8] * 12], [20, 30, 300, 250]
     out = generate(tiny, prompts, max_tokens=max_tokens, ignore_eos=True)
