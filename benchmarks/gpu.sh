@@ -68,6 +68,14 @@ bench() { timeout -s INT -k 30 "$1" python3 -m mlxfun.bench "${@:2}"; }  # SIGIN
 wheels() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}; }
 # Runs mlxfun bench with the package at $1 (a folder holding mlxfun/) first on the path.
+# issue 54: batch_invariant end to end, and its cost; $1 names the JSON files.
+invariant_e2e() { timeout ${INVARIANT_TIMEOUT:-240} python3 benchmarks/invariant_e2e.py \
+  --models ${INVARIANT_MODELS:-bf16,fp16,q4} --json "$OUT/$1-e2e.json"; }
+invariant_cost() {
+  for shape in ${INVARIANT_SHAPES:-1B 8B}; do
+    bench ${INVARIANT_COST_TIMEOUT:-280} --shape $shape --batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 \
+      --dtypes bfloat16 --batch-invariant --json "$OUT/$1-cost-$shape.json"
+  done; }
 bench_at() { local dir=$1 limit=$2; shift 2; (cd "$dir" && PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout "$limit" python3 -m mlxfun.bench "$@"); }
 for suite in "$@"; do
   echo "=== $suite"
@@ -76,13 +84,8 @@ for suite in "$@"; do
     kernels) timeout ${KERNELS_TIMEOUT:-240} python3 benchmarks/kernels_check.py ${KERNELS_ONLY:+--only $KERNELS_ONLY} \
       --json "$OUT/kernels.json" | grep -v '"ok": true' | tail -20 ;;
     qmv-shapes) timeout ${SHAPES_TIMEOUT:-240} python3 benchmarks/qmv_shapes.py ${SHAPES_ARGS:-} --json "$OUT/qmv-shapes.json" | tail -24 ;;
-    invariant-e2e) timeout ${INVARIANT_TIMEOUT:-240} python3 benchmarks/invariant_e2e.py --models ${INVARIANT_MODELS:-bf16,fp16,q4} \
-      --json "$OUT/invariant-e2e.json" ;;
-    invariant-cost)  # issue 54: mlxfun bench with and without --batch-invariant
-      for shape in ${INVARIANT_SHAPES:-1B 8B}; do
-        bench ${INVARIANT_COST_TIMEOUT:-280} --shape $shape --batch-sizes 1,8,32,128 --prompt-tokens 128 --gen-tokens 128 \
-          --dtypes bfloat16 --batch-invariant --json "$OUT/invariant-cost-$shape.json"
-      done ;;
+    invariant-e2e) invariant_e2e invariant ;;
+    invariant-cost) invariant_cost invariant ;;  # issue 54: mlxfun bench with and without --batch-invariant
     invariance) timeout 300 python3 benchmarks/invariance.py --kinds ${INVARIANCE_KINDS:-bfloat16,float16,q4} --json "$OUT/invariance.json" ;;
     static)
       for shape in 1B 8B; do
@@ -115,14 +118,7 @@ for suite in "$@"; do
         MLXFUN_EXPERTS_KERNEL=$on bench ${FAMILY_TIMEOUT:-150} --shape qwen3-30B-A3B-6L --batch-sizes 1,8,32,128 \
           --prompt-tokens 128 --gen-tokens 32 --dtypes bfloat16 --json "$OUT/moe-ab-6L-$on.json" | tail -8
       done ;;
-    tiled-invariant)
-      MLXFUN_INVARIANT_TILED=1 timeout ${INVARIANT_TIMEOUT:-240} python3 benchmarks/invariant_e2e.py \
-        --models ${INVARIANT_MODELS:-bf16,fp16,q4} --json "$OUT/tiled-invariant-e2e.json" | tail -20
-      for shape in ${INVARIANT_SHAPES:-1B 8B}; do
-        MLXFUN_INVARIANT_TILED=1 bench ${INVARIANT_COST_TIMEOUT:-280} --shape $shape --batch-sizes 1,8,32,128 \
-          --prompt-tokens 128 --gen-tokens 128 --dtypes bfloat16 --batch-invariant \
-          --json "$OUT/tiled-invariant-cost-$shape.json" | tail -12
-      done ;;
+    tiled-invariant) (export MLXFUN_INVARIANT_TILED=1; invariant_e2e tiled-invariant; invariant_cost tiled-invariant) ;;
     continuous) bench 300 --shape 1B --continuous 32 --prompts 256 --json "$OUT/continuous-1B.json" ;;
     prefix) bench 300 --shape 1B --prefix --prompts 256 --rows 256 --json "$OUT/prefix-1B.json" ;;
     speculative) bench 400 --shape 1B --speculative --rule-only --draft-shape 135M --json "$OUT/speculative-1B.json" ;;
