@@ -8,6 +8,11 @@ activations), each evaluated, synchronized and freed:
 - pool-again: the same, new sizes (does the cost repeat?);
 - keep: after `keep_freed(--headroom-gb)` (CUDA's pool keeps freed memory, headroom mapped);
 - keep-again: new sizes once more.
+Each of alone and pool is also measured for what a host array costs on CUDA (MLX puts arrays made on
+the host in managed memory): `host` (new sizes: cudaMallocManaged), `host-reuse` (a host array
+given a cached device buffer of its size: moved to managed memory by a synchronous copy),
+`free-managed` (MLX's cache of managed buffers cleared: cudaFree each) and `sync` (an idle
+synchronization).
 
 Run: python benchmarks/alloc_probe.py --pool-gb 60 --json PATH
 """
@@ -98,6 +103,61 @@ def timed_allocations(sizes: list[int]) -> list[float]:
     return out
 
 
+def timed_host(sizes: list[int]) -> list[float]:
+    """Host arrays of new sizes, each evaluated and synchronized (kept until the end)."""
+    out, kept = [], []
+    for n in sizes:
+        data = np.zeros(n // 4, np.float32)
+        t = time.perf_counter()
+        a = mx.array(data)
+        mx.eval(a + 0)
+        mx.synchronize()
+        out.append(time.perf_counter() - t)
+        kept.append(a)
+    return out
+
+
+def timed_host_reuse(sizes: list[int]) -> list[float]:
+    """Host arrays each given the cached device buffer of a computed array of its size."""
+    out = []
+    for n in sizes:
+        d = mx.zeros((n // 4,), mx.float32) + 1
+        mx.eval(d)
+        mx.synchronize()
+        del d  # its buffer to MLX's cache
+        data = np.zeros(n // 4, np.float32)
+        t = time.perf_counter()
+        a = mx.array(data)
+        mx.eval(a + 0)
+        mx.synchronize()
+        out.append(time.perf_counter() - t)
+        del a
+    return out
+
+
+def timed_free_managed(sizes: list[int]) -> list[float]:
+    """Managed buffers of new sizes freed to MLX's cache, then the cache cleared: seconds of the clear."""
+    mx.synchronize()
+    mx.clear_cache()
+    arrays = [mx.array(np.zeros(n // 4, np.float32)) for n in sizes]
+    mx.eval(arrays)
+    mx.synchronize()
+    del arrays
+    t = time.perf_counter()
+    mx.clear_cache()
+    mx.synchronize()
+    return [(time.perf_counter() - t) / len(sizes)]
+
+
+def timed_sync(n: int = 48) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        mx.synchronize()
+        out.append(time.perf_counter() - t)
+    return out
+
+
 def summary(name: str, seconds: list[float]) -> dict:
     ms = np.array(seconds) * 1e3
     pool = stats()
@@ -123,12 +183,19 @@ def main(argv=None) -> int:
         k = next(phase)
         return [int(2**20 * 1.07 ** (i + 0.5 * k / 5)) // 4096 * 4096 + 4096 * k for i in range(args.sizes)]
 
-    phases = [summary("alone", timed_allocations(sizes()))]
+    def host_phases(label: str) -> list[dict]:
+        return [summary(f"host-{label}", timed_host(sizes())),
+                summary(f"host-reuse-{label}", timed_host_reuse(sizes())),
+                summary(f"free-managed-{label}", timed_free_managed(sizes())),
+                summary(f"sync-{label}", timed_sync())]
+
+    phases = [summary("alone", timed_allocations(sizes())), *host_phases("alone")]
     mx.clear_cache()
     per = int(args.pool_gb * 1e9 / (2 * args.layers))
     pool = [mx.zeros((per,), mx.uint8) for _ in range(2 * args.layers)]
     mx.eval(pool)
     phases.append(summary("pool", timed_allocations(sizes())))
+    phases += host_phases("pool")
     phases.append(summary("pool-again", timed_allocations(sizes())))
     t = time.perf_counter()
     kept = keep_freed(int(args.headroom_gb * 1e9))

@@ -92,7 +92,7 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
     t0 = time.perf_counter()
     held = mx.get_active_memory()
     while done < total:
-        admissions = engine.stats.admissions
+        admissions, prompted = engine.stats.admissions, engine.stats.prompt_tokens
         mx.reset_peak_memory()
         t = time.perf_counter()
         events = engine.step()
@@ -101,7 +101,7 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
         pool = stats()  # what CUDA's pool has mapped, beside MLX's view: pressure shows here
         rounds.append((time.perf_counter() - t, engine.stats.admissions > admissions,
                        (mx.get_peak_memory() - held) / 1e9, pool.reserved / 1e9 if pool else 0.0,
-                       mx.get_cache_memory() / 1e9))
+                       mx.get_cache_memory() / 1e9, (engine.stats.prompt_tokens - prompted) // prompt))
         for e in events:
             tokens += e.token >= 0
             if e.finish_reason is not None:
@@ -131,12 +131,17 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
                slowest_peak_gb=[round(rounds[i][2], 2) for i in slowest],
                slowest_reserved_gb=[round(rounds[i][3], 2) for i in slowest],
                slowest_cache_gb=[round(rounds[i][4], 2) for i in slowest],
+               slowest_admitted=[rounds[i][5] for i in slowest],
+               # median ms of the admitting rounds by the number of prompts they admitted: [count, ms]
+               admit_ms_by_prompts={g: [sum(1 for r in rounds if r[5] == g), ms([r[0] for r in rounds if r[5] == g])]
+                                    for g in sorted({r[5] for r in rounds if r[1]})},
                max_peak_gb=round(max(r[2] for r in rounds), 2), held_gb=round(held / 1e9, 2),
                reserved_gb=[round(min(r[3] for r in rounds), 2), round(max(r[3] for r in rounds), 2)],
                cache_gb=[round(min(r[4] for r in rounds), 2), round(max(r[4] for r in rounds), 2)], kept=kept,
                setup_s=setup, warmup_s=warm.seconds if warm else None)
-    if times is not None:  # per phase: calls, median and total ms
-        out["phases"] = {k: [len(v), ms(v), round(1e3 * sum(v), 1)] for k, v in times.items()}
+    if times is not None:  # per phase: calls, median, total and largest ms
+        out["phases"] = {k: [len(v), ms(v), round(1e3 * sum(v), 1), round(1e3 * max(v, default=0), 1)]
+                         for k, v in times.items()}
     return out
 
 

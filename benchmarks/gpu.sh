@@ -37,6 +37,9 @@
 #   closed-loop  benchmarks/closed_loop.py: the server's engine (1B, 32 rows) replacing each finished request at once,
 #                no HTTP; rounds timed by kind, for the default KV pool (sized to the rows), the same after every
 #                prefill shape was seen once, and a 0.5 GB pool ($CLOSED_RUNS, $CLOSED_ARGS)
+#   pool-probe   where an admission's time beside a large KV pool goes (issue 52): closed_loop.py with the engine's
+#                parts timed one at a time (8 and 60 GB pools), the same without MLX's commits by bytes
+#                (MLX_MAX_MB_PER_BUFFER), alloc_probe.py (managed-memory phases too), pool_writes.py (4/16/60 GB)
 #   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
 #                after keep_freed (CUDA's pool keeps freed memory)
 #   families     mlxfun bench: Gemma 3 4B and Qwen3-30B-A3B (24 of 48 layers) shapes ($FAMILY_SHAPES), batch
@@ -136,6 +139,13 @@ for suite in "$@"; do
       wheels
       timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape 1B --clients 32 --requests 256 \
         --modes ${SERVE_MODES:-greedy,seeded} --offline --engine-thread-too --json "$OUT/serve-process-1B-32.json" ;;
+    pool-probe)
+      timeout 280 python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 128 --no-warmup \
+        --runs 8:default:phases,60:default:phases,60:default,8:default --json "$OUT/closed-loop-phases.json"
+      MLX_MAX_MB_PER_BUFFER=1000000 timeout 100 python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 128 \
+        --no-warmup --runs 8:default,60:default,60:default --json "$OUT/closed-loop-no-byte-commits.json"
+      timeout 80 python3 benchmarks/alloc_probe.py --pool-gb 60 --json "$OUT/alloc-probe-managed.json"
+      timeout 80 python3 benchmarks/pool_writes.py --shape 1B --gb 4,16,60 --json "$OUT/pool-writes.json" ;;
     alloc) timeout 120 python3 benchmarks/alloc_probe.py --pool-gb ${ALLOC_POOL_GB:-60} --json "$OUT/alloc-probe.json" ;;
     closed-loop) timeout ${CLOSED_TIMEOUT:-420} python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 \
       --runs ${CLOSED_RUNS:-0:default,0:default:prewarm,0.5:default} ${CLOSED_ARGS:-} --json "$OUT/closed-loop-1B$RANDOM.json" ;;
