@@ -4,7 +4,7 @@
 `serve_load.py`'s clients do), with generation lengths spread so that rows finish at different
 steps and admissions come a few requests at a time. The engine is the server's (fixed shapes,
 warmed up first). Each engine round is timed and reported by kind: rounds that admitted, the round
-after them, and the rest. Each `--runs` entry is KV_GB:SETTLE[:prewarm][:keep][:phases]: a KV pool of KV_GB (0:
+after them, and the rest. Each `--runs` entry is KV_GB:SETTLE[:prewarm][:keep][:phases][:slices]: a KV pool of KV_GB (0:
 the server's default, sized to the rows), when a pool write waits for the one queued before it
 (`Runner.settle`): `default` (a server's pool from 1 GB on, and always on the CPU), `never` (every
 write queued behind the one in flight) or `always`; and with `prewarm`, 1..rows prompts admitted
@@ -12,7 +12,8 @@ once each before the loop (is a stall the first sight of a prefill shape?); with
 memory pool keeps the memory it frees (`alloc_probe.keep_freed`). Each of the slowest rounds is
 reported with the memory it queued, CUDA's pool's mapped memory and MLX's buffer cache then.
 With `phases`, the engine's parts run one at a time (each after a device synchronization, timed to
-another): where an admission's time goes, at the cost of the pipelining.
+another): where an admission's time goes, at the cost of the pipelining. With `slices`, a chunk
+whose slots form one run is written by slice updates on any device (`prefill.slice_writes`).
 
 Run: python benchmarks/closed_loop.py --shape 1B --rows 32 --runs 0:default,0:default:prewarm,0.5:default
 """
@@ -20,6 +21,7 @@ Run: python benchmarks/closed_loop.py --shape 1B --rows 32 --runs 0:default,0:de
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -29,6 +31,7 @@ import numpy as np
 from alloc_probe import keep_freed, stats  # a sibling script: the CUDA pool's own figures
 
 from mlxfun.bench import models as bench
+from mlxfun.engine import prefill
 from mlxfun.engine.core import Engine
 from mlxfun.engine.options import GenerationConfig, requests
 from mlxfun.engine.warmup import warm_up
@@ -153,7 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--gen-tokens", type=int, default=128, help="mean generated tokens (spread over 0.5-1.5x)")
     p.add_argument("--runs", default="0:default,0:default:prewarm,0.5:default",
-                   help="KV_GB:SETTLE[:prewarm][:keep][:phases] per run, comma-separated (KV_GB 0: the server's "
+                   help="KV_GB:SETTLE[:prewarm][:keep][:phases][:slices] per run, comma-separated (KV_GB 0: the server's "
                         "default; prewarm: admit 1..rows prompts once each before the loop, so that every "
                         "prefill shape of the loop has been seen; phases: the engine's parts timed one at a time)")
     p.add_argument("--cache-limit", type=float, default=None,
@@ -165,9 +168,11 @@ def main(argv=None) -> int:
     model = bench.random_model(bench.SHAPES[args.shape])
     if args.cache_limit is not None:
         mx.set_cache_limit(int(args.cache_limit * 1e9))
-    runs = []
+    runs, slice_writes = [], prefill.slice_writes
     for run in args.runs.split(","):
         gb, settle, *extra = run.split(":")
+        # slices: a run of slots written by slice updates on any device (their cost on CUDA grows with the pool)
+        prefill.slice_writes = (lambda: True) if "slices" in extra else slice_writes
         try:
             r = closed_loop(model, args.rows, args.requests, args.prompt_tokens, args.gen_tokens,
                             int(float(gb) * 1e9) or None, settle, prewarm="prewarm" in extra, keep="keep" in extra,
@@ -176,6 +181,7 @@ def main(argv=None) -> int:
             r = dict(kv=gb, settle=settle, error=f"{type(e).__name__}: {e}")
         runs.append(r)
         print(json.dumps(r), flush=True)
+        gc.collect()  # the engine's reference cycles, so that its pool is freed
         mx.clear_cache()  # the last run's engine is gone: its pool goes back before the next is sized
     if args.json:
         with open(args.json, "w") as fh:

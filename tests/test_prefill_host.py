@@ -316,3 +316,39 @@ def test_an_admission_of_equal_prompts_writes_its_chunk_as_one_run_in_place(monk
     monkeypatch.setattr(kv, "run_start", real_start)
     admit([p[:n] for p, n in zip(equal, (64, 60, 57))])
     assert not runs
+
+
+def test_where_slice_updates_cost_the_pool_a_run_of_slots_is_scattered_to_the_same_pool(monkeypatch):
+    """Equal prompts fill one run of slots. On the CPU their chunk is written by slice updates; where
+    those cost a pass over the whole pool (CUDA: `prefill.slice_writes`) by a scatter instead, and
+    the pool, its positions and the first tokens are the same bits either way."""
+    import mlx.core as mx
+    from helpers import tiny_config
+
+    from mlxfun.engine import prefill
+    from mlxfun.model import cache as kv
+
+    model = tiny_model(tiny_config(num_layers=2))
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(32)] for i in range(3)]  # two blocks each
+    runs = []
+    real = kv.write_run
+    monkeypatch.setattr(kv, "write_run", lambda *a: (runs.append(1), real(*a))[1])
+
+    def admitted(slices: bool):
+        monkeypatch.setattr(prefill, "slice_writes", lambda: slices)
+        runs.clear()
+        engine = Engine(model, len(prompts), shrink_rows=False)
+        for p in prompts:
+            engine.add(p, max_tokens=4, ignore_eos=True)
+        engine.admit()
+        state = engine.runner.state
+        mx.eval(state)
+        return len(runs), state
+
+    assert prefill.slice_writes()  # this suite runs on the CPU
+    sliced, a = admitted(True)
+    scattered, b = admitted(False)
+    assert sliced == 2 * model.config.num_layers and scattered == 0  # keys and values of each layer
+    for x, y in zip(a.cache.keys + a.cache.values + (a.cache.positions, a.tokens), b.cache.keys + b.cache.values
+                    + (b.cache.positions, b.tokens)):
+        assert x.shape == y.shape and mx.array_equal(x, y).item()

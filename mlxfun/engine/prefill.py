@@ -6,7 +6,8 @@ so a row's tokens sit at the same places as they would alone. A row's blocks are
 before the chunk that writes them; a ring row attends over its blocks before the chunk followed
 by the chunk itself (`wraps`), then drops the blocks no later query can see. Blocks are handed
 out lowest first, so rows of equal length (a static batch's, or one long prompt's full chunks)
-usually fill one run of slots: their chunk is written by slice updates (`cache.write_run`).
+usually fill one run of slots: on the CPU their chunk is written by slice updates
+(`cache.write_run`, `slice_writes`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ def pad_multiple() -> int:
     costs a cuDNN graph build (admitting 256 prompts took 145 ms per admission unrounded, 21 ms
     rounded to 32, on an H200); on the CPU every padded token costs compute instead."""
     return 32 if mx.default_device() == mx.gpu else 1
+
+
+def slice_writes() -> bool:
+    """Whether a chunk whose slots form one run is written by slice updates (`cache.write_run`)
+    rather than a scatter: on the CPU, where the slice update is 3.5x faster. On CUDA, MLX's slice
+    update at an array offset launches a thread per element of the whole destination, not of the
+    update (MLX 0.32, `copy_general_dynamic`), so each admission's writes cost about 1.5 ms per GB
+    of KV pool: on an H100, 6.5 ms at 4 GB and 23.6 ms at 16 GB against 0.43 ms for the scatter at
+    both (`benchmarks/pool_writes.py`), and a server's admissions stalled 130 ms at 60 GB."""
+    return mx.default_device() == mx.cpu
 
 
 # A group's chunk holds at most this many tokens, padding included (unless one row's chunk alone
@@ -116,6 +127,7 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
     longest = max(len(t) for t in tokens)
     length = -(-longest // multiple) * multiple
     ring = pages.ring is not None
+    runs = slice_writes()
     table = cache.table
     h = None
     for offset in range(0, length, chunk):
@@ -129,7 +141,8 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
             if n:
                 pages.ensure(r, s + offset, s + offset + n)
         slots = pages.slots(rows, positions)
-        start = kv.run_start(slots)  # one run of slots (equal rows, consecutive blocks): slice updates
+        # One run of slots (equal rows, consecutive blocks): slice updates where they are cheap.
+        start = kv.run_start(slots) if runs else None
         # A first chunk of rows without a cached prefix sees only itself: no keys are read from the pool.
         fresh = offset == 0 and not any(starts)
         # The device pool holds every block the chunk writes or reads (a first admission's pool starts
