@@ -156,9 +156,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--gen-tokens", type=int, default=128, help="mean generated tokens (spread over 0.5-1.5x)")
     p.add_argument("--runs", default="0:default,0:default:prewarm,0.5:default",
-                   help="KV_GB:SETTLE[:prewarm][:keep][:phases][:slices] per run, comma-separated (KV_GB 0: the server's "
-                        "default; prewarm: admit 1..rows prompts once each before the loop, so that every "
-                        "prefill shape of the loop has been seen; phases: the engine's parts timed one at a time)")
+                   help="KV_GB:SETTLE[:prewarm][:keep][:phases][:slices] per run, comma-separated (KV_GB 0: the "
+                        "server's default; prewarm: admit 1..rows prompts once each before the loop, so that every "
+                        "prefill shape of the loop has been seen; phases: the engine's parts timed one at a time; "
+                        "slices: runs of slots written by slice updates on any device)")
     p.add_argument("--cache-limit", type=float, default=None,
                    help="GB of freed buffers MLX keeps for reuse (mx.set_cache_limit; default: MLX's)")
     p.add_argument("--no-warmup", action="store_true",
