@@ -171,9 +171,11 @@ class Server:
         self.log.close()
 
 
-def mlxfun_argv(folder: Path, port: int, rows: int, gen_tokens: int, engine_thread: bool = False) -> list[str]:
+def mlxfun_argv(folder: Path, port: int, rows: int, gen_tokens: int, engine_thread: bool = False,
+                extra: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "mlxfun", "serve", "--model", str(folder), "--port", str(port), "--rows", str(rows),
-            "--max-tokens", str(gen_tokens), "--log-level", "warning", *(["--engine-thread"] if engine_thread else [])]
+            "--max-tokens", str(gen_tokens), "--log-level", "warning", *(["--engine-thread"] if engine_thread else []),
+            *extra]
 
 
 def mlx_lm_argv(python: str, folder: Path, port: int, rows: int, gen_tokens: int, extra: list[str]) -> list[str]:
@@ -388,6 +390,7 @@ def main(argv=None) -> int:
                    help="client processes (default: 1 per 32 clients, at most half the cores)")
     p.add_argument("--mlx-lm", action="store_true", help="also run mlx_lm.server on the same weights and prompts")
     p.add_argument("--mlx-lm-python", default="python", help="the interpreter that has mlx-lm (its own venv)")
+    p.add_argument("--mlxfun-args", default="", help="extra arguments for mlxfun serve, space-separated")
     p.add_argument("--mlx-lm-args", default="", help="extra arguments for mlx_lm.server, space-separated")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per server and client count, the servers' order alternating; the best is kept")
@@ -426,9 +429,10 @@ def main(argv=None) -> int:
         folder = save(model, Path(tmp) / "model")
         del model
         log = Path(tmp) / "server.log"
-        servers = [("mlxfun", lambda port, r: mlxfun_argv(folder, port, r, args.gen_tokens))]
+        ours = tuple(args.mlxfun_args.split())
+        servers = [("mlxfun", lambda port, r: mlxfun_argv(folder, port, r, args.gen_tokens, extra=ours))]
         if args.engine_thread_too:
-            servers.append(("mlxfun-thread", lambda port, r: mlxfun_argv(folder, port, r, args.gen_tokens, True)))
+            servers.append(("mlxfun-thread", lambda port, r: mlxfun_argv(folder, port, r, args.gen_tokens, True, ours)))
         if args.mlx_lm:
             servers.append(("mlx-lm", lambda port, r: mlx_lm_argv(args.mlx_lm_python, folder, port, r, args.gen_tokens,
                                                                   args.mlx_lm_args.split())))
