@@ -5,7 +5,7 @@
 steps and admissions come a few requests at a time. The engine is the server's (fixed shapes,
 warmed up first). Each engine round is timed and reported by kind: rounds that admitted, the round
 after them, and the rest. Each `--runs` entry is KV_GB:SETTLE[:prewarm][:keep][:phases][:slices]: a KV pool of KV_GB (0:
-the server's default, sized to the rows), when a pool write waits for the one queued before it
+the server's default), when a pool write waits for the one queued before it
 (`Runner.settle`): `default` (a server's pool from 1 GB on, and always on the CPU), `never` (every
 write queued behind the one in flight) or `always`; and with `prewarm`, 1..rows prompts admitted
 once each before the loop (is a stall the first sight of a prefill shape?); with `keep`, CUDA's

@@ -30,12 +30,14 @@
 #                against offline generate (same prompts) and mlx_lm.server. Needs the server's wheels, made here by
 #                `echo /.whl/ >> .git/info/exclude` and `pip download --no-deps --only-binary=:all:
 #                --python-version 3.12 --platform manylinux2014_x86_64 -d .whl fastapi starlette uvicorn pydantic
-#                pydantic-core typing-inspection annotated-types openai jiter sniffio distro [mlx-lm]`
-#                (versions as in this venv), carried as ".whl"
+#                pydantic-core typing-inspection annotated-types annotated-doc opentelemetry-api typing-extensions
+#                click idna anyio h11 openai httpx2 httpcore2 truststore jiter sniffio distro [mlx-lm]`
+#                (versions as in this venv; the GPU machine's Python lacks these), carried as ".whl";
+#                $SERVE_MODES (greedy,seeded) picks the modes
 #   serve-process  serve_load.py (1B, 32 clients, 256 requests, greedy and seeded) against offline generate: the
 #                engine in its own process (the default) and on the server's thread (--engine-thread), one run
 #   closed-loop  benchmarks/closed_loop.py: the server's engine (1B, 32 rows) replacing each finished request at once,
-#                no HTTP; rounds timed by kind, for the default KV pool (sized to the rows), the same after every
+#                no HTTP; rounds timed by kind, for the default KV pool, the same after every
 #                prefill shape was seen once, and a 0.5 GB pool ($CLOSED_RUNS, $CLOSED_ARGS)
 #   pool-probe   where an admission's time beside a large KV pool goes (issue 52): closed_loop.py with the engine's
 #                parts timed one at a time (8 and 60 GB pools), the same without MLX's commits by bytes

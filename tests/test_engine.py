@@ -12,7 +12,7 @@ from helpers import tiny_config, tiny_model
 import mlxfun
 from mlxfun.engine import sampling
 from mlxfun.engine.core import Engine
-from mlxfun.engine.kv_budget import ROW_CONTEXT, fixed_pool_blocks
+from mlxfun.engine.kv_budget import fixed_pool_blocks
 from mlxfun.engine.options import GenerationConfig, requests
 from mlxfun.generate import generate
 from mlxfun.model.load import Model
@@ -214,24 +214,20 @@ def test_rounded_prompts_wider_than_the_ring(tiny):
             generate(tiny, [p], max_tokens=m, max_kv_size=8, ignore_eos=True).token_ids[0]
 
 
-def test_a_fixed_pool_without_a_budget_holds_rows_of_row_context():
-    """A server's engine (fixed shapes) given no `kv_memory` sizes its pool for rows of ROW_CONTEXT
-    tokens (at least one full context), an eighth more for the prefix cache, not for the budget's
-    whole share of the device: on CUDA each admission stalls in proportion to the pool. Given
-    `kv_memory`, the budget and every row at full context decide, as before."""
-    model = tiny_model(tiny_config(max_position_embeddings=1 << 17))
-    engine = Engine(model, 32, fixed_shapes=True)
+def test_a_fixed_pool_holds_its_budget_or_every_row_at_full_context():
+    """A server's engine (fixed shapes) allocates its budget once, but never more than every row at
+    full context holds, with an eighth more for the prefix cache."""
+    model = tiny_model(tiny_config(max_position_embeddings=1 << 12))
+    assert fixed_pool_blocks(10_000, 500) == 2 + 500 + 62  # every row at full context
+    assert fixed_pool_blocks(50, 500) == 50  # the budget, where it is smaller
+    budget = 1_000_000
+    engine = Engine(model, 4, fixed_shapes=True, kv_memory=budget)
+    assert engine.scheduler.max_blocks == budget // engine.block_bytes
+    engine = Engine(model, 4, fixed_shapes=True, kv_memory=1 << 40)
     bs = engine.scheduler.pool.block_size
-    typical = 32 * -(-ROW_CONTEXT // bs)  # rows x ROW_CONTEXT: more than one context of 2^17
-    assert typical > (1 << 17) // bs
-    assert engine.scheduler.max_blocks == 2 + typical + typical // 8
-    assert fixed_pool_blocks(10_000, 500, 100) == 2 + 100 + 12  # the smallest cap wins
-    assert fixed_pool_blocks(50, 500, 100) == 50  # the budget, where it is smaller
-    assert fixed_pool_blocks(10_000, 500, None) == 2 + 500 + 62  # no typical cap: the full context
-
-    budget = 1_000_000_000
-    engine = Engine(model, 32, fixed_shapes=True, kv_memory=budget)
-    assert engine.scheduler.max_blocks == budget // engine.block_bytes > 2 + typical + typical // 8
+    full = 4 * engine.scheduler.pages.blocks_for(1 << 12, min(engine.scheduler.prefill_step, 1 << 12))
+    assert full >= 4 * (1 << 12) // bs
+    assert engine.scheduler.max_blocks == 2 + full + full // 8
 
 
 def test_decoding_writes_a_large_pool_in_place():

@@ -43,7 +43,7 @@ from mlxfun.engine.blocks import Pool
 from mlxfun.engine.detok import RowText
 from mlxfun.engine.events import Event
 from mlxfun.engine.inbox import Inbox
-from mlxfun.engine.kv_budget import ROW_CONTEXT, fixed_pool_blocks, kv_budget, settle_bytes
+from mlxfun.engine.kv_budget import fixed_pool_blocks, kv_budget, settle_bytes
 from mlxfun.engine.options import GenerationConfig, Request, make_request
 from mlxfun.engine.outputs import hand_out
 from mlxfun.engine.paging import MIN_BLOCKS, MIN_BLOCKS_CPU, Pages, ladder, pool_size
@@ -123,12 +123,9 @@ class Engine:
                       ladder(context, block_size) if fixed_shapes else None, self.config.sinks)
         if fixed_shapes:
             # One pool size for the engine's life (each size compiles the steps anew): the budget,
-            # or what every row at full context could hold and an eighth more for the prefix cache;
-            # unless `kv_memory` says, at most what rows of ROW_CONTEXT tokens hold (`fixed_pool_blocks`).
+            # or what every row at full context could hold and an eighth more for the prefix cache.
             transient = min(prefill_step, context)
-            max_blocks = fixed_pool_blocks(max_blocks, rows * pages.blocks_for(context, transient),
-                                           None if kv_memory else max(rows * pages.blocks_for(ROW_CONTEXT, transient),
-                                                                      pages.blocks_for(context, transient)))
+            max_blocks = fixed_pool_blocks(max_blocks, rows * pages.blocks_for(context, transient))
             pages.max_blocks = pages.least = max_blocks
         # On a GPU a prefill of a few prompts costs about what one of many does (kernel launches), so
         # new requests wait until a quarter of the rows are free (H200, 256 prompts through 64 rows of

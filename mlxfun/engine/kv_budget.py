@@ -1,8 +1,8 @@
 """How much KV cache an engine holds, and from what size its writes wait for the one before.
 
 A pool allocated once (a server's engine, fixed shapes) is sized here: the budget (`kv_budget`),
-at most every row at full context, and unless `kv_memory` says, rows of ROW_CONTEXT tokens
-(`fixed_pool_blocks`). `settle_bytes` says from what pool size `Runner.settle` waits.
+at most every row at full context (`fixed_pool_blocks`). `settle_bytes` says from what pool size
+`Runner.settle` waits.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ def settle_bytes(fixed_shapes: bool) -> int | None:
     out-of-memory errors in prefills in 2 of 4 load runs without the wait (one perhaps because the
     server before it was still exiting) and in none of 4 with it; under a closed loop without HTTP
     the engine ran 4,523 tok/s waiting against 5,028 pipelined (one run each,
-    `benchmarks/closed_loop.py`). Requests kept are worth a tenth of the rate until the stalls
-    there are understood. An offline engine's pool holds only what its requests need: its steps
-    stay pipelined."""
+    `benchmarks/closed_loop.py`, 2026-12-06). Requests kept are worth a tenth of the rate. An
+    offline engine's pool holds only what its requests need: its steps stay pipelined."""
     if mx.default_device() == mx.cpu:
         return 0
     return SERVER_SETTLE_BYTES if fixed_shapes else None
@@ -41,19 +40,8 @@ def settle_bytes(fixed_shapes: bool) -> int | None:
 # A server's GPU pool from this size on is written only after the write before it has run.
 SERVER_SETTLE_BYTES = 1 << 30
 
-# Tokens a fixed-shape engine's rows hold on average when `kv_memory` is not given. On CUDA every
-# admission stalled about 2 ms per GB of KV pool (H100, 1B, 32 rows: 25 ms at 8 GB, 130 ms at
-# 60.5 GB; cause open), so the budget's whole share of the device (60 GB) served 3,717 tok/s against
-# 5,292 from 8 GB (benchmarks/README.md, 2026-12-07). Rows of 8K tokens (chat) fit; one request
-# may still take its whole context, and when the pool runs out the newest row is preempted.
-ROW_CONTEXT = 8192
 
-
-def fixed_pool_blocks(budget: int, full: int, typical: int | None) -> int:
+def fixed_pool_blocks(budget: int, full: int) -> int:
     """A fixed-shape engine's pool in blocks: the `budget`, at most `full` (every row at full
-    context) and `typical` (rows of ROW_CONTEXT, at least one full context; None: no such cap),
-    each with an eighth more for the prefix cache and the scratch blocks."""
-    for cap in (full, typical):
-        if cap is not None:
-            budget = min(budget, 2 + cap + cap // 8)
-    return budget
+    context) with an eighth more for the prefix cache and the scratch blocks."""
+    return min(budget, 2 + full + full // 8)

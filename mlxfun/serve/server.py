@@ -384,9 +384,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="requests waiting for a row before new ones get 429 (default: 1024)")
     p.add_argument("--served-model-name", default=None, help="the model id clients see (default: the file's name)")
     p.add_argument("--kv-memory", type=float, default=None, metavar="GB",
-                   help="GB of KV cache, allocated at start (default on a GPU: what the rows hold at 8,192 tokens "
-                        "each, or one full context if more, within 75%% of the memory beside the weights; on the "
-                        "CPU an eighth of the RAM), never more than every row at full context needs")
+                   help="GB of KV cache, allocated at start (default: 75%% of the GPU's memory beside the weights; "
+                        "on the CPU an eighth of the RAM), never more than every row at full context needs")
     p.add_argument("--no-warmup", action="store_true",
                    help="take requests at once, without compiling every step first (tests; the first requests "
                         "of each kind then wait for their compile)")
@@ -432,8 +431,8 @@ def _uvicorn_server(app: FastAPI, args: argparse.Namespace, bridge: Bridge | Eng
 
 
 def kv_memory_flag(gb: float | None) -> int | None:
-    """--kv-memory in bytes; None on a GPU: the engine sizes the pool to the rows (`kv_budget.ROW_CONTEXT`);
-    an eighth of the RAM on the CPU (a server allocates its whole KV pool at start)."""
+    """--kv-memory in bytes; None: the engine's budget on a GPU, an eighth of the RAM on the CPU
+    (a server allocates its whole KV pool at start)."""
     import mlx.core as mx
 
     from mlxfun.engine.strategy import memory_limit

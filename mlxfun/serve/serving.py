@@ -293,7 +293,7 @@ class Bridge:
         self._on_ready(False)
         failed = (EngineFailed(f"the engine failed: {type(error).__name__}: {error}"), None)
         self._deliver([(target, failed) for target in dict.fromkeys(targets.values())])  # one per request's queue
-        # The failed engine, its KV pool (gigabytes, in a server) included, is freed
+        # The failed engine, its KV pool (most of a GPU's memory, in a server) included, is freed
         # before the fresh one allocates its own: its traceback's frames hold it too. (A fresh engine
         # made beside it ran out of memory building its first CUDA graph, on an H100.)
         error.__traceback__ = None
