@@ -4,8 +4,8 @@
 `serve_load.py`'s clients do), with generation lengths spread so that rows finish at different
 steps and admissions come a few requests at a time. The engine is the server's (fixed shapes,
 warmed up first). Each engine round is timed and reported by kind: rounds that admitted, the round
-after them, and the rest. Each `--runs` entry is KV_GB:SETTLE[:prewarm][:keep][:phases][:slices]: a KV pool of KV_GB (0:
-the server's default), when a pool write waits for the one queued before it
+after them, and the rest. Each `--runs` entry is KV_GB:SETTLE[:prewarm][:keep][:phases][:slices][:waitfirst]:
+a KV pool of KV_GB (0: the server's default), when a pool write waits for the one queued before it
 (`Runner.settle`): `default` (a server's pool from 1 GB on, and always on the CPU), `never` (every
 write queued behind the one in flight) or `always`; and with `prewarm`, 1..rows prompts admitted
 once each before the loop (is a stall the first sight of a prefill shape?); with `keep`, CUDA's
@@ -13,7 +13,8 @@ memory pool keeps the memory it frees (`alloc_probe.keep_freed`). Each of the sl
 reported with the memory it queued, CUDA's pool's mapped memory and MLX's buffer cache then.
 With `phases`, the engine's parts run one at a time (each after a device synchronization, timed to
 another): where an admission's time goes, at the cost of the pipelining. With `slices`, a chunk
-whose slots form one run is written by slice updates on any device (`prefill.slice_writes`).
+whose slots form one run is written by slice updates on any device (`prefill.slice_writes`); with
+`waitfirst`, an admission beside a decode step waits for it before building its graph (`busy`).
 
 Run: python benchmarks/closed_loop.py --shape 1B --rows 32 --runs 0:default,0:default:prewarm,0.5:default
 """
@@ -156,10 +157,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--gen-tokens", type=int, default=128, help="mean generated tokens (spread over 0.5-1.5x)")
     p.add_argument("--runs", default="0:default,0:default:prewarm,0.5:default",
-                   help="KV_GB:SETTLE[:prewarm][:keep][:phases][:slices] per run, comma-separated (KV_GB 0: the "
-                        "server's default; prewarm: admit 1..rows prompts once each before the loop, so that every "
-                        "prefill shape of the loop has been seen; phases: the engine's parts timed one at a time; "
-                        "slices: runs of slots written by slice updates on any device)")
+                   help="KV_GB:SETTLE[:prewarm][:keep][:phases][:slices][:waitfirst] per run, comma-separated "
+                        "(KV_GB 0: the server's default; prewarm: admit 1..rows prompts once each before the loop, so "
+                        "that every prefill shape of the loop has been seen; phases: the engine's parts timed one at "
+                        "a time; slices: runs of slots written by slice updates on any device; waitfirst: admissions "
+                        "wait for the step in flight before building their graphs)")
     p.add_argument("--cache-limit", type=float, default=None,
                    help="GB of freed buffers MLX keeps for reuse (mx.set_cache_limit; default: MLX's)")
     p.add_argument("--no-warmup", action="store_true",
@@ -169,11 +171,14 @@ def main(argv=None) -> int:
     model = bench.random_model(bench.SHAPES[args.shape])
     if args.cache_limit is not None:
         mx.set_cache_limit(int(args.cache_limit * 1e9))
-    runs, slice_writes = [], prefill.slice_writes
+    runs, slice_writes, prefill_rows = [], prefill.slice_writes, prefill.prefill_rows
     for run in args.runs.split(","):
         gb, settle, *extra = run.split(":")
         # slices: a run of slots written by slice updates on any device (their cost on CUDA grows with the pool)
         prefill.slice_writes = (lambda: True) if "slices" in extra else slice_writes
+        # waitfirst: an admission beside a decode step waits for it before building its graph
+        prefill.prefill_rows = (lambda *a, **k: prefill_rows(*a[:-1], busy=False)) if "waitfirst" in extra \
+            else prefill_rows
         try:
             r = closed_loop(model, args.rows, args.requests, args.prompt_tokens, args.gen_tokens,
                             int(float(gb) * 1e9) or None, settle, prewarm="prewarm" in extra, keep="keep" in extra,

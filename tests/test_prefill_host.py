@@ -352,3 +352,39 @@ def test_where_slice_updates_cost_the_pool_a_run_of_slots_is_scattered_to_the_sa
     for x, y in zip(a.cache.keys + a.cache.values + (a.cache.positions, a.tokens), b.cache.keys + b.cache.values
                     + (b.cache.positions, b.tokens)):
         assert x.shape == y.shape and mx.array_equal(x, y).item()
+
+
+def test_an_admission_beside_a_decode_step_builds_its_graph_before_waiting_for_it(monkeypatch):
+    """Where pool writes wait for the one queued before (`Runner.settle`), an admission made while
+    a decode step is in flight builds its chunk's whole graph first (the device runs that step
+    meanwhile), then waits; an idle engine's admission waits first, then launches its first layers
+    while it builds the rest. Either way the tokens are those of the requests alone."""
+    from helpers import tiny_config
+
+    from mlxfun.engine import step
+    from mlxfun.engine.runner import Runner
+
+    model = tiny_model(tiny_config(num_layers=2))
+    order = []
+    real_chunk, real_settle = step.prefill_chunk, Runner.settle
+    monkeypatch.setattr(step, "prefill_chunk", lambda *a, **k: (order.append("graph"), real_chunk(*a, **k))[1])
+    monkeypatch.setattr(Runner, "settle",
+                        lambda self, cache=None: (order.append("settle"), real_settle(self, cache))[1])
+    engine = Engine(model, 2, shrink_rows=False, admit_min=1)
+    assert engine.runner.settle_bytes == 0  # the CPU: every pool write waits for the one before
+    first = engine.add([5, 6, 7, 8, 9], max_tokens=6, ignore_eos=True)
+    engine.step()  # admitted idle, then a decode step queued
+    assert order[:2] == ["settle", "graph"]
+    order.clear()
+    second = engine.add([9, 8, 7], max_tokens=3, ignore_eos=True)
+    engine.step()  # admitted while the decode step is in flight
+    assert order[:2] == ["graph", "settle"]
+    for _ in engine.events():
+        pass
+    tokens = {rid: engine.take(rid).row.text.tokens for rid in (first, second)}
+    for rid, prompt, n in ((first, [5, 6, 7, 8, 9], 6), (second, [9, 8, 7], 3)):
+        alone = Engine(model, 2, shrink_rows=False)
+        r = alone.add(prompt, max_tokens=n, ignore_eos=True)
+        for _ in alone.events():
+            pass
+        assert alone.take(r).row.text.tokens == tokens[rid]

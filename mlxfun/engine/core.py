@@ -341,7 +341,7 @@ class Engine:
                 self.speculation.drafter.admitted(self, rows)
             chains = [partial(r.prompt_chain, bs) for r in chosen] if sched.pool.max_cached > 0 else None
             h = self.runner.prefill(params, sched.pages, rows, [r.prompt for r in chosen],
-                                    [r.cached_tokens for r in chosen], chains, previous)
+                                    [r.cached_tokens for r in chosen], chains, previous, busy=not wait)
             mode = self._mode(chosen)
             out = self.runner.first_tokens(params, h, rows, mode, [r.request.settings for r in chosen],
                                            [r.matcher for r in chosen] if mode.masked else None,

@@ -113,7 +113,7 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
                  prompts: list[list[int]], starts: list[int], chunk: int, multiple: int = 1,
                  chains: Sequence[Callable[[], Chain]] | None = None,
                  before_launch: Callable[[], None] | None = None,
-                 settle: Callable[[KVCache], None] | None = None) -> tuple[mx.array, KVCache]:
+                 settle: Callable[[KVCache], None] | None = None, busy: bool = False) -> tuple[mx.array, KVCache]:
     """Each row's prompt from its start (the end of its cached prefix) on, in chunks of at most
     `chunk` tokens (the group's longest rounded up to `multiple`) -> (the hidden state of each
     row's last token (G, E), cache with the table `cache.table`), queued, not evaluated. `pages`
@@ -122,7 +122,9 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
     then, while the device runs the chunk). `before_launch` runs once, after the first chunk's
     host work and graph and before its launch (the engine waits there for the group before).
     `settle(cache)` runs before each chunk is queued (`Runner.settle`: a large pool is written only
-    once the write queued before has run)."""
+    once the write queued before has run). `busy`: a decode step is in flight, so a chunk that waits
+    for it (`settle`) builds its whole graph first, while the device runs that step, rather than
+    launching its first layers early, which would wait for the step anyway."""
     tokens = [p[s:] for p, s in zip(prompts, starts)]
     longest = max(len(t) for t in tokens)
     length = -(-longest // multiple) * multiple
@@ -149,10 +151,11 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
         # at the prompts' size, `Engine.admit`; otherwise it is the host's pool already).
         if max(int(slots.max()) // pages.bs, int(pages.table[rows].max())) >= cache.positions.shape[0]:
             cache = ensure_pool(cache, pages.pool.size)
-        if settle is not None:
-            settle(cache)
         # A first chunk with nothing to wait for starts its first layers while the host builds the rest.
-        launch = mx.async_eval if offset == 0 and before_launch is None and ids.size <= EARLY_LAUNCH_TOKENS else None
+        early = offset == 0 and before_launch is None and ids.size <= EARLY_LAUNCH_TOKENS and not (busy and settle)
+        if settle is not None and early:
+            settle(cache)
+        launch = mx.async_eval if early else None
         out, cache = steps.prefill(params, mx.array(ids), mx.array(positions), cache._replace(
             table=mx.array(before if wraps else pages.table[rows])), mx.array(slots), mx.array(last), wraps, fresh,
             None if start is None else mx.array([start], mx.int32), launch)
@@ -160,6 +163,8 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
         if before_launch is not None:
             before_launch()
             before_launch = None
+        if settle is not None and not early:
+            settle(cache)
         # Bounds the graph per chunk; the device starts while the host goes on. `h` waits for every
         # layer's writes (`llama.hidden`), in layer order. The pools themselves are not passed: an
         # evaluation in flight holds what it was given, so the step after it (a decode step queued

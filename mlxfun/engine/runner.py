@@ -174,14 +174,15 @@ class Runner:
         return params_for_prompts(self.config, self.step_params, lengths, self.prefill_step, self.strategy)
 
     def prefill(self, params, pages: Pages, rows: list[int], prompts: list[list[int]], starts: list[int],
-                chains, previous: Callable[[], None] | None) -> mx.array:
+                chains, previous: Callable[[], None] | None, busy: bool = False) -> mx.array:
         """Queue the prefill of `prompts` (from `starts`, the ends of their cached prefixes) into
-        `rows` -> the hidden state of each prompt's last token (G, E)."""
+        `rows` -> the hidden state of each prompt's last token (G, E). `busy`: a decode step is in
+        flight (`prefill.prefill_rows`)."""
         # Passed on as a temporary: no reference to the pool may outlive the call (this frame's
         # included), or the chunks' writes would copy the whole pool rather than write it in place.
         h, cache = prefill.prefill_rows(self.steps(self.config, Mode()), params, self._detach_cache(), pages, rows,
                                         prompts, starts, self.prefill_step, self.pad_multiple, chains, previous,
-                                        self.settle)
+                                        self.settle, busy)
         self.state = self.state._replace(cache=cache)
         return h
 
