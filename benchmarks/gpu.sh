@@ -42,6 +42,8 @@
 #   pool-probe   where an admission's time beside a large KV pool goes (issue 52): closed_loop.py with the engine's
 #                parts timed one at a time (8 and 60 GB pools), the same without MLX's commits by bytes
 #                (MLX_MAX_MB_PER_BUFFER), alloc_probe.py (managed-memory phases too), pool_writes.py (4/16/60 GB)
+#   admission-ab closed_loop.py at the server's default pool: admissions beside a decode step building their graph
+#                before waiting for it (the default) against waiting first (:waitfirst), alternating (issue 52)
 #   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
 #                after keep_freed (CUDA's pool keeps freed memory)
 #   families     mlxfun bench: Gemma 3 4B and Qwen3-30B-A3B (24 of 48 layers) shapes ($FAMILY_SHAPES), batch
@@ -148,6 +150,8 @@ for suite in "$@"; do
         --no-warmup --runs 8:default,60:default,60:default --json "$OUT/closed-loop-no-byte-commits.json"
       timeout 80 python3 benchmarks/alloc_probe.py --pool-gb 60 --json "$OUT/alloc-probe-managed.json"
       timeout 80 python3 benchmarks/pool_writes.py --shape 1B --gb 4,16,60 --json "$OUT/pool-writes.json" ;;
+    admission-ab) timeout 240 python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 --no-warmup \
+      --runs 0:default,0:default:waitfirst,0:default,0:default:waitfirst,0:default --json "$OUT/closed-loop-admission-ab.json" ;;
     alloc) timeout 120 python3 benchmarks/alloc_probe.py --pool-gb ${ALLOC_POOL_GB:-60} --json "$OUT/alloc-probe.json" ;;
     closed-loop) timeout ${CLOSED_TIMEOUT:-420} python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 \
       --runs ${CLOSED_RUNS:-0:default,0:default:prewarm,0.5:default} ${CLOSED_ARGS:-} --json "$OUT/closed-loop-1B$RANDOM.json" ;;
