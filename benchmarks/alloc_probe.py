@@ -103,18 +103,20 @@ def timed_allocations(sizes: list[int]) -> list[float]:
     return out
 
 
+def host_array(n: int) -> tuple[mx.array, float]:
+    """A host array of n bytes (float32), read by a device op and synchronized -> (it, seconds)."""
+    data = np.zeros(n // 4, np.float32)
+    t = time.perf_counter()
+    a = mx.array(data)
+    mx.eval(a + 0)
+    mx.synchronize()
+    return a, time.perf_counter() - t
+
+
 def timed_host(sizes: list[int]) -> list[float]:
-    """Host arrays of new sizes, each evaluated and synchronized (kept until the end)."""
-    out, kept = [], []
-    for n in sizes:
-        data = np.zeros(n // 4, np.float32)
-        t = time.perf_counter()
-        a = mx.array(data)
-        mx.eval(a + 0)
-        mx.synchronize()
-        out.append(time.perf_counter() - t)
-        kept.append(a)
-    return out
+    """Host arrays of new sizes (kept until the end)."""
+    made = [host_array(n) for n in sizes]
+    return [seconds for _, seconds in made]
 
 
 def timed_host_reuse(sizes: list[int]) -> list[float]:
@@ -125,13 +127,7 @@ def timed_host_reuse(sizes: list[int]) -> list[float]:
         mx.eval(d)
         mx.synchronize()
         del d  # its buffer to MLX's cache
-        data = np.zeros(n // 4, np.float32)
-        t = time.perf_counter()
-        a = mx.array(data)
-        mx.eval(a + 0)
-        mx.synchronize()
-        out.append(time.perf_counter() - t)
-        del a
+        out.append(host_array(n)[1])
     return out
 
 
