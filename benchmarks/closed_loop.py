@@ -177,7 +177,7 @@ def main(argv=None) -> int:
         # slices: a run of slots written by slice updates on any device (their cost on CUDA grows with the pool)
         prefill.slice_writes = (lambda: True) if "slices" in extra else slice_writes
         # waitfirst: an admission beside a decode step waits for it before building its graph
-        prefill.prefill_rows = (lambda *a, **k: prefill_rows(*a[:-1], busy=False)) if "waitfirst" in extra \
+        prefill.prefill_rows = (lambda *a, **k: prefill_rows(*a, **{**k, "busy": False})) if "waitfirst" in extra \
             else prefill_rows
         try:
             r = closed_loop(model, args.rows, args.requests, args.prompt_tokens, args.gen_tokens,

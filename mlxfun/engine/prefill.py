@@ -152,7 +152,8 @@ def prefill_rows(steps: Steps, params: Params, cache: KVCache, pages: Pages, row
         if max(int(slots.max()) // pages.bs, int(pages.table[rows].max())) >= cache.positions.shape[0]:
             cache = ensure_pool(cache, pages.pool.size)
         # A first chunk with nothing to wait for starts its first layers while the host builds the rest.
-        early = offset == 0 and before_launch is None and ids.size <= EARLY_LAUNCH_TOKENS and not (busy and settle)
+        early = offset == 0 and before_launch is None and ids.size <= EARLY_LAUNCH_TOKENS \
+            and not (busy and settle is not None)
         if settle is not None and early:
             settle(cache)
         launch = mx.async_eval if early else None

@@ -182,7 +182,7 @@ class Runner:
         # included), or the chunks' writes would copy the whole pool rather than write it in place.
         h, cache = prefill.prefill_rows(self.steps(self.config, Mode()), params, self._detach_cache(), pages, rows,
                                         prompts, starts, self.prefill_step, self.pad_multiple, chains, previous,
-                                        None if self.settle_bytes is None else self.settle, busy)
+                                        None if self.settle_bytes is None else self.settle, busy=busy)
         self.state = self.state._replace(cache=cache)
         return h
 
