@@ -4,7 +4,7 @@
 `serve_load.py`'s clients do), with generation lengths spread so that rows finish at different
 steps and admissions come a few requests at a time. The engine is the server's (fixed shapes,
 warmed up first). Each engine round is timed and reported by kind: rounds that admitted, the round
-after them, and the rest. Each `--runs` entry is KV_GB:SETTLE[:prewarm][:keep][:phases][:slices][:waitfirst]:
+after them, and the rest. Each `--runs` entry is KV_GB:SETTLE[:prewarm][:keep][:phases][:slices][:waitfirst][:waitN]:
 a KV pool of KV_GB (0: the server's default), when a pool write waits for the one queued before it
 (`Runner.settle`): `default` (a server's pool from 1 GB on, and always on the CPU), `never` (every
 write queued behind the one in flight) or `always`; and with `prewarm`, 1..rows prompts admitted
@@ -12,7 +12,8 @@ once each before the loop (is a stall the first sight of a prefill shape?); with
 memory pool keeps the memory it frees (`alloc_probe.keep_freed`). Each of the slowest rounds is
 reported with the memory it queued, CUDA's pool's mapped memory and MLX's buffer cache then.
 With `phases`, the engine's parts run one at a time (each after a device synchronization, timed to
-another): where an admission's time goes, at the cost of the pipelining. With `slices`, a chunk
+another): where an admission's time goes, at the cost of the pipelining. With `waitN` (say
+`wait0`), the engine's `admit_wait` is N rounds (default: the server's). With `slices`, a chunk
 whose slots form one run is written by slice updates on any device (`prefill.slice_writes`); with
 `waitfirst`, an admission beside a decode step waits for it before building its graph (`busy`).
 
@@ -64,20 +65,23 @@ def time_phases(engine: Engine) -> dict[str, list[float]]:
 
 def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: int | None, settle: str,
                 prewarm: bool = False, keep: bool = False, phases: bool = False, warmup: bool = True,
-                seed: int = 0) -> dict:
+                seed: int = 0, admit_wait: int | None = None) -> dict:
     rng = np.random.default_rng(seed)
     t = time.perf_counter()
-    engine = Engine(model, rows, fixed_shapes=True, kv_memory=kv_memory)
+    engine = Engine(model, rows, fixed_shapes=True, kv_memory=kv_memory, admit_wait=admit_wait)
     if settle != "default":
         engine.runner.settle_bytes = None if settle == "never" else 0
     warm = warm_up(engine) if warmup else None
     setup = time.perf_counter() - t
     kept = keep and keep_freed(4 << 30)  # the CUDA pool keeps what it frees, 4 GB of it mapped ahead
 
+    submitted: dict[int, float] = {}  # request id -> when it was submitted
+    ttft: list[float] = []  # seconds from submission to its first token's event
+
     def submit() -> None:
         ids = rng.integers(1, model.config.vocab_size, prompt).tolist()
         config = GenerationConfig(max_tokens=int(rng.integers(gen // 2, 3 * gen // 2)), ignore_eos=True)
-        engine.submit(requests(model, [ids], config)[0])
+        submitted[engine.submit(requests(model, [ids], config)[0])] = time.perf_counter()
 
     if prewarm:  # every admission of 1..rows prompts of this length once: each prefill shape seen
         for g in range(1, rows + 1):
@@ -91,6 +95,7 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
         mx.synchronize()
     for _ in range(rows):
         submit()
+    submitted.clear()  # the first wave is admitted at once, as a fresh server's
     sent, done, tokens, rounds = rows, 0, 0, []
     times = time_phases(engine) if phases else None
     t0 = time.perf_counter()
@@ -106,8 +111,11 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
         rounds.append((time.perf_counter() - t, engine.stats.admissions > admissions,
                        (mx.get_peak_memory() - held) / 1e9, pool.reserved / 1e9 if pool else 0.0,
                        mx.get_cache_memory() / 1e9, (engine.stats.prompt_tokens - prompted) // prompt))
+        now = time.perf_counter()
         for e in events:
             tokens += e.token >= 0
+            if e.token >= 0 and e.index in submitted:
+                ttft.append(now - submitted.pop(e.index))
             if e.finish_reason is not None:
                 engine.take(e.index)
                 done += 1
@@ -125,7 +133,9 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
 
     ms = lambda xs: round(1e3 * float(np.median(xs)), 2) if xs else None  # noqa: E731
     out = dict(kv_gb=round(engine.kv_memory / 1e9, 2), pool_blocks=engine.scheduler.max_blocks, settle=settle,
-               prewarm=prewarm, keep=keep,
+               prewarm=prewarm, keep=keep, admit_wait=engine.scheduler.admit_wait,
+               # a replacement request's time to its first token, from its submission (ms)
+               ttft_ms=[ms(ttft), round(1e3 * float(np.percentile(ttft, 99)), 2) if ttft else None],
                tok_s=tokens / seconds, seconds=seconds, rounds=len(rounds), admissions=len(admit),
                admit_ms=ms(admit), after_admit_ms=ms(after), plain_ms=ms(plain),
                stall_s=sum(admit) + sum(after) - (len(admit) + len(after)) * (ms(plain) or 0) / 1e3,
@@ -157,11 +167,12 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--gen-tokens", type=int, default=128, help="mean generated tokens (spread over 0.5-1.5x)")
     p.add_argument("--runs", default="0:default,0:default:prewarm,0.5:default",
-                   help="KV_GB:SETTLE[:prewarm][:keep][:phases][:slices][:waitfirst] per run, comma-separated "
+                   help="KV_GB:SETTLE[:prewarm][:keep][:phases][:slices][:waitfirst][:waitN] per run, comma-separated "
                         "(KV_GB 0: the server's default; prewarm: admit 1..rows prompts once each before the loop, so "
                         "that every prefill shape of the loop has been seen; phases: the engine's parts timed one at "
                         "a time; slices: runs of slots written by slice updates on any device; waitfirst: admissions "
-                        "wait for the step in flight before building their graphs)")
+                        "wait for the step in flight before building their graphs; waitN: the engine's admit_wait, N "
+                        "rounds)")
     p.add_argument("--cache-limit", type=float, default=None,
                    help="GB of freed buffers MLX keeps for reuse (mx.set_cache_limit; default: MLX's)")
     p.add_argument("--no-warmup", action="store_true",
@@ -182,7 +193,9 @@ def main(argv=None) -> int:
         try:
             r = closed_loop(model, args.rows, args.requests, args.prompt_tokens, args.gen_tokens,
                             int(float(gb) * 1e9) or None, settle, prewarm="prewarm" in extra, keep="keep" in extra,
-                            phases="phases" in extra, warmup=not args.no_warmup)
+                            phases="phases" in extra, warmup=not args.no_warmup,
+                            admit_wait=next((int(x[4:]) for x in extra if x[4:].isdigit() and x.startswith("wait")),
+                                            None))
         except RuntimeError as e:  # a device out of memory, say: the other runs still count
             r = dict(kv=gb, settle=settle, error=f"{type(e).__name__}: {e}")
         runs.append(r)

@@ -31,6 +31,13 @@ def check_positive_int(name: str, v, allow_none: bool = False) -> None:
         raise InputError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {v!r}")
 
 
+def check_non_negative_int(name: str, v, allow_none: bool = False) -> None:
+    if v is None and allow_none:
+        return
+    if not is_int(v) or v < 0:
+        raise InputError(f"{name} must be a non-negative integer{' or None' if allow_none else ''}, got {v!r}")
+
+
 def check_bool(name: str, v) -> None:
     if not isinstance(v, (bool, np.bool_)):
         raise InputError(f"{name} must be True or False, got {v!r}")

@@ -179,6 +179,37 @@ def test_gpu_admission_settings_keep_outputs_equal_alone(tiny, admit_min, pad_mu
     assert engine.stats.admissions <= (len(prompts) if admit_min == 1 else len(prompts) // 2)
 
 
+def test_a_queue_refilled_one_request_at_a_time_waits_admit_wait_rounds_for_more(tiny):
+    """A server's clients send their next request as the last ends: its queue fits the free rows
+    one request at a time. With admit_wait a request so queued waits at most that many rounds for
+    more free rows (admit_min) before it is admitted; without, it is admitted at once. Tokens equal
+    each prompt's alone either way, and the wait admits the same requests in fewer admissions."""
+    prompts, max_tokens = workload(24, seed=5)
+    alone = generate(tiny, prompts, max_tokens=max_tokens, ignore_eos=True).token_ids
+    admissions, waits = {}, {}
+    for wait in (0, 3):
+        engine = Engine(tiny, rows=6, admit_min=4, admit_wait=wait)
+        ids = [engine.add(p, max_tokens=m, ignore_eos=True) for p, m in zip(prompts[:6], max_tokens[:6])]
+        queued_at, waited, n = {}, [], 6
+        for rnd in range(10_000):
+            for e in engine.step():
+                if e.index in queued_at and e.token >= 0:
+                    waited.append(rnd - queued_at.pop(e.index))
+                if e.finish_reason is not None and n < len(prompts):  # a closed loop: one in, one out
+                    ids.append(engine.add(prompts[n], max_tokens=max_tokens[n], ignore_eos=True))
+                    queued_at[ids[-1]] = rnd
+                    n += 1
+            if engine.idle and n == len(prompts):
+                break
+        assert [engine.requests[i].row.token_ids for i in ids] == alone
+        admissions[wait], waits[wait] = engine.stats.admissions, waited
+    assert max(waits[0]) <= 1  # admitted in the round after it was queued (its token comes a round later)
+    assert max(waits[3]) <= 3 + 1 and max(waits[3]) >= 2  # some waited, none past admit_wait
+    assert admissions[3] < admissions[0], admissions
+    with pytest.raises(mlxfun.InputError, match="admit_wait must be a non-negative integer"):
+        Engine(tiny, rows=2, admit_wait=-1)
+
+
 def test_static_batch_with_rounded_shapes_equals_alone(tiny):
     """Chunk lengths rounded up to 32 (the GPU's default, here on the CPU): every prefill chunk
     the static batch runs is a multiple of 32 long, and the tokens are each prompt's alone."""

@@ -50,10 +50,10 @@ from mlxfun.engine.paging import MIN_BLOCKS, MIN_BLOCKS_CPU, Pages, ladder, pool
 from mlxfun.engine.records import EngineStats, Record, fixed_mode, mode_for, request_mode
 from mlxfun.engine.rows import Row
 from mlxfun.engine.runner import Runner
-from mlxfun.engine.scheduler import Scheduler
+from mlxfun.engine.scheduler import Scheduler, default_admit_wait
 from mlxfun.engine.step import Mode, StepCache, StepOut, Steps, compiled_steps
 from mlxfun.engine.strategy import WeightStrategy, default_strategy
-from mlxfun.errors import InputError, check_bool, check_positive_int
+from mlxfun.errors import InputError, check_bool, check_non_negative_int, check_positive_int
 from mlxfun.features import speculative
 from mlxfun.features.constraints import Constraints
 from mlxfun.features.speculation import Speculation, drafter_for
@@ -86,7 +86,7 @@ class Engine:
     paths read as sequences here, where split apart they would pass the same parts around.)"""
 
     def __init__(self, model: Model, rows: int = 8, *, prefill_step: int = 512, max_kv_size: int | None = None,
-                 admit_min: int | None = None, pad_multiple: int | None = None,
+                 admit_min: int | None = None, admit_wait: int | None = None, pad_multiple: int | None = None,
                  strategy: WeightStrategy | None = None, kv_memory: int | None = None, prefix_cache: bool = True,
                  prefix_cache_bytes: int | None = None, block_size: int = kv.BLOCK, draft=None,
                  num_draft_tokens: int = 4, policy: speculative.Policy | None = None,
@@ -94,6 +94,7 @@ class Engine:
                  fixed_shapes: bool = False, batch_invariant: bool = False):
         _check_options(rows, prefill_step, block_size, max_kv_size, admit_min, pad_multiple, kv_memory,
                        prefix_cache, prefix_cache_bytes, num_draft_tokens)
+        check_non_negative_int("admit_wait", admit_wait, allow_none=True)
         check_bool("batch_invariant", batch_invariant)
         # With max_kv_size every query sees at most that many positions: rows become rings. A model
         # whose config asks for batch invariance keeps it.
@@ -138,7 +139,9 @@ class Engine:
                                    admit_min=admit_min or (max(1, rows // 4) if on_gpu else 1),
                                    shrink_rows=not (on_gpu or fixed_shapes) if shrink_rows is None else shrink_rows,
                                    spill=0 if draft is None else 2 * (num_draft_tokens + 1),
-                                   preempt=fixed_shapes and draft is None)
+                                   preempt=fixed_shapes and draft is None,
+                                   admit_wait=default_admit_wait(on_gpu, fixed_shapes) if admit_wait is None
+                                   else admit_wait)
         self.stats = EngineStats(rows=rows)
         self.constraints = Constraints(self.config.vocab_size)
         drafter = drafter_for(draft, self)
@@ -526,14 +529,14 @@ class Engine:
 
 
 def engine_for(model: Model, rows: int, config: GenerationConfig, kv_memory: int | None = None,
-               fixed_shapes: bool = False) -> Engine:
+               fixed_shapes: bool = False, admit_wait: int | None = None) -> Engine:
     """The engine a GenerationConfig's scheduler options describe (generate, the command line).
     `kv_memory`: the KV budget, when ranks must agree on it (mlxfun.parallel.distributed) or a
-    server sets it; `fixed_shapes`: a server's engine (see `Engine`)."""
+    server sets it; `fixed_shapes`, `admit_wait`: a server's engine (see `Engine`)."""
     engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size,
                     prefix_cache=config.prefix_cache, draft=config.draft_model,
                     num_draft_tokens=config.num_draft_tokens, kv_memory=kv_memory, fixed_shapes=fixed_shapes,
-                    batch_invariant=config.batch_invariant)
+                    batch_invariant=config.batch_invariant, admit_wait=admit_wait)
     if config.prompt_cache is not None:
         engine.add_prompt_cache(config.prompt_cache)
     return engine

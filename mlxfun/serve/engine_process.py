@@ -49,6 +49,7 @@ class EngineSpec(NamedTuple):
     rows: int
     defaults: GenerationConfig  # the command's generation flags (prefix cache, prompt cache, draft model)
     kv_memory: int | None  # bytes of KV pool; None: the engine's budget
+    admit_wait: int | None = None  # rounds a queue that fits waits for more free rows; None: the engine's default
 
     def maker(self) -> Callable[[], Engine]:
         """Makes the engine (again after a failure), loading the model once."""
@@ -58,7 +59,8 @@ class EngineSpec(NamedTuple):
             if not loaded:
                 loaded.append(load(self.model, dtype=self.dtype))
                 mx.eval(loaded[0].params)
-            return engine_for(loaded[0], self.rows, self.defaults, self.kv_memory, fixed_shapes=True)
+            return engine_for(loaded[0], self.rows, self.defaults, self.kv_memory, fixed_shapes=True,
+                              admit_wait=self.admit_wait)
 
         return make
 
