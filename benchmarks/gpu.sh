@@ -44,6 +44,11 @@
 #                (MLX_MAX_MB_PER_BUFFER), alloc_probe.py (managed-memory phases too), pool_writes.py (4/16/60 GB)
 #   admission-ab closed_loop.py at the server's default pool: admissions beside a decode step building their graph
 #                before waiting for it (the default) against waiting first (:waitfirst), alternating (issue 52)
+#   admit-wait   closed_loop.py at the server's default pool: the engine's admit_wait at 0 / 4 / 8 (the default) / 16
+#                rounds, alternating, then admissions building their graph before the step in flight against
+#                after it (:waitfirst), at admit_wait 8; the first run (compiles) is dropped (issue 52)
+#   serve-wait   serve_load.py (1B, $SERVE_CLIENTS (32) clients, 8 requests each, greedy and seeded) against offline
+#                generate: mlxfun serve as it starts by default and with --admit-wait 0 ($SERVE_LM=1: mlx_lm.server too)
 #   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
 #                after keep_freed (CUDA's pool keeps freed memory)
 #   families     mlxfun bench: Gemma 3 4B and Qwen3-30B-A3B (24 of 48 layers) shapes ($FAMILY_SHAPES), batch
@@ -152,6 +157,16 @@ for suite in "$@"; do
       timeout 80 python3 benchmarks/pool_writes.py --shape 1B --gb 4,16,60 --json "$OUT/pool-writes.json" ;;
     admission-ab) timeout 240 python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 --no-warmup \
       --runs 0:default,0:default:waitfirst,0:default,0:default:waitfirst,0:default --json "$OUT/closed-loop-admission-ab.json" ;;
+    admit-wait) timeout ${CLOSED_TIMEOUT:-400} python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 \
+      --no-warmup --runs 0:default:wait0,0:default:wait8,0:default:wait0,0:default:wait4,0:default:wait16,\
+0:default:wait8,0:default:wait0,0:default:wait8:waitfirst,0:default:wait8,0:default:wait8:waitfirst \
+      --json "$OUT/closed-loop-admit-wait.json" ;;
+    serve-wait)
+      wheels
+      lm=(); [ "${SERVE_LM:-0}" = 1 ] && python3 -c "import mlx_lm" 2>/dev/null && lm=(--mlx-lm --mlx-lm-python python3)
+      timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape 1B --clients ${SERVE_CLIENTS:-32} \
+        --requests $((8 * ${SERVE_CLIENTS:-32})) --modes ${SERVE_MODES:-greedy,seeded} --offline "${lm[@]}" \
+        --mlxfun-also "mlxfun-wait0=--admit-wait 0" --json "$OUT/serve-wait-1B-${SERVE_CLIENTS:-32}.json" ;;
     alloc) timeout 120 python3 benchmarks/alloc_probe.py --pool-gb ${ALLOC_POOL_GB:-60} --json "$OUT/alloc-probe.json" ;;
     closed-loop) timeout ${CLOSED_TIMEOUT:-420} python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 \
       --runs ${CLOSED_RUNS:-0:default,0:default:prewarm,0.5:default} ${CLOSED_ARGS:-} --json "$OUT/closed-loop-1B$RANDOM.json" ;;

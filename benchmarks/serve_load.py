@@ -232,8 +232,10 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
     print(f"{name}: up in {time.perf_counter() - t:.1f} s ({n} clients, {procs} client processes)", flush=True)
     out = []
     try:
-        # The first sampled request after /health answers, against one after the load (warm).
-        cold = first_sampled_ttft(server.url + "/v1", prompts[-1], 8)
+        # The first sampled request after /health answers, against one after the load (warm); on
+        # mlxfun, the engine's host seconds admitting it too (is a cold request's time the engine's?).
+        mlxfun = name.startswith("mlxfun")
+        cold, cold_admit = sampled_alone(server.url, prompts[-1], mlxfun)
         for mode in modes:
             requests = args.requests or n
             warm = prompts[len(prompts) // 2:][:n]  # other prompts: nothing of the measured ones is cached
@@ -251,13 +253,15 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
                     full, each = 100 * (row["row_occupancy"] or 0), 1e3 * (row["admission_s"] or 0) / row["admissions"]
                     print(f"  {name} {mode}: rows {full:.0f}% full, {row['admissions']:.0f} admissions, {each:.1f} ms "
                           f"of host time each, {row['traces']:.0f} traces", flush=True)
-            row["first_sampled_ttft"], row["warm_sampled_ttft"] = cold, first_sampled_ttft(server.url + "/v1",
-                                                                                            prompts[-2], 8)
+            row["first_sampled_ttft"], row["first_sampled_admission_s"] = cold, cold_admit
+            row["warm_sampled_ttft"], row["warm_sampled_admission_s"] = sampled_alone(server.url, prompts[-2], mlxfun)
             out.append(row)
             print(f"  {name} {mode} {n} clients: {row['tok_s']:.1f} tok/s, TTFT p50/p99 {row['ttft_p50']:.3f}/"
                   f"{row['ttft_p99']:.3f} s, ITL p50/p99 {row['itl_p50']:.4f}/{row['itl_p99']:.4f} s, "
                   f"{row['tokens']} tokens, {row['failed']} failed; a sampled request alone: TTFT "
-                  f"{row['first_sampled_ttft']:.3f} s first, {row['warm_sampled_ttft']:.3f} s warm", flush=True)
+                  f"{row['first_sampled_ttft']:.3f} s first, {row['warm_sampled_ttft']:.3f} s warm"
+                  + (f" (the engine admitting it {1e3 * cold_admit:.1f} / "
+                     f"{1e3 * row['warm_sampled_admission_s']:.1f} ms)" if mlxfun else ""), flush=True)
     finally:
         server.stop()
     return out
@@ -340,6 +344,15 @@ def offline_run(model, prompts: list[str], n: int, args, mode: str) -> dict:
                 tok_s=tokens / seconds)
 
 
+def sampled_alone(url: str, prompt: str, mlxfun: bool) -> tuple[float, float | None]:
+    """TTFT of one seeded request of 8 tokens sent alone, and on mlxfun the engine's host seconds
+    admitting it (from /metrics)."""
+    before = engine_counters(url) if mlxfun else {}
+    ttft = first_sampled_ttft(url + "/v1", prompt, 8)
+    after = engine_counters(url) if mlxfun else {}
+    return ttft, (after["admission_seconds_total"] - before["admission_seconds_total"]) if mlxfun else None
+
+
 def first_sampled_ttft(base_url: str, prompt: str, gen_tokens: int) -> float:
     """TTFT of one seeded request sent alone."""
     result = asyncio.run(run_clients(base_url, [[(prompt, time.time(), gen_tokens, 7)]]))[0]
@@ -357,11 +370,11 @@ def best_runs(runs: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'server':8s} {'mode':7s} {'clients':>7s} {'tok/s':>9s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
+    head = (f"{'server':14s} {'mode':7s} {'clients':>7s} {'tok/s':>9s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
             f"{'ITL p50':>8s} {'ITL p99':>8s} {'failed':>6s}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['server']:8s} {r['mode']:7s} {r['clients']:7d} {r['tok_s']:9.1f} {r['ttft_p50']:9.3f} "
+        lines.append(f"{r['server']:14s} {r['mode']:7s} {r['clients']:7d} {r['tok_s']:9.1f} {r['ttft_p50']:9.3f} "
                      f"{r['ttft_p99']:9.3f} {r['itl_p50']:8.3f} {r['itl_p99']:8.3f} {r['failed']:6d}")
     pairs = {(r["mode"], r["clients"]): r for r in rows if r["server"] == "mlx-lm"}
     for r in rows:
@@ -399,6 +412,9 @@ def main(argv=None) -> int:
     p.add_argument("--engine-thread-too", action="store_true",
                    help="also run `mlxfun serve --engine-thread` (the engine on a thread of the server's process, "
                         "sharing its GIL), reported as mlxfun-thread")
+    p.add_argument("--mlxfun-also", action="append", default=[], metavar="NAME=ARGS",
+                   help="also run mlxfun serve with these extra arguments (space-separated), reported as NAME "
+                        "(e.g. mlxfun-wait0='--admit-wait 0'); may be repeated")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",")]
@@ -433,6 +449,10 @@ def main(argv=None) -> int:
         servers = [("mlxfun", lambda port, r: mlxfun_argv(folder, port, r, args.gen_tokens, extra=ours))]
         if args.engine_thread_too:
             servers.append(("mlxfun-thread", lambda port, r: mlxfun_argv(folder, port, r, args.gen_tokens, True, ours)))
+        for also in args.mlxfun_also:
+            name, _, extra = also.partition("=")
+            servers.append((name, lambda port, r, x=tuple(extra.split()): mlxfun_argv(folder, port, r, args.gen_tokens,
+                                                                                   extra=x)))
         if args.mlx_lm:
             servers.append(("mlx-lm", lambda port, r: mlx_lm_argv(args.mlx_lm_python, folder, port, r, args.gen_tokens,
                                                                   args.mlx_lm_args.split())))

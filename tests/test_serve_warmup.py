@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from helpers import byte_tokenizer, tiny_config, tiny_params
@@ -130,3 +131,34 @@ def test_no_warmup_serves_at_once(model):
         assert s.bridge.warmup is None and s.bridge.engine.step_cache.traces == 0
         r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_where_lengths_are_rounded_the_warm_up_prefills_each_chunk_length_once(model):
+    """On a GPU prompt lengths are rounded up to 32 (`pad_multiple`) and each new prefill shape
+    costs plans the first time: the warm-up prefills a one-row prompt of each length up to the
+    chunk, so a first request of any length meets shapes already seen (run here on the CPU with
+    the GPU's rounding)."""
+    from mlxfun.engine.step import compiled_steps
+
+    shapes = []
+
+    def steps(config, mode):
+        real = compiled_steps(config, mode)
+        return real._replace(prefill=lambda params, tokens, *rest: shapes.append(tokens.shape) or
+                             real.prefill(params, tokens, *rest))
+
+    engine = Engine(model, ROWS, fixed_shapes=True, kv_memory=20_000_000, pad_multiple=32, prefill_step=128,
+                    steps=steps)
+    warm = warm_up(engine)
+    assert warm.prompt_lengths == (32, 64, 96, 128) and 0 < warm.prompt_seconds <= warm.seconds
+    seen = set(shapes)
+    assert {(1, 32), (1, 64), (1, 96), (1, 128)} <= seen
+    assert engine.stats.admissions == 0 and engine.stats.prompt_tokens == 0  # counters start after it
+    shapes.clear()
+    rng = np.random.default_rng(0)
+    for n in (5, 40, 77, 128, 200):  # 200: a chunk of 128, then one of 72 (96 rounded)
+        rid = engine.add(rng.integers(3, 90, n).tolist(), max_tokens=2, ignore_eos=True)
+        list(engine.events())
+        engine.take(rid)
+    assert shapes and set(shapes) <= seen, set(shapes) - seen
+    assert warm_up(Engine(model, ROWS, fixed_shapes=True, kv_memory=20_000_000)).prompt_lengths == ()  # CPU: none
