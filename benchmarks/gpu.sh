@@ -49,6 +49,7 @@
 #                after it (:waitfirst), at admit_wait 8; the first run (compiles) is dropped (issue 52)
 #   serve-wait   serve_load.py (1B, $SERVE_CLIENTS (32) clients, 8 requests each, greedy and seeded) against offline
 #                generate: mlxfun serve as it starts by default and with --admit-wait 0 ($SERVE_LM=1: mlx_lm.server too)
+#   serve-cold   benchmarks/serve_cold.py (1B, 32 rows): fresh servers' first requests, each timed alone ($COLD_SEQUENCES)
 #   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
 #                after keep_freed (CUDA's pool keeps freed memory)
 #   families     mlxfun bench: Gemma 3 4B and Qwen3-30B-A3B (24 of 48 layers) shapes ($FAMILY_SHAPES), batch
@@ -167,6 +168,8 @@ for suite in "$@"; do
       timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape 1B --clients ${SERVE_CLIENTS:-32} \
         --requests $((8 * ${SERVE_CLIENTS:-32})) --modes ${SERVE_MODES:-greedy,seeded} --offline "${lm[@]}" \
         --mlxfun-also "mlxfun-wait0=--admit-wait 0" --json "$OUT/serve-wait-1B-${SERVE_CLIENTS:-32}.json" ;;
+    serve-cold) timeout ${COLD_TIMEOUT:-300} python3 benchmarks/serve_cold.py --shape 1B --rows 32 \
+      --sequences ${COLD_SEQUENCES:-seeded,seeded,seeded greedy,seeded,seeded seeded,seeded@thread} --json "$OUT/serve-cold.json" ;;
     alloc) timeout 120 python3 benchmarks/alloc_probe.py --pool-gb ${ALLOC_POOL_GB:-60} --json "$OUT/alloc-probe.json" ;;
     closed-loop) timeout ${CLOSED_TIMEOUT:-420} python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 \
       --runs ${CLOSED_RUNS:-0:default,0:default:prewarm,0.5:default} ${CLOSED_ARGS:-} --json "$OUT/closed-loop-1B$RANDOM.json" ;;
