@@ -162,3 +162,57 @@ def test_where_lengths_are_rounded_the_warm_up_prefills_each_chunk_length_once(m
         engine.take(rid)
     assert shapes and set(shapes) <= seen, set(shapes) - seen
     assert warm_up(Engine(model, ROWS, fixed_shapes=True, kv_memory=20_000_000)).prompt_lengths == ()  # CPU: none
+
+
+def test_health_waits_for_the_servers_own_first_requests_through_http(model, capfd):
+    """A warm server sends itself its first requests over HTTP (the path around the engine costs
+    more the first time) before /health answers 200; /metrics then counts from zero."""
+    import asyncio
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+
+    import uvicorn
+
+    from mlxfun.serve import first_requests
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    s = served(model)
+    seen = []  # /health's status while the first requests run, and each first request's status
+    post = first_requests.post
+
+    async def watched(host, port_, path, body):
+        health = await asyncio.to_thread(status_of, f"http://127.0.0.1:{port}/health")
+        seen.append((health, await post(host, port_, path, body)))
+        return seen[-1][1]
+
+    def status_of(url):
+        try:
+            return urllib.request.urlopen(url, timeout=30).status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return None
+
+    first_requests.post, original = watched, post
+    server = uvicorn.Server(uvicorn.Config(make_app(s, first=("0.0.0.0", port)), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while status_of(f"http://127.0.0.1:{port}/health") != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status_of(f"http://127.0.0.1:{port}/health") == 200
+        assert seen == [(503, 200), (503, 200)], seen  # no chat template: a streamed and a whole completion
+        assert "sent itself 2 first requests through HTTP in" in capfd.readouterr().err
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        assert "\nmlxfun_requests_finished_total 0\n" in metrics and "\nmlxfun_generation_tokens_total 0\n" in metrics
+    finally:
+        first_requests.post = original
+        server.should_exit = True
+        thread.join(60)
+        s.bridge.stop()

@@ -192,6 +192,11 @@ class Engine:
         Its closing event has finish reason "cancelled"; no event of it follows this call."""
         self.inbox.cancel(rid)
 
+    def reset_stats(self) -> None:
+        """Start the counters (`stats`) again: a server's own first requests are not its clients'.
+        Meant for an idle engine: a step in flight meanwhile may count into the counters replaced."""
+        self.stats = EngineStats(rows=self.stats.rows)
+
     # ---- the engine thread: the loop ----
 
     def events(self) -> Iterator[Event]:

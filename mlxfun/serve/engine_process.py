@@ -129,6 +129,8 @@ def engine_main(spec: EngineSpec, conn, max_queued: int, warm: bool) -> None:
                 send(("metrics", message[1], bridge.metrics_now()))
             elif kind == "cut":
                 bridge.cut()
+            elif kind == "reset_stats":
+                bridge.reset_stats()
             elif kind == "stop":
                 bridge.stop(message[1])
                 break
@@ -202,6 +204,9 @@ class EngineProcess:
     def cut(self) -> None:
         self._cut = True
         self._send(("cut",))
+
+    def reset_stats(self) -> None:
+        self._send(("reset_stats",))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel what runs, let the engine process finish, and wait for it."""

@@ -37,8 +37,8 @@ from mlxfun.cli.main import add_generation_flags, add_model_flags, flag_message,
 from mlxfun.engine.options import GenerationConfig, Request, requests
 from mlxfun.errors import InputError, MlxfunError, check_non_negative_int, check_positive_int
 from mlxfun.model.load import Model
+from mlxfun.serve import first_requests, tools
 from mlxfun.serve import openai_api as api
-from mlxfun.serve import tools
 from mlxfun.serve.engine_process import EngineProcess, EngineSpec
 from mlxfun.serve.openai_api import ChatRequest, Common, CompletionRequest
 from mlxfun.serve.serving import Bridge, Busy, EngineFailed, NotReady, Outcome
@@ -310,12 +310,31 @@ async def complete(served: Served, body: Common, chat: bool, http: HTTPRequest):
 # ---- the app ----
 
 
-def make_app(served: Served, shutdown_timeout: float = 30.0) -> FastAPI:
+def make_app(served: Served, shutdown_timeout: float = 30.0, first: tuple[str, int] | None = None) -> FastAPI:
+    """The app. `first`: the (host, port) it listens on, to send itself its first requests
+    (`first_requests`) once the engine is warm; /health answers 200 only after them."""
+    first_done = [first is None]
+
+    async def send_first() -> None:
+        bridge = served.bridge
+        while not bridge.ready and bridge.alive:
+            await asyncio.sleep(0.05)
+        if bridge.ready:
+            seconds, problems = await first_requests.send(served.model, *first)
+            bridge.reset_stats()  # /metrics counts the clients' requests
+            print(f"mlxfun serve: sent itself {len(first_requests.bodies(served.model))} first requests through "
+                  f"HTTP in {seconds:.2f} s" + (f" ({'; '.join(problems)})" if problems else "") + "; ready",
+                  file=sys.stderr, flush=True)
+        first_done[0] = True
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if not served.bridge.alive:
             served.bridge.start()
+        task = asyncio.create_task(send_first()) if first is not None else None
         yield
+        if task is not None:
+            task.cancel()
         # Uvicorn has stopped accepting and waited up to its grace period for running requests.
         await asyncio.to_thread(served.bridge.stop, shutdown_timeout)
 
@@ -355,8 +374,9 @@ def make_app(served: Served, shutdown_timeout: float = 30.0) -> FastAPI:
     @app.get("/health", responses={503: {"description": "Warming up (compiling its steps) or stopping."}})
     async def health():
         bridge = served.bridge
-        status = "ok" if bridge.ready else "warming up" if bridge.alive else "unavailable"
-        return JSONResponse({"status": status}, status_code=200 if bridge.ready else 503)
+        ready = bridge.ready and first_done[0]
+        status = "ok" if ready else "warming up" if bridge.alive else "unavailable"
+        return JSONResponse({"status": status}, status_code=200 if ready else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
@@ -481,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(bridge, EngineProcess):
         print(f"mlxfun serve: the engine runs in process {bridge.pid}", file=sys.stderr, flush=True)
     served = Served(model, bridge, defaults, args.served_model_name or Path(model.source).name or "mlxfun", api.now())
-    server = _uvicorn_server(make_app(served, args.shutdown_timeout), args, bridge)
+    first = None if args.no_warmup else (args.host, args.port)
+    server = _uvicorn_server(make_app(served, args.shutdown_timeout, first), args, bridge)
     server.run()
     bridge.stop(args.shutdown_timeout)  # already stopped at the app's shutdown, unless uvicorn failed to start
     return 0 if server.started else 1  # not started: the socket failed (logged)

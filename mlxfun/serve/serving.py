@@ -181,6 +181,12 @@ class Bridge:
             if self._targets.pop(rid, None) is not None:
                 self.engine.cancel(rid)
 
+    def reset_stats(self) -> None:
+        """The engine's counters start again (after the server's own first requests)."""
+        if self.engine is not None:
+            self.engine.reset_stats()
+            self._samples.clear()
+
     @property
     def cut_off(self) -> bool:
         """Whether `cut` has ended the requests that were running."""
@@ -212,7 +218,8 @@ class Bridge:
         now, total = time.perf_counter(), engine.stats.generation_tokens
         samples = self._samples.copy()  # atomic, unlike iterating a deque the engine thread appends to
         then = next((s for s in reversed(samples) if s[0] <= now - RATE_WINDOW), samples[0])
-        return (total - then[1]) / (now - then[0]) if now > then[0] else 0.0
+        # Never below 0: a sample taken just before the counters started again (`reset_stats`).
+        return max(0.0, (total - then[1]) / (now - then[0])) if now > then[0] else 0.0
 
     async def metrics(self) -> str | None:
         return self.metrics_now()
@@ -267,7 +274,7 @@ class Bridge:
                        if w.prompt_lengths else "")
             print(f"mlxfun serve: compiled {w.variants} decode steps (table widths {w.widths[0]}-{w.widths[-1]} "
                   f"tokens) and ran a request in {w.seconds:.1f} s ({parts}; first tokens and a request "
-                  f"{w.rest_seconds:.1f} s{prompts}); ready", file=sys.stderr, flush=True)
+                  f"{w.rest_seconds:.1f} s{prompts})", file=sys.stderr, flush=True)
         self._warm.set()
         self._on_ready(True)
 
