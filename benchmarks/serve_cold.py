@@ -18,30 +18,13 @@ Run: python benchmarks/serve_cold.py --shape 1B --sequences seeded,seeded,seeded
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from serve_load import Server, build_model, engine_counters, free_port, make_prompts, mlxfun_argv
-
-
-def first_token_seconds(port: int, path: str, body: dict) -> float:
-    """Seconds from sending a streamed request to its first token's chunk; the stream read to its end."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    t = time.perf_counter()
-    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    first = None
-    for line in response:
-        if first is None and line.startswith(b"data: {"):
-            first = time.perf_counter() - t
-    conn.close()
-    if response.status != 200 or first is None:
-        raise RuntimeError(f"{path}: status {response.status}")
-    return first
+from serve_load import Server, build_model, engine_counters, first_token_seconds, free_port, make_prompts, mlxfun_argv
 
 
 def body_for(kind: str, prompt: str, words: str, n: int) -> tuple[str, dict]:

@@ -10,7 +10,8 @@ latency p50 / p99 (gaps between a stream's chunks with text). `--modes greedy,se
 requests sample at temperature 0.8 with top-p 0.9 and a seed each (mlx-lm's server runs those
 one at a time). `--offline` times `mlxfun.generate(batch_size=rows)` on the same prompts in the
 same run (the engine alone); each server's first sampled request after /health answers is
-timed against a warm one.
+timed against a warm one, over plain HTTP (not the openai client, whose own first use costs).
+`--mlxfun-also NAME=ARGS` runs more mlxfun servers with other flags in the same run.
 
 The model is saved once with `mlxfun.save` into a temporary folder that both servers load:
 the default model (its 4-bit weights), `--model`, or a random-weight Llama shape (`--shape 1B`,
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import multiprocessing
 import os
@@ -345,18 +347,30 @@ def offline_run(model, prompts: list[str], n: int, args, mode: str) -> dict:
 
 
 def sampled_alone(url: str, prompt: str, mlxfun: bool) -> tuple[float, float | None]:
-    """TTFT of one seeded request of 8 tokens sent alone, and on mlxfun the engine's host seconds
-    admitting it (from /metrics)."""
+    """TTFT of one seeded request of 8 tokens sent alone over plain HTTP (a client library's own
+    first use stays out: the openai client's first request in this process took about 50 ms more),
+    and on mlxfun the engine's host seconds admitting it (from /metrics)."""
     before = engine_counters(url) if mlxfun else {}
-    ttft = first_sampled_ttft(url + "/v1", prompt, 8)
+    body = dict(prompt=prompt, max_tokens=8, temperature=SEEDED["temperature"], top_p=SEEDED["top_p"], seed=7)
+    ttft = first_token_seconds(int(url.rsplit(":", 1)[1]), "/v1/completions", body)
     after = engine_counters(url) if mlxfun else {}
     return ttft, (after["admission_seconds_total"] - before["admission_seconds_total"]) if mlxfun else None
 
 
-def first_sampled_ttft(base_url: str, prompt: str, gen_tokens: int) -> float:
-    """TTFT of one seeded request sent alone."""
-    result = asyncio.run(run_clients(base_url, [[(prompt, time.time(), gen_tokens, 7)]]))[0]
-    return result["times"][0] - result["sent"] if result["times"] else float("nan")
+def first_token_seconds(port: int, path: str, body: dict) -> float:
+    """Seconds from sending a streamed request to its first token's chunk; the stream read to its end."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t = time.perf_counter()
+    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    first = None
+    for line in response:
+        if first is None and line.startswith(b"data: {"):
+            first = time.perf_counter() - t
+    conn.close()
+    if response.status != 200 or first is None:
+        raise RuntimeError(f"{path}: status {response.status}")
+    return first
 
 
 def best_runs(runs: list[dict]) -> list[dict]:
