@@ -4,16 +4,19 @@
 `serve_load.py`'s clients do), with generation lengths spread so that rows finish at different
 steps and admissions come a few requests at a time. The engine is the server's (fixed shapes,
 warmed up first). Each engine round is timed and reported by kind: rounds that admitted, the round
-after them, and the rest. Each `--runs` entry is KV_GB:SETTLE[:prewarm][:keep][:phases][:slices][:waitfirst][:waitN]:
-a KV pool of KV_GB (0: the server's default), when a pool write waits for the one queued before it
-(`Runner.settle`): `default` (a server's pool from 1 GB on, and always on the CPU), `never` (every
-write queued behind the one in flight) or `always`; and with `prewarm`, 1..rows prompts admitted
-once each before the loop (is a stall the first sight of a prefill shape?); with `keep`, CUDA's
+after them, and the rest. Each `--runs` entry is
+KV_GB:SETTLE[:prewarm][:keep][:phases][:slices][:waitfirst][:waitN][:compiled]: a KV pool of KV_GB
+(0: the server's default), when a pool write waits for the one queued before it (`Runner.settle`):
+`default` (a server's pool from 1 GB on, and always on the CPU), `never` (every write queued behind
+the one in flight) or `always`; and with `prewarm`, 1..rows prompts admitted once each before the
+loop (is a stall the first sight of a prefill shape?); with `keep`, CUDA's
 memory pool keeps the memory it frees (`alloc_probe.keep_freed`). Each of the slowest rounds is
 reported with the memory it queued, CUDA's pool's mapped memory and MLX's buffer cache then.
 With `phases`, the engine's parts run one at a time (each after a device synchronization, timed to
 another): where an admission's time goes, at the cost of the pipelining. With `waitN` (say
-`wait0`), the engine's `admit_wait` is N rounds (default: the server's). With `slices`, a chunk
+`wait0`), the engine's `admit_wait` is N rounds (default: the server's). With `compiled`, prefill
+chunks of up to 2,048 tokens run compiled (as offline engines' do on a GPU; a server's do not, as
+each new chunk shape would trace on the request path): with `prewarm`, the upside. With `slices`, a chunk
 whose slots form one run is written by slice updates on any device (`prefill.slice_writes`); with
 `waitfirst`, an admission beside a decode step waits for it before building its graph (`busy`).
 
@@ -36,6 +39,7 @@ from mlxfun.bench import models as bench
 from mlxfun.engine import prefill
 from mlxfun.engine.core import Engine
 from mlxfun.engine.options import GenerationConfig, requests
+from mlxfun.engine.step import PREFILL_COMPILED_TOKENS
 from mlxfun.engine.warmup import warm_up
 
 PHASES = (("runner", "settle"), ("runner", "prefill"), ("runner", "first_tokens"), ("runner", "decode"),
@@ -65,10 +69,12 @@ def time_phases(engine: Engine) -> dict[str, list[float]]:
 
 def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: int | None, settle: str,
                 prewarm: bool = False, keep: bool = False, phases: bool = False, warmup: bool = True,
-                seed: int = 0, admit_wait: int | None = None) -> dict:
+                seed: int = 0, admit_wait: int | None = None, compiled: bool = False) -> dict:
     rng = np.random.default_rng(seed)
     t = time.perf_counter()
     engine = Engine(model, rows, fixed_shapes=True, kv_memory=kv_memory, admit_wait=admit_wait)
+    if compiled:  # before any step is made: the engine's StepCache makes them with this bound
+        engine.step_cache.compile_prefill = PREFILL_COMPILED_TOKENS
     if settle != "default":
         engine.runner.settle_bytes = None if settle == "never" else 0
     warm = warm_up(engine) if warmup else None
@@ -133,7 +139,7 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
 
     ms = lambda xs: round(1e3 * float(np.median(xs)), 2) if xs else None  # noqa: E731
     out = dict(kv_gb=round(engine.kv_memory / 1e9, 2), pool_blocks=engine.scheduler.max_blocks, settle=settle,
-               prewarm=prewarm, keep=keep, admit_wait=engine.scheduler.admit_wait,
+               prewarm=prewarm, keep=keep, admit_wait=engine.scheduler.admit_wait, compiled=compiled,
                # a replacement request's time to its first token, from its submission (ms)
                ttft_ms=[ms(ttft), round(1e3 * float(np.percentile(ttft, 99)), 2) if ttft else None],
                tok_s=tokens / seconds, seconds=seconds, rounds=len(rounds), admissions=len(admit),
@@ -172,7 +178,7 @@ def main(argv=None) -> int:
                         "that every prefill shape of the loop has been seen; phases: the engine's parts timed one at "
                         "a time; slices: runs of slots written by slice updates on any device; waitfirst: admissions "
                         "wait for the step in flight before building their graphs; waitN: the engine's admit_wait, N "
-                        "rounds)")
+                        "rounds; compiled: prefill chunks compiled, as offline engines' on a GPU)")
     p.add_argument("--cache-limit", type=float, default=None,
                    help="GB of freed buffers MLX keeps for reuse (mx.set_cache_limit; default: MLX's)")
     p.add_argument("--no-warmup", action="store_true",
@@ -195,7 +201,7 @@ def main(argv=None) -> int:
                             int(float(gb) * 1e9) or None, settle, prewarm="prewarm" in extra, keep="keep" in extra,
                             phases="phases" in extra, warmup=not args.no_warmup,
                             admit_wait=next((int(x[4:]) for x in extra if x[4:].isdigit() and x.startswith("wait")),
-                                            None))
+                                            None), compiled="compiled" in extra)
         except RuntimeError as e:  # a device out of memory, say: the other runs still count
             r = dict(kv=gb, settle=settle, error=f"{type(e).__name__}: {e}")
         runs.append(r)
