@@ -24,18 +24,19 @@ def is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
-def check_positive_int(name: str, v, allow_none: bool = False) -> None:
+def _check_int_from(low: int, kind: str, name: str, v, allow_none: bool) -> None:
     if v is None and allow_none:
         return
-    if not is_int(v) or v < 1:
-        raise InputError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {v!r}")
+    if not is_int(v) or v < low:
+        raise InputError(f"{name} must be a {kind} integer{' or None' if allow_none else ''}, got {v!r}")
+
+
+def check_positive_int(name: str, v, allow_none: bool = False) -> None:
+    _check_int_from(1, "positive", name, v, allow_none)
 
 
 def check_non_negative_int(name: str, v, allow_none: bool = False) -> None:
-    if v is None and allow_none:
-        return
-    if not is_int(v) or v < 0:
-        raise InputError(f"{name} must be a non-negative integer{' or None' if allow_none else ''}, got {v!r}")
+    _check_int_from(0, "non-negative", name, v, allow_none)
 
 
 def check_bool(name: str, v) -> None:

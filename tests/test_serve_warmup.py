@@ -164,7 +164,7 @@ def test_where_lengths_are_rounded_the_warm_up_prefills_each_chunk_length_once(m
     assert warm_up(Engine(model, ROWS, fixed_shapes=True, kv_memory=20_000_000)).prompt_lengths == ()  # CPU: none
 
 
-def test_health_waits_for_the_servers_own_first_requests_through_http(model, capfd):
+def test_health_waits_for_the_servers_own_first_requests_through_http(model, capfd, monkeypatch):
     """A warm server sends itself its first requests over HTTP (the path around the engine costs
     more the first time) before /health answers 200; /metrics then counts from zero."""
     import asyncio
@@ -197,7 +197,7 @@ def test_health_waits_for_the_servers_own_first_requests_through_http(model, cap
         except OSError:
             return None
 
-    first_requests.post, original = watched, post
+    monkeypatch.setattr(first_requests, "post", watched)
     server = uvicorn.Server(uvicorn.Config(make_app(s, first=("0.0.0.0", port)), host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -212,7 +212,6 @@ def test_health_waits_for_the_servers_own_first_requests_through_http(model, cap
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
         assert "\nmlxfun_requests_finished_total 0\n" in metrics and "\nmlxfun_generation_tokens_total 0\n" in metrics
     finally:
-        first_requests.post = original
         server.should_exit = True
         thread.join(60)
         s.bridge.stop()

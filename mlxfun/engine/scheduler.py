@@ -161,9 +161,11 @@ class Scheduler:
         if not self.pending:
             return []
         room = self.rows - self.live_count()
-        if not room or (self.live_count() and room < self.admit_min
-                        and (len(self.pending) > room or self.held < self.admit_wait)):
-            self.held += bool(room) and len(self.pending) <= room
+        if not room:
+            return []
+        fits = len(self.pending) <= room
+        if self.live_count() and room < self.admit_min and not (fits and self.held >= self.admit_wait):
+            self.held += fits
             return []
         self.held = 0
         # Only a preempted request can end while queued (its last token was in flight): not every

@@ -56,14 +56,14 @@ async def post(host: str, port: int, path: str, body: dict) -> int:
     return int(status[1]) if len(status) > 1 and status[1].isdigit() else 0
 
 
-async def send(model: Model, host: str, port: int) -> tuple[float, list[str]]:
-    """Send `bodies(model)` one at a time -> (seconds, a line per request that did not answer 200).
-    The socket may not be listening yet (the engine warmed up first): connections are retried."""
+async def send(requests: list[tuple[str, dict]], host: str, port: int) -> tuple[float, list[str]]:
+    """Send `requests` (`bodies`) one at a time -> (seconds, a line per request that did not answer
+    200). The socket may not be listening yet (the engine warmed up first): connections are retried."""
     t = time.perf_counter()
     problems = []
     address = loopback(host)
-    for path, body in bodies(model):
-        for attempt in range(50):
+    for path, body in requests:
+        for _ in range(50):
             try:
                 status = await asyncio.wait_for(post(address, port, path, body), TIMEOUT)
                 break

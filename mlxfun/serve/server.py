@@ -320,11 +320,11 @@ def make_app(served: Served, shutdown_timeout: float = 30.0, first: tuple[str, i
         while not bridge.ready and bridge.alive:
             await asyncio.sleep(0.05)
         if bridge.ready:
-            seconds, problems = await first_requests.send(served.model, *first)
+            bodies = first_requests.bodies(served.model)
+            seconds, problems = await first_requests.send(bodies, *first)
             bridge.reset_stats()  # /metrics counts the clients' requests
-            print(f"mlxfun serve: sent itself {len(first_requests.bodies(served.model))} first requests through "
-                  f"HTTP in {seconds:.2f} s" + (f" ({'; '.join(problems)})" if problems else "") + "; ready",
-                  file=sys.stderr, flush=True)
+            print(f"mlxfun serve: sent itself {len(bodies)} first requests through HTTP in {seconds:.2f} s"
+                  + (f" ({'; '.join(problems)})" if problems else "") + "; ready", file=sys.stderr, flush=True)
         first_done[0] = True
 
     @contextlib.asynccontextmanager
