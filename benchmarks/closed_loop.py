@@ -5,7 +5,7 @@
 steps and admissions come a few requests at a time. The engine is the server's (fixed shapes,
 warmed up first). Each engine round is timed and reported by kind: rounds that admitted, the round
 after them, and the rest. Each `--runs` entry is
-KV_GB:SETTLE[:prewarm][:keep][:phases][:slices][:waitfirst][:waitN][:compiled]: a KV pool of KV_GB
+KV_GB:SETTLE[:prewarm][:keep][:phases][:slices][:waitfirst][:waitN][:compiled][:mixedN]: a KV pool of KV_GB
 (0: the server's default), when a pool write waits for the one queued before it (`Runner.settle`):
 `default` (a server's pool from 1 GB on, and always on the CPU), `never` (every write queued behind
 the one in flight) or `always`; and with `prewarm`, 1..rows prompts admitted once each before the
@@ -18,7 +18,9 @@ another): where an admission's time goes, at the cost of the pipelining. With `w
 chunks of up to 2,048 tokens run compiled (as offline engines' do on a GPU; a server's do not, as
 each new chunk shape would trace on the request path): with `prewarm`, the upside. With `slices`, a chunk
 whose slots form one run is written by slice updates on any device (`prefill.slice_writes`); with
-`waitfirst`, an admission beside a decode step waits for it before building its graph (`busy`).
+`waitfirst`, an admission beside a decode step waits for it before building its graph (`busy`). With
+`mixedN`, prompts of up to N tokens in all ride along a decode step (`Engine(mixed_tokens=N)`; `mixed0`:
+every admission a prefill of its own, as before; default: the server's).
 
 Run: python benchmarks/closed_loop.py --shape 1B --rows 32 --runs 0:default,0:default:prewarm,0.5:default
 """
@@ -69,10 +71,11 @@ def time_phases(engine: Engine) -> dict[str, list[float]]:
 
 def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: int | None, settle: str,
                 prewarm: bool = False, keep: bool = False, phases: bool = False, warmup: bool = True,
-                seed: int = 0, admit_wait: int | None = None, compiled: bool = False) -> dict:
+                seed: int = 0, admit_wait: int | None = None, compiled: bool = False,
+                mixed: int | None = None) -> dict:
     rng = np.random.default_rng(seed)
     t = time.perf_counter()
-    engine = Engine(model, rows, fixed_shapes=True, kv_memory=kv_memory, admit_wait=admit_wait)
+    engine = Engine(model, rows, fixed_shapes=True, kv_memory=kv_memory, admit_wait=admit_wait, mixed_tokens=mixed)
     if compiled:  # before any step is made: the engine's StepCache makes them with this bound
         engine.step_cache.compile_prefill = PREFILL_COMPILED_TOKENS
     if settle != "default":
@@ -140,6 +143,7 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
     ms = lambda xs: round(1e3 * float(np.median(xs)), 2) if xs else None  # noqa: E731
     out = dict(kv_gb=round(engine.kv_memory / 1e9, 2), pool_blocks=engine.scheduler.max_blocks, settle=settle,
                prewarm=prewarm, keep=keep, admit_wait=engine.scheduler.admit_wait, compiled=compiled,
+               mixed_tokens=engine.mixed_tokens, carried=engine.stats.carried,
                # a replacement request's time to its first token, from its submission (ms)
                ttft_ms=[ms(ttft), round(1e3 * float(np.percentile(ttft, 99)), 2) if ttft else None],
                tok_s=tokens / seconds, seconds=seconds, rounds=len(rounds), admissions=len(admit),
@@ -178,7 +182,8 @@ def main(argv=None) -> int:
                         "that every prefill shape of the loop has been seen; phases: the engine's parts timed one at "
                         "a time; slices: runs of slots written by slice updates on any device; waitfirst: admissions "
                         "wait for the step in flight before building their graphs; waitN: the engine's admit_wait, N "
-                        "rounds; compiled: prefill chunks compiled, as offline engines' on a GPU)")
+                        "rounds; compiled: prefill chunks compiled, as offline engines' on a GPU; mixedN: prompts of "
+                        "up to N tokens in all ride along a decode step, 0: never)")
     p.add_argument("--cache-limit", type=float, default=None,
                    help="GB of freed buffers MLX keeps for reuse (mx.set_cache_limit; default: MLX's)")
     p.add_argument("--no-warmup", action="store_true",
@@ -201,7 +206,8 @@ def main(argv=None) -> int:
                             int(float(gb) * 1e9) or None, settle, prewarm="prewarm" in extra, keep="keep" in extra,
                             phases="phases" in extra, warmup=not args.no_warmup,
                             admit_wait=next((int(x[4:]) for x in extra if x[4:].isdigit() and x.startswith("wait")),
-                                            None), compiled="compiled" in extra)
+                                            None), compiled="compiled" in extra,
+                            mixed=next((int(x[5:]) for x in extra if x.startswith("mixed") and x[5:].isdigit()), None))
         except RuntimeError as e:  # a device out of memory, say: the other runs still count
             r = dict(kv=gb, settle=settle, error=f"{type(e).__name__}: {e}")
         runs.append(r)

@@ -9,7 +9,16 @@ from functools import partial
 import mlx.core as mx
 from helpers import run_engine, tiny_config, tiny_model
 
-from mlxfun.engine.step import Steps, decode_step, forward_step, make_steps, prefill_chunk, sample_step, verify_step
+from mlxfun.engine.step import (
+    Steps,
+    decode_step,
+    forward_step,
+    make_steps,
+    mixed_step,
+    prefill_chunk,
+    sample_step,
+    verify_step,
+)
 from mlxfun.engine.strategy import QUANTIZED
 from mlxfun.model import cache as kv
 
@@ -29,7 +38,7 @@ def counting_steps():
 
 def uncompiled_steps(config, mode) -> Steps:
     return Steps(partial(decode_step, config, mode), partial(prefill_chunk, config), partial(verify_step, config, mode),
-                 partial(forward_step, config), partial(sample_step, mode))
+                 partial(forward_step, config), partial(sample_step, mode), partial(mixed_step, config, mode))
 
 
 def run(model, prompts, steps, **options):

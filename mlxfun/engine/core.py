@@ -37,6 +37,7 @@ from functools import partial
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from mlxfun.engine import prefill, sampling
 from mlxfun.engine.blocks import Pool
@@ -50,8 +51,8 @@ from mlxfun.engine.paging import MIN_BLOCKS, MIN_BLOCKS_CPU, Pages, ladder, pool
 from mlxfun.engine.records import EngineStats, Record, fixed_mode, mode_for, request_mode
 from mlxfun.engine.rows import Row
 from mlxfun.engine.runner import Runner
-from mlxfun.engine.scheduler import Scheduler, default_admit_wait
-from mlxfun.engine.step import Mode, StepCache, StepOut, Steps, compiled_steps
+from mlxfun.engine.scheduler import Scheduler, default_admit_wait, default_mixed_tokens
+from mlxfun.engine.step import Chunk, Mode, StepCache, StepOut, Steps, compiled_steps
 from mlxfun.engine.strategy import WeightStrategy, default_strategy
 from mlxfun.errors import InputError, check_bool, check_non_negative_int, check_positive_int
 from mlxfun.features import speculative
@@ -75,6 +76,14 @@ class Roster(NamedTuple):
     steps: Steps  # the compiled steps for that mode
 
 
+class Admitted(NamedTuple):
+    """Requests admitted to ride along the next decode step."""
+
+    chunk: Chunk
+    rows: list[int]
+    records: list[Record]
+
+
 class Engine:
     """`rows` requests decode at once; `submit` / `add` queue more, `events()` runs them all.
 
@@ -91,10 +100,11 @@ class Engine:
                  prefix_cache_bytes: int | None = None, block_size: int = kv.BLOCK, draft=None,
                  num_draft_tokens: int = 4, policy: speculative.Policy | None = None,
                  shrink_rows: bool | None = None, steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps,
-                 fixed_shapes: bool = False, batch_invariant: bool = False):
+                 fixed_shapes: bool = False, batch_invariant: bool = False, mixed_tokens: int | None = None):
         _check_options(rows, prefill_step, block_size, max_kv_size, admit_min, pad_multiple, kv_memory,
                        prefix_cache, prefix_cache_bytes, num_draft_tokens)
         check_non_negative_int("admit_wait", admit_wait, allow_none=True)
+        check_non_negative_int("mixed_tokens", mixed_tokens, allow_none=True)
         check_bool("batch_invariant", batch_invariant)
         # With max_kv_size every query sees at most that many positions: rows become rings. A model
         # whose config asks for batch invariance keeps it.
@@ -134,6 +144,11 @@ class Engine:
         # so each free row is refilled at once; and a row costs a step's share of work whether it
         # holds a request or not, so the decoded rows follow the live requests (shrink_rows). On a
         # GPU a step costs about the same for 1 row or 32, and every width would compile anew.
+        # Prompts of up to this many tokens in all ride along a decode step when admitted beside
+        # decoding rows (`step.mixed_step`); 0: every admission is a prefill of its own.
+        self.mixed_tokens = default_mixed_tokens(on_gpu, fixed_shapes) if mixed_tokens is None else mixed_tokens
+        if self.mixed_tokens and (draft is not None or pages.ring is not None):
+            self.mixed_tokens = 0  # verify rounds and rings keep their own admissions
         self.scheduler = Scheduler(rows, pool, pages, max_blocks=max_blocks,
                                    context=self.config.max_position_embeddings, prefill_step=prefill_step,
                                    admit_min=admit_min or (max(1, rows // 4) if on_gpu else 1),
@@ -141,7 +156,7 @@ class Engine:
                                    spill=0 if draft is None else 2 * (num_draft_tokens + 1),
                                    preempt=fixed_shapes and draft is None,
                                    admit_wait=default_admit_wait(on_gpu, fixed_shapes) if admit_wait is None
-                                   else admit_wait)
+                                   else admit_wait, mixed_tokens=self.mixed_tokens)
         self.stats = EngineStats(rows=rows)
         self.constraints = Constraints(self.config.vocab_size)
         drafter = drafter_for(draft, self)
@@ -150,6 +165,7 @@ class Engine:
             policy or speculative.Policy(enabled=speculative.may_pay(rows, num_draft_tokens)))
         # Engine-thread state: outputs queued and not yet handed out, with the requests their rows held.
         self._inflight: list[tuple[StepOut, Sequence]] = []
+        self._chunk: Admitted | None = None  # prompts admitted to ride along the next decode step
         self._roster_of: Roster | None = None
         self.inbox = Inbox()  # any thread's messages
 
@@ -255,7 +271,7 @@ class Engine:
         else:
             events = spec.leave_pipeline(self) if spec is not None else []
             events += self.admit()
-            needs = self.scheduler.needs_decode()
+            needs = self._chunk is not None or self.scheduler.needs_decode()
             if needs and self.roster().mode.masked:
                 events += self._masked_decode()
             else:
@@ -310,6 +326,12 @@ class Engine:
             bs = sched.pool.block_size
             prompts = sum(-(-len(r.prompt) // bs) for r in records)
             self._new_state(min(pool_size(1 + prompts, sched.max_blocks, sched.pages.least), sched.pool.size))
+        if busy and self._rides_along(records):
+            self._chunk = self._ride_along(records, free)
+            self.stats.carried += 1
+            self.stats.prompt_tokens += sum(len(r.prompt) for r in records)
+            self.stats.admission_seconds += time.perf_counter() - t0
+            return events
         params = self.runner.prompt_params([len(r.prompt) for r in records])
         outs = []
         for wave in sched.waves(records):
@@ -358,6 +380,43 @@ class Engine:
             outs.append((out, [r.id for r in chosen]))
         return outs
 
+    def _rides_along(self, records: list[Record]) -> bool:
+        """Whether these admitted requests' prompts can ride along the next decode step: they fit
+        its chunk once their cached prefixes are known, none resumes after a preemption (its sampler
+        goes on from its tokens), none is constrained and no live row is (a masked step is split in
+        two), and they need one prefill wave."""
+        if not self.mixed_tokens or any(r.matcher is not None or r.row.text.tokens for r in records):
+            return False
+        if self.scheduler.live_count() and self.roster().mode.masked:
+            return False
+        if len(self.scheduler.waves(records)) > 1:
+            return False
+        return sum(self.scheduler.uncached(r) for r in records) <= self.mixed_tokens
+
+    def _ride_along(self, records: list[Record], free: list[int]) -> Admitted:
+        """Place the requests in free rows after their cached prefixes and lay their remaining
+        prompt tokens out as the next decode step's chunk (`step.Chunk`, padded to mixed_tokens)."""
+        sched = self.scheduler
+        B, P = len(sched.owner), self.mixed_tokens
+        prefixes = [sched.cached_prefix(r) for r in records]
+        self.stats.cached_tokens += sum(r.cached_tokens for r in records)
+        rows = [free.pop(0) for _ in records]
+        sched.place(rows, records, prefixes)
+        tokens, positions, owners = [], [], []
+        source, ends, lengths = np.arange(B, dtype=np.int32), np.zeros(B, bool), np.zeros(B, np.int32)
+        for row, r in zip(rows, records):
+            start, n = r.cached_tokens, len(r.prompt)
+            sched.pages.ensure(row, start, n)
+            tokens += r.prompt[start:]
+            positions += range(start, n)
+            owners += [row] * (n - start)
+            source[row], ends[row], lengths[row] = B + len(tokens) - 1, True, n
+        pad = P - len(tokens)
+        chunk = Chunk(mx.array(tokens + [0] * pad, mx.int32), mx.array(positions + [-1] * pad, mx.int32),
+                      mx.array(owners + [0] * pad, mx.int32), mx.array(source), mx.array(ends), mx.array(lengths))
+        self._restack()
+        return Admitted(chunk, rows, records)
+
     def next_decode(self) -> tuple[Callable, tuple]:
         """The compiled decode step for the live rows and its arguments, not run (profiling)."""
         roster = self._prepare_step()
@@ -367,8 +426,14 @@ class Engine:
     def decode(self) -> StepOut:
         """Queue one decode step for every row (rows without a live request decode idly)."""
         roster = self._prepare_step()
-        out = self.runner.decode(roster.steps, roster.mode.penalties)
-        self._advanced(roster.live)
+        admitted, self._chunk = self._chunk, None
+        if admitted is None:
+            out = self.runner.decode(roster.steps, roster.mode.penalties)
+            self._advanced(roster.live)
+        else:
+            out = self.runner.mixed(roster.steps, roster.mode.penalties, admitted.chunk)
+            self._advanced([r for r in roster.live if r not in admitted.rows])
+            self._register(admitted)
         if self.speculation is not None:
             self.speculation.decoded(time.perf_counter())
         self._inflight.append((out, roster.owners))
@@ -395,6 +460,16 @@ class Engine:
             events += hand_out(self, step_out, step_owners, v, matched=True)
         self._count_rows()
         return events
+
+    def _register(self, admitted: Admitted) -> None:
+        """The prefix cache learns each admitted prompt's full blocks, once the step computing
+        them is queued."""
+        sched = self.scheduler
+        bs = sched.pool.block_size
+        for row, r in zip(admitted.rows, admitted.records):
+            n = len(r.prompt)
+            sched.pool.register(r.prompt, sched.pages.blocks(row, n // bs),
+                                known=r.prompt_chain(bs) if sched.pool.max_cached > 0 else ())
 
     def collect(self, keep: StepOut | None = None) -> list[Event]:
         """Hand out the tokens of every output in flight except `keep` (the step just queued)."""
@@ -534,14 +609,15 @@ class Engine:
 
 
 def engine_for(model: Model, rows: int, config: GenerationConfig, kv_memory: int | None = None,
-               fixed_shapes: bool = False, admit_wait: int | None = None) -> Engine:
+               fixed_shapes: bool = False, admit_wait: int | None = None,
+               mixed_tokens: int | None = None) -> Engine:
     """The engine a GenerationConfig's scheduler options describe (generate, the command line).
     `kv_memory`: the KV budget, when ranks must agree on it (mlxfun.parallel.distributed) or a
-    server sets it; `fixed_shapes`, `admit_wait`: a server's engine (see `Engine`)."""
+    server sets it; `fixed_shapes`, `admit_wait`, `mixed_tokens`: a server's engine (see `Engine`)."""
     engine = Engine(model, rows, prefill_step=config.prefill_step, max_kv_size=config.max_kv_size,
                     prefix_cache=config.prefix_cache, draft=config.draft_model,
                     num_draft_tokens=config.num_draft_tokens, kv_memory=kv_memory, fixed_shapes=fixed_shapes,
-                    batch_invariant=config.batch_invariant, admit_wait=admit_wait)
+                    batch_invariant=config.batch_invariant, admit_wait=admit_wait, mixed_tokens=mixed_tokens)
     if config.prompt_cache is not None:
         engine.add_prompt_cache(config.prompt_cache)
     return engine

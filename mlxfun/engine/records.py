@@ -95,6 +95,7 @@ class EngineStats(Stats):
     itl: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # recent gaps between a row's tokens, s
     timed_prompt_tokens: int = 0  # the prompt tokens of the admissions `prompt_time` counts
     preemptions: int = 0  # rows taken back from their requests to make room in a full KV pool
+    carried: int = 0  # admissions whose prompts rode along a decode step (`step.mixed_step`), of `admissions`
 
     def record_memory(self, scheduler, on: bool, block_bytes: int) -> None:
         """The KV pool's sizes after a step (`on`: the device state exists)."""

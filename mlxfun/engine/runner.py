@@ -24,7 +24,7 @@ import numpy as np
 
 from mlxfun.engine import prefill, sampling
 from mlxfun.engine.paging import Pages
-from mlxfun.engine.step import DecodeState, Mode, StepOut, Steps, first_token
+from mlxfun.engine.step import Chunk, DecodeState, Mode, StepOut, Steps, first_token
 from mlxfun.engine.strategy import WeightStrategy, params_for_batch, params_for_prompts
 from mlxfun.features import structured
 from mlxfun.features.speculative import Verdict
@@ -139,6 +139,15 @@ class Runner:
         """Queue one decode step for every row (rows without a request decode idly)."""
         out, state = steps.decode(self.step_params, self.input_state(penalties), self.settings)
         self._advanced(state)  # the old state unreferenced: the step writes the KV pool in place
+        self.settle()
+        mx.async_eval(out, self.state)
+        return out
+
+    def mixed(self, steps: Steps, penalties: bool, chunk: Chunk) -> StepOut:
+        """Queue one decode step for every row with `chunk`'s prompt tokens riding along
+        (`step.mixed_step`): the rows it admits get their first tokens from it."""
+        out, state = steps.mixed(self.step_params, self.input_state(penalties), self.settings, chunk)
+        self._advanced(state)
         self.settle()
         mx.async_eval(out, self.state)
         return out

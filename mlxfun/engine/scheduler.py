@@ -37,6 +37,18 @@ def default_admit_wait(on_gpu: bool, fixed_shapes: bool) -> int:
     return ADMIT_WAIT if on_gpu and fixed_shapes else 0
 
 
+# A GPU server's decode step carries up to this many prompt tokens of the requests it admits.
+MIXED_TOKENS = 256
+
+
+def default_mixed_tokens(on_gpu: bool, fixed_shapes: bool) -> int:
+    """A GPU server's engine admits short prompts inside its decode steps: a step is launch-bound
+    there, so a few hundred more tokens add little to it, where an admission of its own costs a
+    prefill graph and its launches. On the CPU every token costs the same either way, and an
+    offline run admits its prompts in large waves, which a prefill of their own serves better."""
+    return MIXED_TOKENS if on_gpu and fixed_shapes else 0
+
+
 class Scheduler:
     """`rows` rows of requests over one KV pool of at most `max_blocks` blocks.
 
@@ -46,11 +58,13 @@ class Scheduler:
     write past it (speculative decoding)."""
 
     def __init__(self, rows: int, pool: Pool, pages: Pages, *, max_blocks: int, context: int, prefill_step: int,
-                 admit_min: int, shrink_rows: bool, spill: int = 0, preempt: bool = False, admit_wait: int = 0):
+                 admit_min: int, shrink_rows: bool, spill: int = 0, preempt: bool = False, admit_wait: int = 0,
+                 mixed_tokens: int = 0):
         self.rows, self.pool, self.pages, self.max_blocks = rows, pool, pages, max_blocks
         self.context, self.prefill_step = context, prefill_step
         self.admit_min, self.shrink_rows = admit_min, shrink_rows
         self.admit_wait = admit_wait
+        self.mixed_tokens = mixed_tokens  # prompt tokens a decode step may carry (`step.mixed_step`)
         self.held = 0  # rounds in a row a queue that fit its free rows was held back for more of them
         self.spill = spill
         self.preempt = preempt
@@ -163,16 +177,22 @@ class Scheduler:
         room = self.rows - self.live_count()
         if not room:
             return []
-        fits = len(self.pending) <= room
-        if self.live_count() and room < self.admit_min and not (fits and self.held >= self.admit_wait):
-            self.held += fits
-            return []
-        self.held = 0
         # Only a preempted request can end while queued (its last token was in flight): not every
         # step's walk of a long queue for the others.
         if self.preempt:
             for rid in [rid for rid in self.pending if self.requests[rid].finish_reason is not None]:
                 self.pending.remove(rid)
+            if not self.pending:
+                return []
+        # Prompts that fit a decode step's chunk ride along it at once: an admission of their own
+        # would cost the launches `admit_min` and `admit_wait` spread over several requests.
+        if self.live_count() and self.mixed_tokens and \
+                self.uncached(self.requests[self.pending[0]]) <= self.mixed_tokens:
+            return self._take(self._riding(room))
+        fits = len(self.pending) <= room
+        if self.live_count() and room < self.admit_min and not (fits and self.held >= self.admit_wait):
+            self.held += fits
+            return []
         committed = self.pool.used + self.outstanding()
         out = []
         for rid in list(self.pending)[:room]:
@@ -188,9 +208,37 @@ class Scheduler:
                     break  # the first request alone was checked by submit
                 committed += need
             out.append(record)
-        for record in out:
-            self.pending.remove(record.id)
+        return self._take(out)
+
+    def _riding(self, room: int) -> list[Record]:
+        """The queue's first requests whose uncached prompts fit one decode step's chunk together,
+        within the free rows and the blocks (a server's fixed pool: by what their prompts hold)."""
+        out, tokens = [], 0
+        committed = self.pool.used + self.outstanding()
+        for rid in list(self.pending)[:room]:
+            record = self.requests[rid]
+            tokens += self.uncached(record)
+            need = self.pages.blocks_for(len(record.prompt)) if self.preempt else self.blocks_needed(record.request)
+            reserve = self.live_count() + len(out) + 1 if self.preempt else 0
+            if tokens > self.mixed_tokens or committed + need + reserve > self.max_blocks - 1:
+                break
+            committed += need
+            out.append(record)
         return out
+
+    def _take(self, records: list[Record]) -> list[Record]:
+        """Admitted: off the queue."""
+        self.held = 0
+        for record in records:
+            self.pending.remove(record.id)
+        return records
+
+    def uncached(self, record: Record) -> int:
+        """Prompt tokens an admission would compute: those after the longest prefix the cache holds
+        (at least the last: its hidden state gives the first token)."""
+        prompt, bs = record.prompt, self.pool.block_size
+        known = record.prompt_chain(bs) if self.pool.nodes else ()
+        return len(prompt) - bs * len(self.pool.peek(prompt, (len(prompt) - 1) // bs, known))
 
     def waves(self, records: list[Record]) -> list[list[Record]]:
         """Requests in prefill rounds: one that shares an uncached prefix with an earlier one

@@ -46,6 +46,19 @@ class DecodeState(NamedTuple):
     counts: mx.array | None  # (B, V) int32: each row's generated-token counts (penalties only)
 
 
+class Chunk(NamedTuple):
+    """Prompt tokens that ride along a decode step (`mixed_step`), P of them, padding included, so
+    a step's shapes stay fixed whatever the admitted prompts."""
+
+    tokens: mx.array  # (P,) int32
+    positions: mx.array  # (P,) int32: each token's position in its row; -1 for padding
+    rows: mx.array  # (P,) int32: the row whose blocks each token is written to and reads
+    source: mx.array  # (B,) int32: where each row's next token comes from: itself (r), or B + the
+    # index of its prompt's last token in the chunk (a row admitted by it)
+    ends: mx.array  # (B,) bool: the row's prompt ends in this chunk (its first token is sampled here)
+    lengths: mx.array  # (B,) int32: such a row's prompt length (its next position)
+
+
 class StepOut(NamedTuple):
     tokens: mx.array  # (B,) int32
     logprob: mx.array | None  # (B,) float32
@@ -102,6 +115,33 @@ def decode_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeSt
                 settings: sampling.Settings) -> tuple[StepOut, DecodeState]:
     """One token for every row: decoder, sampling and cache update (one compiled function)."""
     logits, state = forward_step(config, params, state)
+    return sample_step(mode, logits, None, state, settings)
+
+
+def mixed_step(config: ModelConfig, mode: Mode, params: Params, state: DecodeState, settings: sampling.Settings,
+               chunk: Chunk) -> tuple[StepOut, DecodeState]:
+    """A decode step for every row with a chunk of prompt tokens riding along: B + P one-token rows
+    through one pass of the decoder (each prompt token reads its row's blocks through the one-token
+    attention, after every token's keys are written, so it sees its cached prefix and the chunk's
+    earlier tokens), then each row's next token: a decoding row's from its own token, an admitted
+    row's from its prompt's last. A row admitted by the chunk decodes nothing (its decode slot
+    writes to the scratch block) and starts its step counter and counts from zero.
+
+    On a GPU the decode step is launch-bound (a 1B step of 32 rows reads its weights in a third of
+    its time): a few hundred prompt tokens add little to it, where a prefill of its own costs the
+    host a graph and the device its launches, and a server admits a few prompts at a time."""
+    table, ends = state.cache.table, chunk.ends
+    # An admitted row may still hold its last request's position (refilled within a step of its
+    # release): its decode slot must write to the scratch block, not into its new blocks.
+    decoding = mx.where(ends, -1, state.positions)  # (B,)
+    tokens = mx.concatenate([state.tokens, chunk.tokens])[:, None]  # (B + P, 1)
+    positions = mx.concatenate([decoding, chunk.positions])[:, None]  # (B + P, 1)
+    cache = state.cache._replace(table=mx.concatenate([table, table[chunk.rows]]))  # (B + P, W)
+    h, cache = llama.hidden(config, params, tokens, positions, None, cache, fast=True, check=False)  # (B + P, 1, E)
+    logits = llama.logits(config, params, h[:, 0][chunk.source], fast=True)  # (B, V)
+    positions = mx.where(ends, chunk.lengths, mx.where(decoding >= 0, decoding + 1, decoding))
+    counts = None if state.counts is None else mx.where(ends[:, None], 0, state.counts)
+    state = DecodeState(cache._replace(table=table), state.tokens, positions, mx.where(ends, 0, state.steps), counts)
     return sample_step(mode, logits, None, state, settings)
 
 
@@ -179,6 +219,7 @@ class Steps(NamedTuple):
     verify: Callable  # compiled: (params, state, drafts, valid, draft_probs, settings) -> (Verdict, state)
     forward: Callable  # compiled: (params, state) -> (logits, state), the split step's first half
     sample: Callable  # compiled: (logits, mask, state, settings) -> (StepOut, state)
+    mixed: Callable  # compiled: (params, state, settings, chunk) -> (StepOut, state)
 
 
 def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | None = None,
@@ -221,12 +262,16 @@ def make_steps(config: ModelConfig, mode: Mode, on_trace: Callable[[], None] | N
 
     sample_compiled = mx.compile(sample_)
 
+    def mixed(params, state, settings, chunk):
+        traced()
+        return mixed_step(config, mode, params, state, settings, chunk)
+
     def sample(logits, mask, state, settings):
         # The cache stays outside: sampling never reads it, and its capacity would retrace the step.
         out, new = sample_compiled(logits, mask, state._replace(cache=None), settings)
         return out, new._replace(cache=state.cache)
 
-    return Steps(mx.compile(decode), prefill, mx.compile(verify), mx.compile(forward), sample)
+    return Steps(mx.compile(decode), prefill, mx.compile(verify), mx.compile(forward), sample, mx.compile(mixed))
 
 
 # Prefill chunks of at most this many tokens run compiled on a GPU. Their host time (building the

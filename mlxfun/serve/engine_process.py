@@ -50,6 +50,7 @@ class EngineSpec(NamedTuple):
     defaults: GenerationConfig  # the command's generation flags (prefix cache, prompt cache, draft model)
     kv_memory: int | None  # bytes of KV pool; None: the engine's budget
     admit_wait: int | None = None  # rounds a queue that fits waits for more free rows; None: the engine's default
+    mixed_tokens: int | None = None  # prompt tokens a decode step may carry; None: the engine's default
 
     def maker(self) -> Callable[[], Engine]:
         """Makes the engine (again after a failure), loading the model once."""
@@ -60,7 +61,7 @@ class EngineSpec(NamedTuple):
                 loaded.append(load(self.model, dtype=self.dtype))
                 mx.eval(loaded[0].params)
             return engine_for(loaded[0], self.rows, self.defaults, self.kv_memory, fixed_shapes=True,
-                              admit_wait=self.admit_wait)
+                              admit_wait=self.admit_wait, mixed_tokens=self.mixed_tokens)
 
         return make
 

@@ -35,6 +35,7 @@ except ImportError as e:  # pragma: no cover
 
 from mlxfun.cli.main import add_generation_flags, add_model_flags, flag_message, generation_config
 from mlxfun.engine.options import GenerationConfig, Request, requests
+from mlxfun.engine.scheduler import MIXED_TOKENS
 from mlxfun.errors import InputError, MlxfunError, check_non_negative_int, check_positive_int
 from mlxfun.model.load import Model
 from mlxfun.serve import first_requests, tools
@@ -408,7 +409,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "on the CPU an eighth of the RAM), never more than every row at full context needs")
     p.add_argument("--admit-wait", type=int, default=None, metavar="STEPS",
                    help="decode steps a new request may wait for more rows to free, so that one prefill admits "
-                        "several (default: 8 on a GPU, 0 on the CPU; 0 admits each request at once)")
+                        "several (default: 8 on a GPU, 0 on the CPU; 0 admits each request at once); prompts that "
+                        "ride along a decode step (--mixed-tokens) never wait")
+    p.add_argument("--mixed-tokens", type=int, default=None, metavar="TOKENS",
+                   help="new prompts of up to this many tokens in all ride along a decode step rather than "
+                        f"prefill on their own (default: {MIXED_TOKENS} on a GPU, 0 on the CPU; 0: never)")
     p.add_argument("--no-warmup", action="store_true",
                    help="take requests at once, without compiling every step first (tests; the first requests "
                         "of each kind then wait for their compile)")
@@ -478,10 +483,12 @@ def main(argv: list[str] | None = None) -> int:
         check_positive_int("max_queued", args.max_queued)
         if args.admit_wait is not None:
             check_non_negative_int("--admit-wait", args.admit_wait)
+        if args.mixed_tokens is not None:
+            check_non_negative_int("--mixed-tokens", args.mixed_tokens)
         # The engine's model is made where it runs (MLX streams are per thread), with the flags'
         # scheduler options: the prefix cache, a prompt cache, a draft model.
         spec = EngineSpec(args.model, args.dtype, rows, generation_config(args), kv_memory_flag(args.kv_memory),
-                          args.admit_wait)
+                          args.admit_wait, args.mixed_tokens)
         if args.engine_thread:
             bridge = Bridge(spec.maker(), args.max_queued, warm=not args.no_warmup)
         else:

@@ -358,6 +358,8 @@ def metrics_text(engine: Engine, tokens_per_second: float) -> str:
             ("busy_row_steps_total", "counter", "Rows holding a request, summed over decode steps (divided by "
              "steps times rows: how full the rows were).", s.busy_row_steps),
             ("admissions_total", "counter", "Times waiting requests were prefilled into free rows.", s.admissions),
+            ("admissions_carried_total", "counter", "Admissions whose prompts rode along a decode step (of "
+             "admissions_total).", s.carried),
             ("admission_seconds_total", "counter", "Host seconds spent admitting (prefill graphs built and queued, "
              "kernels built at a chunk shape's first sight, waits while no row decodes).",
              f"{s.admission_seconds:.6f}")):
