@@ -210,6 +210,46 @@ def test_a_queue_refilled_one_request_at_a_time_waits_admit_wait_rounds_for_more
         Engine(tiny, rows=2, admit_wait=-1)
 
 
+def test_prompts_that_ride_along_decode_steps_equal_alone(tiny):
+    """A server's engine on a GPU admits short prompts inside its decode steps (`mixed_tokens`):
+    B + P one-token rows through one pass, each prompt token reading its row's blocks. Under a
+    closed loop (one in as one finishes) with seeded sampling, penalties, logprobs and prompts that
+    share a cached prefix, every request's tokens and logprobs equal its run alone, and most
+    admissions rode along. A row refilled within a step of its release still holds its last
+    request's position on the device: the step must not decode it into the new row's blocks (which
+    here include shared prefix blocks, so a stray write would change later requests)."""
+    prompts, max_tokens = workload(24, seed=5)
+    head = list(range(3, 43))  # 40 tokens: two cached blocks of 16 for every other prompt
+    prompts = [head + p[:20] if i % 2 else p for i, p in enumerate(prompts)]
+    options = [dict(temperature=0.9, top_p=0.9, seed=100 + i, repetition_penalty=1.3 if i % 3 == 0 else 1.0)
+               for i in range(len(prompts))]
+    alone = [generate(tiny, [p], max_tokens=m, ignore_eos=True, logprobs=2, **o)
+             for p, m, o in zip(prompts, max_tokens, options)]
+    engine = Engine(tiny, rows=6, fixed_shapes=True, kv_memory=1 << 24, mixed_tokens=80)
+
+    def add(n: int) -> int:
+        o = options[n]
+        settings = sampling.make_settings(1, temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"],
+                                          repetition_penalty=o["repetition_penalty"])
+        return engine.add(prompts[n], max_tokens=max_tokens[n], ignore_eos=True, settings=settings, logprobs=2)
+
+    ids = [add(n) for n in range(6)]
+    while not engine.idle or len(ids) < len(prompts):
+        for e in engine.step():
+            if e.finish_reason is not None and len(ids) < len(prompts):
+                ids.append(add(len(ids)))
+    rows = [engine.take(i).row for i in ids]
+    assert [r.token_ids for r in rows] == [a.token_ids[0] for a in alone]
+    n = [len(r.token_ids) for r in rows]
+    assert [r.logprobs[:k] for r, k in zip(rows, n)] == [a.logprobs[0] for a in alone]
+    assert [r.top[:k] for r, k in zip(rows, n)] == [a.top_logprobs[0] for a in alone]
+    stats = engine.stats
+    assert stats.cached_tokens >= 32 * 6 and stats.carried >= stats.admissions - 2 >= 10, (stats.carried,
+                                                                                       stats.admissions)
+    with pytest.raises(mlxfun.InputError, match="mixed_tokens must be a non-negative integer"):
+        Engine(tiny, rows=2, mixed_tokens=-1)
+
+
 def test_static_batch_with_rounded_shapes_equals_alone(tiny):
     """Chunk lengths rounded up to 32 (the GPU's default, here on the CPU): every prefill chunk
     the static batch runs is a multiple of 32 long, and the tokens are each prompt's alone."""

@@ -34,8 +34,9 @@ def model() -> Model:
     return Model(config, params, byte_tokenizer(), "tiny bytes")
 
 
-def served(model: Model, warm: bool = True) -> Served:
-    bridge = Bridge(lambda: Engine(model, ROWS, fixed_shapes=True, kv_memory=20_000_000), 64, warm=warm)
+def served(model: Model, warm: bool = True, mixed_tokens: int | None = None) -> Served:
+    bridge = Bridge(lambda: Engine(model, ROWS, fixed_shapes=True, kv_memory=20_000_000, mixed_tokens=mixed_tokens),
+                    64, warm=warm)
     return Served(model, bridge, GenerationConfig(max_tokens=8), "tiny", 0)
 
 
@@ -69,7 +70,8 @@ def test_health_is_503_until_the_warm_up_ends(model, monkeypatch):
 
 
 def test_no_step_traces_after_the_warm_up(model):
-    s = served(model)
+    # As on a GPU, prompts of up to 64 tokens ride along decode steps; longer ones prefill alone.
+    s = served(model, mixed_tokens=64)
     with TestClient(make_app(s)) as client:
         assert s.bridge.wait_ready(120)
         engine = s.bridge.engine
@@ -113,6 +115,8 @@ def test_no_step_traces_after_the_warm_up(model):
         assert generated > 1200
         assert metric(client, "step_traces_total") == traces  # nothing traced on the request path
         assert engine.scheduler.pool.size == pool
+        # Both kinds of admission ran: prompts carried by decode steps and prefills of their own.
+        assert 0 < metric(client, "admissions_carried_total") < metric(client, "admissions_total")
         # Answers are the offline ones: the server's modes compute more, never differently.
         for body, r in answers[:8]:
             if body.get("response_format") or body.get("logprobs") is not None:

@@ -373,11 +373,13 @@ def test_bad_flags_exit_2_naming_the_flag(slow_model_dir):
     assert run.returncode == 2 and "--top-p must be in (0, 1], got 2" in run.stderr
 
 
-def test_a_negative_admit_wait_exits_2_naming_the_flag_before_loading_anything(capsys):
+def test_a_negative_admit_wait_or_mixed_tokens_exits_2_naming_the_flag_before_loading_anything(capsys):
     from mlxfun.serve.server import main
 
     assert main(["--admit-wait", "-1", "--port", "0"]) == 2
     assert capsys.readouterr().err.strip() == "mlxfun: error: --admit-wait must be a non-negative integer, got -1"
+    assert main(["--mixed-tokens", "-5", "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "mlxfun: error: --mixed-tokens must be a non-negative integer, got -5"
 
 
 # ---- the bridge alone: an engine failure ends the requests in it, and a fresh engine serves on ----
