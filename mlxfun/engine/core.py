@@ -51,7 +51,7 @@ from mlxfun.engine.paging import MIN_BLOCKS, MIN_BLOCKS_CPU, Pages, ladder, pool
 from mlxfun.engine.records import EngineStats, Record, fixed_mode, mode_for, request_mode
 from mlxfun.engine.rows import Row
 from mlxfun.engine.runner import Runner
-from mlxfun.engine.scheduler import Scheduler, default_admit_wait, default_mixed_tokens
+from mlxfun.engine.scheduler import Scheduler, chunk_sizes, default_admit_wait, default_mixed_tokens
 from mlxfun.engine.step import Chunk, Mode, StepCache, StepOut, Steps, compiled_steps
 from mlxfun.engine.strategy import WeightStrategy, default_strategy
 from mlxfun.errors import InputError, check_bool, check_non_negative_int, check_positive_int
@@ -149,6 +149,7 @@ class Engine:
         self.mixed_tokens = default_mixed_tokens(on_gpu, fixed_shapes) if mixed_tokens is None else mixed_tokens
         if self.mixed_tokens and (draft is not None or pages.ring is not None):
             self.mixed_tokens = 0  # verify rounds and rings keep their own admissions
+        self.chunk_sizes = chunk_sizes(self.mixed_tokens)
         self.scheduler = Scheduler(rows, pool, pages, max_blocks=max_blocks,
                                    context=self.config.max_position_embeddings, prefill_step=prefill_step,
                                    admit_min=admit_min or (max(1, rows // 4) if on_gpu else 1),
@@ -395,9 +396,10 @@ class Engine:
 
     def _ride_along(self, records: list[Record], free: list[int]) -> Admitted:
         """Place the requests in free rows after their cached prefixes and lay their remaining
-        prompt tokens out as the next decode step's chunk (`step.Chunk`, padded to mixed_tokens)."""
+        prompt tokens out as the next decode step's chunk (`step.Chunk`, padded to the least of
+        `chunk_sizes` that holds them)."""
         sched = self.scheduler
-        B, P = len(sched.owner), self.mixed_tokens
+        B = len(sched.owner)
         prefixes = [sched.cached_prefix(r) for r in records]
         self.stats.cached_tokens += sum(r.cached_tokens for r in records)
         rows = [free.pop(0) for _ in records]
@@ -411,7 +413,7 @@ class Engine:
             positions += range(start, n)
             owners += [row] * (n - start)
             source[row], ends[row], lengths[row] = B + len(tokens) - 1, True, n
-        pad = P - len(tokens)
+        pad = next(p for p in self.chunk_sizes if p >= len(tokens)) - len(tokens)
         chunk = Chunk(mx.array(tokens + [0] * pad, mx.int32), mx.array(positions + [-1] * pad, mx.int32),
                       mx.array(owners + [0] * pad, mx.int32), mx.array(source), mx.array(ends), mx.array(lengths))
         self._restack()

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 class Warmup(NamedTuple):
-    variants: int  # (table width, mode) decode steps compiled and run (each with its prompt-carrying twin)
+    variants: int  # (table width, mode) decode steps compiled and run (each with its prompt-carrying ones)
     widths: tuple[int, ...]  # the table widths, in tokens
     seconds: float
     width_seconds: tuple[float, ...] = ()  # each width's steps (all modes), in `widths` order
@@ -58,7 +58,7 @@ def warm_up(engine: Engine) -> Warmup:
     modes = fixed_modes(masks_available())
     widths = sched.pages.widths or [sched.pages.width]
     everything = mx.full((rows, structured.words(engine.config.vocab_size)), 0xFFFFFFFF, mx.uint32)
-    riding = idle_chunk(rows, engine.mixed_tokens) if engine.mixed_tokens else None
+    chunks = [idle_chunk(rows, n) for n in engine.chunk_sizes]
     per_width = []
     for i, width in enumerate(widths):
         t = time.perf_counter()
@@ -68,7 +68,7 @@ def warm_up(engine: Engine) -> Warmup:
             if i and mx.default_device() == mx.cpu:
                 # Traced only: MLX's CPU kernels of the first width serve every width, and a step
                 # over a wide table costs seconds there (its keys are gathered).
-                _trace(runner, steps, mode, everything, riding)
+                _trace(runner, steps, mode, everything, chunks)
                 continue
             if mode.masked:
                 logits = runner.forward(steps, mode.penalties)
@@ -76,8 +76,8 @@ def warm_up(engine: Engine) -> Warmup:
             else:
                 out = runner.decode(steps, mode.penalties)
             mx.eval(out, runner.state)
-            if riding is not None and not mode.masked:  # masked steps carry no prompts
-                mx.eval(runner.mixed(steps, mode.penalties, riding), runner.state)
+            for chunk in [] if mode.masked else chunks:  # masked steps carry no prompts
+                mx.eval(runner.mixed(steps, mode.penalties, chunk), runner.state)
         per_width.append(time.perf_counter() - t)
     t = time.perf_counter()
     runner.state = runner.state._replace(cache=runner.state.cache._replace(table=table))
@@ -124,7 +124,7 @@ def _prompt_lengths(engine: Engine) -> tuple[int, ...]:
     return lengths
 
 
-def _trace(runner, steps, mode, everything: mx.array, riding: Chunk | None) -> None:
+def _trace(runner, steps, mode, everything: mx.array, chunks: list[Chunk]) -> None:
     """Trace a step on the state's shapes; nothing runs (its lazy outputs are dropped)."""
     state = runner.input_state(mode.penalties)
     if mode.masked:
@@ -132,8 +132,8 @@ def _trace(runner, steps, mode, everything: mx.array, riding: Chunk | None) -> N
         steps.sample(logits, everything, state, runner.settings)
     else:
         steps.decode(runner.step_params, state, runner.settings)
-        if riding is not None:
-            steps.mixed(runner.step_params, state, runner.settings, riding)
+        for chunk in chunks:
+            steps.mixed(runner.step_params, state, runner.settings, chunk)
 
 
 def idle_chunk(rows: int, tokens: int) -> Chunk:
