@@ -99,7 +99,7 @@ bench_at() { local dir=$1 limit=$2; shift 2; (cd "$dir" && PYTHONPATH="$PWD:${PY
 for suite in "$@"; do
   echo "=== $suite"
   case "$suite" in
-    smoke) timeout 150 python3 benchmarks/smoke.py --json "$OUT/smoke.json" ;;
+    smoke) timeout ${SMOKE_TIMEOUT:-300} python3 benchmarks/smoke.py --json "$OUT/smoke.json" ;;
     kernels) timeout ${KERNELS_TIMEOUT:-240} python3 benchmarks/kernels_check.py ${KERNELS_ONLY:+--only $KERNELS_ONLY} \
       --json "$OUT/kernels.json" | grep -v '"ok": true' | tail -20 ;;
     qmv-shapes) timeout ${SHAPES_TIMEOUT:-240} python3 benchmarks/qmv_shapes.py ${SHAPES_ARGS:-} --json "$OUT/qmv-shapes.json" | tail -24 ;;

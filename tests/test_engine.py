@@ -250,6 +250,28 @@ def test_prompts_that_ride_along_decode_steps_equal_alone(tiny):
         Engine(tiny, rows=2, mixed_tokens=-1)
 
 
+def test_a_queue_that_fits_one_chunk_rides_along_and_a_burst_prefills_on_its_own(tiny):
+    """Riding costs a decode step its prompts' tokens, a few a step; a burst (many rows ending at
+    once) is cheaper in one prefill of its own. So a queue rides along only when all of it that
+    fits the free rows fits one chunk."""
+    engine = Engine(tiny, rows=8, fixed_shapes=True, kv_memory=1 << 24, mixed_tokens=64, admit_min=1)
+    prompts = [[(3 * i + j) % 90 + 1 for j in range(20)] for i in range(9)]
+    ids = [engine.add(p, max_tokens=12, ignore_eos=True) for p in prompts[:2]]
+    engine.step()
+    engine.step()
+    assert (engine.stats.admissions, engine.stats.carried) == (1, 0)  # nothing decoded: a prefill
+    ids += [engine.add(p, max_tokens=12, ignore_eos=True) for p in prompts[2:4]]  # 40 tokens: one chunk
+    engine.step()
+    assert (engine.stats.admissions, engine.stats.carried) == (2, 1)
+    ids += [engine.add(p, max_tokens=12, ignore_eos=True) for p in prompts[4:9]]  # 100 tokens: a burst
+    engine.step()
+    assert (engine.stats.admissions, engine.stats.carried, engine.scheduler.live_count()) == (3, 1, 8)
+    for _ in engine.events():
+        pass
+    alone = generate(tiny, prompts, max_tokens=12, ignore_eos=True).token_ids
+    assert [engine.requests[i].row.token_ids for i in ids] == alone
+
+
 def test_static_batch_with_rounded_shapes_equals_alone(tiny):
     """Chunk lengths rounded up to 32 (the GPU's default, here on the CPU): every prefill chunk
     the static batch runs is a multiple of 32 long, and the tokens are each prompt's alone."""
