@@ -37,9 +37,8 @@ from functools import partial
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import mlx.core as mx
-import numpy as np
 
-from mlxfun.engine import prefill, sampling
+from mlxfun.engine import prefill, riding, sampling
 from mlxfun.engine.blocks import Pool
 from mlxfun.engine.detok import RowText
 from mlxfun.engine.events import Event
@@ -49,10 +48,11 @@ from mlxfun.engine.options import GenerationConfig, Request, make_request
 from mlxfun.engine.outputs import hand_out
 from mlxfun.engine.paging import MIN_BLOCKS, MIN_BLOCKS_CPU, Pages, ladder, pool_size
 from mlxfun.engine.records import EngineStats, Record, fixed_mode, mode_for, request_mode
+from mlxfun.engine.riding import Admitted, chunk_sizes, default_mixed_tokens
 from mlxfun.engine.rows import Row
 from mlxfun.engine.runner import Runner
-from mlxfun.engine.scheduler import Scheduler, chunk_sizes, default_admit_wait, default_mixed_tokens
-from mlxfun.engine.step import Chunk, Mode, StepCache, StepOut, Steps, compiled_steps
+from mlxfun.engine.scheduler import Scheduler, default_admit_wait
+from mlxfun.engine.step import Mode, StepCache, StepOut, Steps, compiled_steps
 from mlxfun.engine.strategy import WeightStrategy, default_strategy
 from mlxfun.errors import InputError, check_bool, check_non_negative_int, check_positive_int
 from mlxfun.features import speculative
@@ -74,14 +74,6 @@ class Roster(NamedTuple):
     live: list[int]  # rows holding a request
     mode: Mode  # `mode_for` their requests
     steps: Steps  # the compiled steps for that mode
-
-
-class Admitted(NamedTuple):
-    """Requests admitted to ride along the next decode step."""
-
-    chunk: Chunk
-    rows: list[int]
-    records: list[Record]
 
 
 class Engine:
@@ -395,27 +387,17 @@ class Engine:
         return sum(self.scheduler.uncached(r) for r in records) <= self.mixed_tokens
 
     def _ride_along(self, records: list[Record], free: list[int]) -> Admitted:
-        """Place the requests in free rows after their cached prefixes and lay their remaining
-        prompt tokens out as the next decode step's chunk (`step.Chunk`, padded to the least of
-        `chunk_sizes` that holds them)."""
+        """Place the requests in free rows after their cached prefixes, with blocks for their
+        prompts; their remaining tokens become the next decode step's chunk (`riding.layout`)."""
         sched = self.scheduler
-        B = len(sched.owner)
         prefixes = [sched.cached_prefix(r) for r in records]
         self.stats.cached_tokens += sum(r.cached_tokens for r in records)
         rows = [free.pop(0) for _ in records]
         sched.place(rows, records, prefixes)
-        tokens, positions, owners = [], [], []
-        source, ends, lengths = np.arange(B, dtype=np.int32), np.zeros(B, bool), np.zeros(B, np.int32)
         for row, r in zip(rows, records):
-            start, n = r.cached_tokens, len(r.prompt)
-            sched.pages.ensure(row, start, n)
-            tokens += r.prompt[start:]
-            positions += range(start, n)
-            owners += [row] * (n - start)
-            source[row], ends[row], lengths[row] = B + len(tokens) - 1, True, n
-        pad = next(p for p in self.chunk_sizes if p >= len(tokens)) - len(tokens)
-        chunk = Chunk(mx.array(tokens + [0] * pad, mx.int32), mx.array(positions + [-1] * pad, mx.int32),
-                      mx.array(owners + [0] * pad, mx.int32), mx.array(source), mx.array(ends), mx.array(lengths))
+            sched.pages.ensure(row, r.cached_tokens, len(r.prompt))
+        chunk = riding.layout(len(sched.owner), rows, [r.prompt for r in records], [r.cached_tokens for r in records],
+                              self.chunk_sizes)
         self._restack()
         return Admitted(chunk, rows, records)
 

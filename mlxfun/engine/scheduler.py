@@ -37,28 +37,6 @@ def default_admit_wait(on_gpu: bool, fixed_shapes: bool) -> int:
     return ADMIT_WAIT if on_gpu and fixed_shapes else 0
 
 
-# A GPU server's decode step carries up to this many prompt tokens of the requests it admits.
-MIXED_TOKENS = 512
-
-
-def chunk_sizes(mixed_tokens: int) -> tuple[int, ...]:
-    """The lengths a decode step's chunk of prompts is padded to (each compiles its own step): a
-    quarter of `mixed_tokens` and `mixed_tokens` itself (one length below 256). Every padded token
-    costs the step its share: on an H100, 1B, 32 rows, a closed loop of 128-token prompts ran
-    7,959 tok/s with chunks of 128, 6,864 and 6,565 with 256 and 5,559 with 512 (one lease)."""
-    if not mixed_tokens:
-        return ()
-    return (mixed_tokens // 4, mixed_tokens) if mixed_tokens >= 256 else (mixed_tokens,)
-
-
-def default_mixed_tokens(on_gpu: bool, fixed_shapes: bool) -> int:
-    """A GPU server's engine admits short prompts inside its decode steps: a step is launch-bound
-    there, so a few hundred more tokens add little to it, where an admission of its own costs a
-    prefill graph and its launches. On the CPU every token costs the same either way, and an
-    offline run admits its prompts in large waves, which a prefill of their own serves better."""
-    return MIXED_TOKENS if on_gpu and fixed_shapes else 0
-
-
 class Scheduler:
     """`rows` rows of requests over one KV pool of at most `max_blocks` blocks.
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from mlxfun.engine import sampling
 from mlxfun.engine.records import fixed_modes
+from mlxfun.engine.riding import idle_chunk
 from mlxfun.engine.step import Chunk, first_token
 from mlxfun.features import structured
 
@@ -134,12 +135,6 @@ def _trace(runner, steps, mode, everything: mx.array, chunks: list[Chunk]) -> No
         steps.decode(runner.step_params, state, runner.settings)
         for chunk in chunks:
             steps.mixed(runner.step_params, state, runner.settings, chunk)
-
-
-def idle_chunk(rows: int, tokens: int) -> Chunk:
-    """A chunk of `tokens` padding tokens that admits no row (their writes go to the scratch block)."""
-    return Chunk(mx.zeros((tokens,), mx.int32), mx.full((tokens,), -1, mx.int32), mx.zeros((tokens,), mx.int32),
-                 mx.arange(rows, dtype=mx.int32), mx.zeros((rows,), mx.bool_), mx.zeros((rows,), mx.int32))
 
 
 def _first_tokens(engine: Engine, modes) -> None:

@@ -35,7 +35,7 @@ except ImportError as e:  # pragma: no cover
 
 from mlxfun.cli.main import add_generation_flags, add_model_flags, flag_message, generation_config
 from mlxfun.engine.options import GenerationConfig, Request, requests
-from mlxfun.engine.scheduler import MIXED_TOKENS
+from mlxfun.engine.riding import MIXED_TOKENS
 from mlxfun.errors import InputError, MlxfunError, check_non_negative_int, check_positive_int
 from mlxfun.model.load import Model
 from mlxfun.serve import first_requests, tools
