@@ -5,17 +5,23 @@ probabilities. `llama.mlp` runs it for the layers that have experts."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import mlx.core as mx
 
 from mlxfun.kernels import attention as kernels
 from mlxfun.kernels import dmv
-from mlxfun.model import llama  # (llama imports this module: names are looked up at call time)
+from mlxfun.model import linear as maps
+from mlxfun.model.config import ModelConfig
+from mlxfun.model.linear import Linear
 
-if TYPE_CHECKING:
-    from mlxfun.model.config import ModelConfig
-    from mlxfun.model.llama import Experts, Linear
+
+class Experts(NamedTuple):
+    """A mixture-of-experts MLP (`config.moe_layers`): n experts of width I, stacked."""
+
+    router: Linear  # E -> n
+    gate_up: Linear  # stacked (n, 2 * I, E): each expert's gate then up rows
+    down: Linear  # stacked (n, E, I)
 
 
 # Routed (token, expert) pairs from which a layer of experts sorts them by expert first: a batch
@@ -44,13 +50,13 @@ def layer(config: ModelConfig, experts: Experts, x: mx.array, fast: bool = False
     (`dmv.experts_product`)."""
     E, k = x.shape[-1], config.experts_per_tok
     flat = x.reshape(-1, E)  # (N, E)
-    probs = mx.softmax(llama.linear(experts.router, flat).astype(mx.float32), axis=-1, precise=True)  # (N, n)
+    probs = mx.softmax(maps.linear(experts.router, flat).astype(mx.float32), axis=-1, precise=True)  # (N, n)
     chosen = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # (N, k)
     weight = mx.take_along_axis(probs, chosen, axis=-1)  # (N, k)
     if config.norm_topk_prob:
         weight = weight / weight.sum(axis=-1, keepdims=True)
     N = flat.shape[0]
-    kernel = fast and KERNEL_MIN_TOKENS <= N and N * k <= KERNEL_ROUTES and isinstance(experts.down, llama.Dense) \
+    kernel = fast and KERNEL_MIN_TOKENS <= N and N * k <= KERNEL_ROUTES and isinstance(experts.down, maps.Dense) \
         and kernels.available(x.dtype) and dmv.experts_fit(flat, experts.gate_up.weight)
     if N * k >= SORT_ROUTES or kernel:
         routes = chosen.flatten()  # (N k,)
@@ -76,7 +82,7 @@ def expert_mlp(config: ModelConfig, experts: Experts, x: mx.array, index: mx.arr
     (..., 1, E). `grouped`: the index is sorted. `kernel`: x (R, E) rows sorted by expert, through
     mlxfun's product (dense experts on CUDA) -> (R, E)."""
     gate, up = mx.split(expert_product(experts.gate_up, x, index, grouped, kernel), 2, axis=-1)
-    return expert_product(experts.down, llama.activation(config, gate) * up, index, grouped, kernel)
+    return expert_product(experts.down, maps.activation(config, gate) * up, index, grouped, kernel)
 
 
 def expert_product(p: Linear, x: mx.array, index: mx.array, grouped: bool, kernel: bool = False) -> mx.array:
@@ -84,8 +90,8 @@ def expert_product(p: Linear, x: mx.array, index: mx.array, grouped: bool, kerne
     `kernel`, x (R, in) sorted by expert -> (R, out)."""
     if kernel:
         return dmv.experts_product(x, p.weight, index)
-    if isinstance(p, llama.Quantized):
-        group_size, bits = llama.quant_shape(p, x.shape[-1])
+    if isinstance(p, maps.Quantized):
+        group_size, bits = maps.quant_shape(p, x.shape[-1])
         return mx.gather_qmm(x, p.weight, p.scales, p.biases, rhs_indices=index, transpose=True,
                              group_size=group_size, bits=bits, sorted_indices=grouped)
     w = p.weight.swapaxes(-1, -2) if p.weight_t is None else p.weight_t  # (n, in, out)
