@@ -511,10 +511,11 @@ class Engine:
 
     def _prepare_step(self) -> Roster:
         """Blocks for each live row's next position (rows preempted for them where the pool is
-        full), the device state caught up -> the roster."""
+        full, never one whose prompt rides along this step), the device state caught up -> the
+        roster."""
         sched = self.scheduler
         if sched.preempt:
-            for row in sched.victims(sched.live_rows()):
+            for row in sched.victims(sched.live_rows(), self._chunk.rows if self._chunk is not None else ()):
                 record = self.requests[sched.owner[row]]
                 self.release(row, record)
                 sched.requeue(record)

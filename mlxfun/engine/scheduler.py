@@ -16,6 +16,7 @@ the queue to resume from its prompt and the tokens it generated (as vLLM recompu
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -287,13 +288,14 @@ class Scheduler:
         self.owner[row], self.pos[row], self.need[row] = None, -1, 0
         self.vacated.append(row)
 
-    def victims(self, live: list[int]) -> list[int]:
+    def victims(self, live: list[int], keep: Sequence[int] = ()) -> list[int]:
         """Rows to take back, newest first, so that every other live row gets the block its next
-        step enters (a fixed pool, `preempt`); the oldest row always stays."""
+        step enters (a fixed pool, `preempt`); the oldest row always stays, and so do the rows in
+        `keep` (prompts riding along the step: their tokens are in its chunk already)."""
         bs, pos, held = self.pool.block_size, self.pos, self.pages.held
         entering = {r for r in live if pos[r] // bs not in held[r]}
         free, out = self.pool.available(), []
-        for r in sorted(live, key=lambda r: self.since[r], reverse=True)[:-1]:
+        for r in [r for r in sorted(live, key=lambda r: self.since[r], reverse=True)[:-1] if r not in keep]:
             if len(entering) <= free:
                 break
             out.append(r)
