@@ -34,15 +34,19 @@ def tiny():
     return tiny_model(tiny_config(max_position_embeddings=1024))
 
 
-def test_eight_threads_add_and_cancel_against_a_running_engine(tiny):
+@pytest.mark.parametrize("server", [False, True], ids=["offline", "server"])
+def test_eight_threads_add_and_cancel_against_a_running_engine(tiny, server):
     """8 threads submit 400 requests (greedy and seeded sampled) to an engine that one thread runs,
-    and cancel some at random. Each request ends exactly once; the others equal their output alone."""
+    and cancel some at random. Each request ends exactly once; the others equal their output alone.
+    `server`: a server's engine (fixed shapes) whose short prompts ride along decode steps, as on a
+    GPU: cancellations land on rows admitted that way too."""
     rng = random.Random(0)
     kinds = [([rng.randrange(1, 97) for _ in range(rng.choice([1, 3, 8, 20, 45]))], rng.randrange(1, 24),
               rng.choice([0.0, 0.0, 0.8]), rng.randrange(1000)) for _ in range(24)]
     alone = [generate(tiny, [p], max_tokens=m, temperature=t, seed=s, ignore_eos=True).token_ids[0]
              for p, m, t, s in kinds]
-    engine = Engine(tiny, rows=6)
+    engine = Engine(tiny, rows=6, fixed_shapes=True, kv_memory=1 << 24, mixed_tokens=64) if server \
+        else Engine(tiny, rows=6)
     stop = threading.Event()
     tokens, closing, closed_at = defaultdict(list), {}, {}
 
@@ -99,6 +103,7 @@ def test_eight_threads_add_and_cancel_against_a_running_engine(tiny):
         else:
             assert closing[rid] == "length" and tokens[rid] == alone[k], rid
     assert n_cancelled > 20  # the test exercised cancellation (some victims had finished already)
+    assert (engine.stats.carried > 0) == server
 
 
 def test_two_thousand_requests_keep_memory_and_records_flat(tiny):
