@@ -70,14 +70,14 @@ def test_health_is_503_until_the_warm_up_ends(model, monkeypatch):
 
 
 def test_no_step_traces_after_the_warm_up(model):
-    # As on a GPU, prompts ride along decode steps in chunks of 64 or 256 tokens (every prompt
+    # As on a GPU, prompts ride along decode steps in chunks of 64, 128 or 256 tokens (every prompt
     # here but the 600-token one); longer ones prefill on their own.
     s = served(model, mixed_tokens=256)
     with TestClient(make_app(s)) as client:
         assert s.bridge.wait_ready(120)
         engine = s.bridge.engine
         warm = s.bridge.warmup
-        assert engine.chunk_sizes == (64, 256)
+        assert engine.chunk_sizes == (64, 128, 256)
         modes = len(fixed_modes(masks_available()))
         assert warm.variants == modes * len(warm.widths) and warm.widths == (256, 1024)
         # Its cost by part, as the server prints it: each width's steps, then the rest.

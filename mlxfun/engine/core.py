@@ -8,7 +8,8 @@ prompt that admits them all at once). It ties three parts together, each with a 
 - features hook in where they change a step: structured output's masks (`features.constraints`),
   speculative rounds (`features.speculation`) and the prefix cache (in the scheduler's pool).
 
-A step (`step`) is: take new messages, admit queued requests into free rows, queue a decode
+A step (`step`) is: take new messages, admit queued requests into free rows (on a GPU server, short
+prompts ride along the decode step instead of a prefill of their own: `riding.py`), queue a decode
 step, then hand out the tokens of the step before (read one step behind, so the device never
 waits for the host).
 

@@ -23,12 +23,13 @@ MIXED_TOKENS = 512
 
 def chunk_sizes(mixed_tokens: int) -> tuple[int, ...]:
     """The lengths a decode step's chunk of prompts is padded to (each compiles its own step): a
-    quarter of `mixed_tokens` and `mixed_tokens` itself (one length below 256). Every padded token
-    costs the step its share: on an H100, 1B, 32 rows, a closed loop of 128-token prompts ran
-    7,959 tok/s with chunks of 128, 6,864 and 6,565 with 256 and 5,559 with 512 (one lease)."""
+    quarter, a half and all of `mixed_tokens` (one length below 256). Every padded token costs the
+    step its share: on an H100, 1B, 32 rows, a closed loop of 128-token prompts ran 7,959 tok/s with
+    chunks of 128, 6,864 and 6,565 with 256 and 5,559 with 512 (one lease); two such prompts
+    together take 256."""
     if not mixed_tokens:
         return ()
-    return (mixed_tokens // 4, mixed_tokens) if mixed_tokens >= 256 else (mixed_tokens,)
+    return (mixed_tokens // 4, mixed_tokens // 2, mixed_tokens) if mixed_tokens >= 256 else (mixed_tokens,)
 
 
 def default_mixed_tokens(on_gpu: bool, fixed_shapes: bool) -> int:
