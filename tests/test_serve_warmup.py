@@ -77,7 +77,9 @@ def test_no_step_traces_after_the_warm_up(model):
         assert s.bridge.wait_ready(120)
         engine = s.bridge.engine
         warm = s.bridge.warmup
-        assert engine.chunk_sizes == (64, 128, 256)
+        assert engine.chunk_sizes == warm.chunk_sizes == (64, 128, 256)
+        plain = sum(not m.masked for m in fixed_modes(masks_available()))
+        assert warm.carrying == plain * len(warm.widths) * 3
         modes = len(fixed_modes(masks_available()))
         assert warm.variants == modes * len(warm.widths) and warm.widths == (256, 1024)
         # Its cost by part, as the server prints it: each width's steps, then the rest.

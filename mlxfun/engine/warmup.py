@@ -30,13 +30,15 @@ if TYPE_CHECKING:
 
 
 class Warmup(NamedTuple):
-    variants: int  # (table width, mode) decode steps compiled and run (each with its prompt-carrying ones)
+    variants: int  # (table width, mode) decode steps compiled and run
     widths: tuple[int, ...]  # the table widths, in tokens
     seconds: float
     width_seconds: tuple[float, ...] = ()  # each width's steps (all modes), in `widths` order
     rest_seconds: float = 0.0  # first-token sampling per mode and the request run end to end
     prompt_lengths: tuple[int, ...] = ()  # the one-row prompts prefilled (GPU: each chunk length)
     prompt_seconds: float = 0.0  # their time
+    carrying: int = 0  # (table width, mode, chunk length) steps that carry prompts, compiled and run
+    chunk_sizes: tuple[int, ...] = ()  # their chunk lengths (`riding.chunk_sizes`)
 
 
 def masks_available() -> bool:
@@ -94,8 +96,9 @@ def warm_up(engine: Engine) -> Warmup:
     prompts = time.perf_counter() - t
     engine.reset_stats()  # the counters start with the first real request
     bs = sched.pool.block_size
+    carrying = len(widths) * sum(not m.masked for m in modes) * len(chunks)
     return Warmup(len(widths) * len(modes), tuple(w * bs for w in widths), time.perf_counter() - t0,
-                  tuple(per_width), rest, lengths, prompts)
+                  tuple(per_width), rest, lengths, prompts, carrying, engine.chunk_sizes)
 
 
 def _run(engine: Engine) -> None:

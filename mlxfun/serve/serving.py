@@ -272,8 +272,10 @@ class Bridge:
             parts = ", ".join(f"{n} tokens {s:.1f} s" for n, s in zip(w.widths, w.width_seconds))
             prompts = (f"; prompts of {w.prompt_lengths[0]}-{w.prompt_lengths[-1]} tokens {w.prompt_seconds:.1f} s"
                        if w.prompt_lengths else "")
-            print(f"mlxfun serve: compiled {w.variants} decode steps (table widths {w.widths[0]}-{w.widths[-1]} "
-                  f"tokens) and ran a request in {w.seconds:.1f} s ({parts}; first tokens and a request "
+            carrying = (f" and {w.carrying} that carry prompts (chunks of "
+                        f"{'/'.join(map(str, w.chunk_sizes))} tokens)" if w.carrying else "")
+            print(f"mlxfun serve: compiled {w.variants} decode steps{carrying} (table widths {w.widths[0]}-"
+                  f"{w.widths[-1]} tokens) and ran a request in {w.seconds:.1f} s ({parts}; first tokens and a request "
                   f"{w.rest_seconds:.1f} s{prompts})", file=sys.stderr, flush=True)
         self._warm.set()
         self._on_ready(True)
