@@ -53,9 +53,9 @@
 #                chunks plain (a server's) against compiled (an offline engine's), alternating; the first run compiles
 #   mixed        closed_loop.py at the server's default pool, warmed up: admissions as prefills of their own (mixed0)
 #                against prompts riding along decode steps of 256 (the default), 128 and 512 tokens (issue 52)
-#   serve-mixed  serve_load.py (1B, $SERVE_CLIENTS (32) clients, 8 requests each, greedy and seeded, first requests
-#                spread over $SERVE_ARRIVAL (1) s) against offline generate: mlxfun serve as it starts by default and
-#                with --mixed-tokens 0 ($SERVE_LM=1: mlx_lm.server too)
+#   serve-mixed  serve_load.py ($SERVE_SHAPE (1B), $SERVE_CLIENTS (32) clients, 8 requests each, greedy and seeded,
+#                first requests spread over $SERVE_ARRIVAL (1) s) against offline generate: mlxfun serve as it starts
+#                by default and with --mixed-tokens 0 ($SERVE_LM=1: mlx_lm.server too)
 #   serve-cold   benchmarks/serve_cold.py (1B, 32 rows): fresh servers' first requests, each timed alone ($COLD_SEQUENCES)
 #   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
 #                after keep_freed (CUDA's pool keeps freed memory)
@@ -184,10 +184,10 @@ for suite in "$@"; do
     serve-mixed)
       wheels
       lm=(); [ "${SERVE_LM:-0}" = 1 ] && python3 -c "import mlx_lm" 2>/dev/null && lm=(--mlx-lm --mlx-lm-python python3)
-      timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape 1B --clients ${SERVE_CLIENTS:-32} \
-        --requests $((8 * ${SERVE_CLIENTS:-32})) --modes ${SERVE_MODES:-greedy,seeded} --offline "${lm[@]}" \
-        --arrival ${SERVE_ARRIVAL:-1} --mlxfun-also "mlxfun-mixed0=--mixed-tokens 0" \
-        --json "$OUT/serve-mixed-1B-${SERVE_CLIENTS:-32}.json" ;;
+      timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape ${SERVE_SHAPE:-1B} \
+        --clients ${SERVE_CLIENTS:-32} --requests $((8 * ${SERVE_CLIENTS:-32})) --modes ${SERVE_MODES:-greedy,seeded} \
+        --offline "${lm[@]}" --arrival ${SERVE_ARRIVAL:-1} --mlxfun-also "mlxfun-mixed0=--mixed-tokens 0" \
+        --json "$OUT/serve-mixed-${SERVE_SHAPE:-1B}-${SERVE_CLIENTS:-32}-arrival${SERVE_ARRIVAL:-1}.json" ;;
     serve-cold) timeout ${COLD_TIMEOUT:-300} python3 benchmarks/serve_cold.py --shape 1B --rows 32 \
       --sequences ${COLD_SEQUENCES:-seeded,seeded,seeded greedy,seeded,seeded seeded,seeded@thread} --json "$OUT/serve-cold.json" ;;
     alloc) timeout 120 python3 benchmarks/alloc_probe.py --pool-gb ${ALLOC_POOL_GB:-60} --json "$OUT/alloc-probe.json" ;;
