@@ -320,7 +320,8 @@ class Engine:
             bs = sched.pool.block_size
             prompts = sum(-(-len(r.prompt) // bs) for r in records)
             self._new_state(min(pool_size(1 + prompts, sched.max_blocks, sched.pages.least), sched.pool.size))
-        if busy and self._rides_along(records):
+        if busy and riding.fits(self.scheduler, records, self.mixed_tokens,
+                                self.scheduler.live_count() > 0 and self.roster().mode.masked):
             self._chunk = self._ride_along(records, free)
             self.stats.carried += 1
             self.stats.prompt_tokens += sum(len(r.prompt) for r in records)
@@ -374,19 +375,6 @@ class Engine:
             outs.append((out, [r.id for r in chosen]))
         return outs
 
-    def _rides_along(self, records: list[Record]) -> bool:
-        """Whether these admitted requests' prompts can ride along the next decode step: they fit
-        its chunk once their cached prefixes are known, none resumes after a preemption (its sampler
-        goes on from its tokens), none is constrained and no live row is (a masked step is split in
-        two), and they need one prefill wave."""
-        if not self.mixed_tokens or any(r.matcher is not None or r.row.text.tokens for r in records):
-            return False
-        if self.scheduler.live_count() and self.roster().mode.masked:
-            return False
-        if len(self.scheduler.waves(records)) > 1:
-            return False
-        return sum(self.scheduler.uncached(r) for r in records) <= self.mixed_tokens
-
     def _ride_along(self, records: list[Record], free: list[int]) -> Admitted:
         """Place the requests in free rows after their cached prefixes, with blocks for their
         prompts; their remaining tokens become the next decode step's chunk (`riding.layout`)."""
@@ -418,7 +406,7 @@ class Engine:
         else:
             out = self.runner.mixed(roster.steps, roster.mode.penalties, admitted.chunk)
             self._advanced([r for r in roster.live if r not in admitted.rows])
-            self._register(admitted)
+            riding.register(self.scheduler, admitted)
         if self.speculation is not None:
             self.speculation.decoded(time.perf_counter())
         self._inflight.append((out, roster.owners))
@@ -445,16 +433,6 @@ class Engine:
             events += hand_out(self, step_out, step_owners, v, matched=True)
         self._count_rows()
         return events
-
-    def _register(self, admitted: Admitted) -> None:
-        """The prefix cache learns each admitted prompt's full blocks, once the step computing
-        them is queued."""
-        sched = self.scheduler
-        bs = sched.pool.block_size
-        for row, r in zip(admitted.rows, admitted.records):
-            n = len(r.prompt)
-            sched.pool.register(r.prompt, sched.pages.blocks(row, n // bs),
-                                known=r.prompt_chain(bs) if sched.pool.max_cached > 0 else ())
 
     def collect(self, keep: StepOut | None = None) -> list[Event]:
         """Hand out the tokens of every output in flight except `keep` (the step just queued)."""

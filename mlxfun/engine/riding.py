@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxfun.engine.records import Record
+from mlxfun.engine.scheduler import Scheduler
 from mlxfun.engine.step import Chunk
 
 # A GPU server's decode step carries up to this many prompt tokens of the requests it admits.
@@ -72,3 +73,24 @@ def idle_chunk(rows: int, tokens: int) -> Chunk:
     block): a server's warm-up compiles each chunk length with it."""
     return Chunk(mx.zeros((tokens,), mx.int32), mx.full((tokens,), -1, mx.int32), mx.zeros((tokens,), mx.int32),
                  mx.arange(rows, dtype=mx.int32), mx.zeros((rows,), mx.bool_), mx.zeros((rows,), mx.int32))
+
+
+def fits(scheduler: Scheduler, records: list[Record], mixed_tokens: int, masked: bool) -> bool:
+    """Whether these admitted requests' prompts can ride along the next decode step: they fit
+    its chunk once their cached prefixes are known, none resumes after a preemption (its sampler
+    goes on from its tokens), none is constrained and no live row is (`masked`: a masked step is
+    split in two), and they need one prefill wave."""
+    if not mixed_tokens or masked or any(r.matcher is not None or r.row.text.tokens for r in records):
+        return False
+    if len(scheduler.waves(records)) > 1:
+        return False
+    return sum(scheduler.uncached(r) for r in records) <= mixed_tokens
+
+
+def register(scheduler: Scheduler, admitted: Admitted) -> None:
+    """The prefix cache learns each admitted prompt's full blocks, once the step computing them is
+    queued."""
+    bs = scheduler.pool.block_size
+    for row, r in zip(admitted.rows, admitted.records):
+        scheduler.pool.register(r.prompt, scheduler.pages.blocks(row, len(r.prompt) // bs),
+                                known=r.prompt_chain(bs) if scheduler.pool.max_cached > 0 else ())
