@@ -41,6 +41,7 @@ import mlx.core as mx
 
 from mlxfun.engine import prefill, riding, sampling
 from mlxfun.engine.blocks import Pool
+from mlxfun.engine.checks import check_invariant, check_options
 from mlxfun.engine.detok import RowText
 from mlxfun.engine.events import Event
 from mlxfun.engine.inbox import Inbox
@@ -55,14 +56,12 @@ from mlxfun.engine.runner import Runner
 from mlxfun.engine.scheduler import Scheduler, default_admit_wait
 from mlxfun.engine.step import Mode, StepCache, StepOut, Steps, compiled_steps
 from mlxfun.engine.strategy import WeightStrategy, default_strategy
-from mlxfun.errors import InputError, check_bool, check_non_negative_int, check_positive_int
+from mlxfun.errors import InputError, check_bool, check_non_negative_int
 from mlxfun.features import speculative
 from mlxfun.features.constraints import Constraints
 from mlxfun.features.speculation import Speculation, drafter_for
 from mlxfun.features.speculative import Verdict
-from mlxfun.kernels import attention as kernels
 from mlxfun.model import cache as kv
-from mlxfun.model import llama, weights
 from mlxfun.model.config import ModelConfig
 from mlxfun.model.load import Model
 
@@ -94,8 +93,8 @@ class Engine:
                  num_draft_tokens: int = 4, policy: speculative.Policy | None = None,
                  shrink_rows: bool | None = None, steps: Callable[[ModelConfig, Mode], Steps] = compiled_steps,
                  fixed_shapes: bool = False, batch_invariant: bool = False, mixed_tokens: int | None = None):
-        _check_options(rows, prefill_step, block_size, max_kv_size, admit_min, pad_multiple, kv_memory,
-                       prefix_cache, prefix_cache_bytes, num_draft_tokens)
+        check_options(rows, prefill_step, block_size, max_kv_size, admit_min, pad_multiple, kv_memory,
+                      prefix_cache, prefix_cache_bytes, num_draft_tokens)
         check_non_negative_int("admit_wait", admit_wait, allow_none=True)
         check_non_negative_int("mixed_tokens", mixed_tokens, allow_none=True)
         check_bool("batch_invariant", batch_invariant)
@@ -139,10 +138,10 @@ class Engine:
         # GPU a step costs about the same for 1 row or 32, and every width would compile anew.
         # Prompts of up to this many tokens in all ride along a decode step when admitted beside
         # decoding rows (`step.mixed_step`); 0: every admission is a prefill of its own.
-        self.mixed_tokens = default_mixed_tokens(on_gpu, fixed_shapes) if mixed_tokens is None else mixed_tokens
-        if self.mixed_tokens and (draft is not None or pages.ring is not None):
-            self.mixed_tokens = 0  # verify rounds and rings keep their own admissions
-        self.chunk_sizes = chunk_sizes(self.mixed_tokens)
+        mixed_tokens = default_mixed_tokens(on_gpu, fixed_shapes) if mixed_tokens is None else mixed_tokens
+        if draft is not None or pages.ring is not None:
+            mixed_tokens = 0  # verify rounds and rings keep their own admissions
+        self.chunk_sizes = chunk_sizes(mixed_tokens)
         self.scheduler = Scheduler(rows, pool, pages, max_blocks=max_blocks,
                                    context=self.config.max_position_embeddings, prefill_step=prefill_step,
                                    admit_min=admit_min or (max(1, rows // 4) if on_gpu else 1),
@@ -150,7 +149,7 @@ class Engine:
                                    spill=0 if draft is None else 2 * (num_draft_tokens + 1),
                                    preempt=fixed_shapes and draft is None,
                                    admit_wait=default_admit_wait(on_gpu, fixed_shapes) if admit_wait is None
-                                   else admit_wait, mixed_tokens=self.mixed_tokens)
+                                   else admit_wait, mixed_tokens=mixed_tokens)
         self.stats = EngineStats(rows=rows)
         self.constraints = Constraints(self.config.vocab_size)
         drafter = drafter_for(draft, self)
@@ -162,6 +161,11 @@ class Engine:
         self._chunk: Admitted | None = None  # prompts admitted to ride along the next decode step
         self._roster_of: Roster | None = None
         self.inbox = Inbox()  # any thread's messages
+
+    @property
+    def mixed_tokens(self) -> int:
+        """Prompt tokens a decode step may carry in all (`riding`); 0: none."""
+        return self.scheduler.mixed_tokens
 
     @property
     def requests(self) -> dict[int, Record]:
@@ -320,28 +324,32 @@ class Engine:
             bs = sched.pool.block_size
             prompts = sum(-(-len(r.prompt) // bs) for r in records)
             self._new_state(min(pool_size(1 + prompts, sched.max_blocks, sched.pages.least), sched.pool.size))
-        if busy and riding.fits(self.scheduler, records, self.mixed_tokens,
-                                self.scheduler.live_count() > 0 and self.roster().mode.masked):
-            self._chunk = self._ride_along(records, free)
+        self.stats.prompt_tokens += sum(len(r.prompt) for r in records)
+        if busy and riding.fits(sched, records, self.mixed_tokens, self.roster().mode.masked):
+            self._chunk = riding.place(sched, records, free, self.chunk_sizes)
+            self.stats.cached_tokens += sum(r.cached_tokens for r in records)
             self.stats.carried += 1
-            self.stats.prompt_tokens += sum(len(r.prompt) for r in records)
-            self.stats.admission_seconds += time.perf_counter() - t0
-            return events
+            self._restack()
+        else:
+            self._prefill_waves(records, free, busy, t0)
+        self.stats.admission_seconds += time.perf_counter() - t0
+        return events
+
+    def _prefill_waves(self, records: list[Record], free: list[int], busy: bool, t0: float) -> None:
+        """Prefill the admitted requests (`_prefill`), wave by wave; evaluated at once when no row
+        decodes (`busy`: some row does), and then timed as prompt time since `t0`."""
         params = self.runner.prompt_params([len(r.prompt) for r in records])
         outs = []
-        for wave in sched.waves(records):
+        for wave in self.scheduler.waves(records):
             if outs and not busy:
                 mx.eval([o[0] for o in outs], self.runner.state)
             outs += self._prefill(params, wave, free, wait=not busy)
         self._inflight += outs
         self._restack()
-        self.stats.prompt_tokens += sum(len(r.prompt) for r in records)
         if not busy:
             mx.eval([o[0] for o in outs], self.runner.state)
             self.stats.prompt_time += time.perf_counter() - t0
             self.stats.timed_prompt_tokens += sum(len(r.prompt) - r.cached_tokens for r in records)
-        self.stats.admission_seconds += time.perf_counter() - t0
-        return events
 
     def _prefill(self, params, records: list[Record], free: list[int], wait: bool = False
                  ) -> list[tuple[StepOut, list]]:
@@ -375,21 +383,6 @@ class Engine:
             outs.append((out, [r.id for r in chosen]))
         return outs
 
-    def _ride_along(self, records: list[Record], free: list[int]) -> Admitted:
-        """Place the requests in free rows after their cached prefixes, with blocks for their
-        prompts; their remaining tokens become the next decode step's chunk (`riding.layout`)."""
-        sched = self.scheduler
-        prefixes = [sched.cached_prefix(r) for r in records]
-        self.stats.cached_tokens += sum(r.cached_tokens for r in records)
-        rows = [free.pop(0) for _ in records]
-        sched.place(rows, records, prefixes)
-        for row, r in zip(rows, records):
-            sched.pages.ensure(row, r.cached_tokens, len(r.prompt))
-        chunk = riding.layout(len(sched.owner), rows, [r.prompt for r in records], [r.cached_tokens for r in records],
-                              self.chunk_sizes)
-        self._restack()
-        return Admitted(chunk, rows, records)
-
     def next_decode(self) -> tuple[Callable, tuple]:
         """The compiled decode step for the live rows and its arguments, not run (profiling)."""
         roster = self._prepare_step()
@@ -400,12 +393,10 @@ class Engine:
         """Queue one decode step for every row (rows without a live request decode idly)."""
         roster = self._prepare_step()
         admitted, self._chunk = self._chunk, None
-        if admitted is None:
-            out = self.runner.decode(roster.steps, roster.mode.penalties)
-            self._advanced(roster.live)
-        else:
-            out = self.runner.mixed(roster.steps, roster.mode.penalties, admitted.chunk)
-            self._advanced([r for r in roster.live if r not in admitted.rows])
+        out = self.runner.decode(roster.steps, roster.mode.penalties, None if admitted is None else admitted.chunk)
+        # A row admitted by the step's chunk starts at its prompt's end, where `place` put it.
+        self._advanced(roster.live if admitted is None else [r for r in roster.live if r not in admitted.rows])
+        if admitted is not None:
             riding.register(self.scheduler, admitted)
         if self.speculation is not None:
             self.speculation.decoded(time.perf_counter())
@@ -585,39 +576,6 @@ def engine_for(model: Model, rows: int, config: GenerationConfig, kv_memory: int
     if config.prompt_cache is not None:
         engine.add_prompt_cache(config.prompt_cache)
     return engine
-
-
-def check_invariant(config: ModelConfig, params) -> None:
-    """batch_invariant covers full-attention models with dense MLPs: a ring's prefill chunks may
-    overwrite keys their own queries read, and experts are gathered per batch. Where mlxfun's CUDA
-    kernels run (bf16 / fp16 on CUDA), attention must be the one-token kernel's: MLX's ops over a
-    row's gathered keys sum over the batch's table width."""
-    if config.max_window is not None or any(w is not None for w in config.layer_windows):
-        raise InputError("batch_invariant does not support windowed attention or max_kv_size (a ring) yet")
-    if config.num_experts:
-        raise InputError("batch_invariant does not support mixture-of-experts models yet")
-    dtype = weights.compute_dtype(params)
-    if kernels.available(dtype) and dtype != mx.float32 and not llama.step_attention_kernel(config, params):
-        raise InputError(f"batch_invariant: mlxfun's attention kernel does not serve this model's heads "
-                         f"(head_dim {config.head_dim}, {config.num_heads // config.num_kv_heads} query heads per "
-                         "key head), so its attention would follow the batch")
-
-
-def _check_options(rows, prefill_step, block_size, max_kv_size, admit_min, pad_multiple, kv_memory, prefix_cache,
-                   prefix_cache_bytes, num_draft_tokens) -> None:
-    """Raise InputError naming the first of the Engine's options that is out of range."""
-    for name, value in (("rows", rows), ("prefill_step", prefill_step), ("block_size", block_size)):
-        check_positive_int(name, value)
-    for name, value in (("max_kv_size", max_kv_size), ("admit_min", admit_min), ("pad_multiple", pad_multiple),
-                        ("kv_memory", kv_memory)):
-        check_positive_int(name, value, allow_none=True)
-    check_bool("prefix_cache", prefix_cache)
-    check_positive_int("num_draft_tokens", num_draft_tokens)
-    if num_draft_tokens >= block_size:
-        raise InputError(f"num_draft_tokens must be below the block size {block_size}, got {num_draft_tokens}")
-    if prefix_cache_bytes is not None and (isinstance(prefix_cache_bytes, bool) or
-                                           not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0):
-        raise InputError(f"prefix_cache_bytes must be a non-negative integer, got {prefix_cache_bytes!r}")
 
 
 def _size(n: int) -> str:

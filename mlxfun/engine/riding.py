@@ -68,6 +68,18 @@ def layout(width: int, rows: list[int], prompts: list[list[int]], starts: list[i
                  mx.array(owners + [0] * pad, mx.int32), mx.array(source), mx.array(ends), mx.array(lengths))
 
 
+def place(scheduler: Scheduler, records: list[Record], free: list[int], sizes: tuple[int, ...]) -> Admitted:
+    """The requests placed in free rows (taken from `free`) after their cached prefixes, with
+    blocks for their prompts; their remaining tokens make the next decode step's chunk (`layout`)."""
+    prefixes = [scheduler.cached_prefix(r) for r in records]
+    rows = [free.pop(0) for _ in records]
+    scheduler.place(rows, records, prefixes)
+    for row, r in zip(rows, records):
+        scheduler.pages.ensure(row, r.cached_tokens, len(r.prompt))
+    chunk = layout(len(scheduler.owner), rows, [r.prompt for r in records], [r.cached_tokens for r in records], sizes)
+    return Admitted(chunk, rows, records)
+
+
 def idle_chunk(rows: int, tokens: int) -> Chunk:
     """A chunk of `tokens` padding tokens that admits no row (their writes go to the scratch
     block): a server's warm-up compiles each chunk length with it."""

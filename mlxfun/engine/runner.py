@@ -135,19 +135,14 @@ class Runner:
 
     # ---- steps ----
 
-    def decode(self, steps: Steps, penalties: bool) -> StepOut:
-        """Queue one decode step for every row (rows without a request decode idly)."""
-        out, state = steps.decode(self.step_params, self.input_state(penalties), self.settings)
+    def decode(self, steps: Steps, penalties: bool, chunk: Chunk | None = None) -> StepOut:
+        """Queue one decode step for every row (rows without a request decode idly); with `chunk`,
+        its prompt tokens ride along (`step.mixed_step`) and the rows it admits get their first
+        tokens from the step."""
+        state = self.input_state(penalties)
+        out, state = steps.decode(self.step_params, state, self.settings) if chunk is None else \
+            steps.mixed(self.step_params, state, self.settings, chunk)
         self._advanced(state)  # the old state unreferenced: the step writes the KV pool in place
-        self.settle()
-        mx.async_eval(out, self.state)
-        return out
-
-    def mixed(self, steps: Steps, penalties: bool, chunk: Chunk) -> StepOut:
-        """Queue one decode step for every row with `chunk`'s prompt tokens riding along
-        (`step.mixed_step`): the rows it admits get their first tokens from it."""
-        out, state = steps.mixed(self.step_params, self.input_state(penalties), self.settings, chunk)
-        self._advanced(state)
         self.settle()
         mx.async_eval(out, self.state)
         return out

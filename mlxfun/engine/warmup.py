@@ -80,7 +80,7 @@ def warm_up(engine: Engine) -> Warmup:
                 out = runner.decode(steps, mode.penalties)
             mx.eval(out, runner.state)
             for chunk in [] if mode.masked else chunks:  # masked steps carry no prompts
-                mx.eval(runner.mixed(steps, mode.penalties, chunk), runner.state)
+                mx.eval(runner.decode(steps, mode.penalties, chunk), runner.state)
         per_width.append(time.perf_counter() - t)
     t = time.perf_counter()
     runner.state = runner.state._replace(cache=runner.state.cache._replace(table=table))
