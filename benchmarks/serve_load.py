@@ -270,7 +270,8 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
                 row.update(occupancy(before, engine_counters(server.url), args.rows or n, row))
                 if row.get("admissions"):
                     full, each = 100 * (row["row_occupancy"] or 0), 1e3 * (row["admission_s"] or 0) / row["admissions"]
-                    print(f"  {name} {mode}: rows {full:.0f}% full, {row['admissions']:.0f} admissions, {each:.1f} ms "
+                    print(f"  {name} {mode}: rows {full:.0f}% full, {row['engine_steps']:.0f} steps "
+                          f"({row['ms_per_step'] or 0:.2f} ms each), {row['admissions']:.0f} admissions, {each:.1f} ms "
                           f"of host time each, {row['traces']:.0f} traces", flush=True)
             row["first_sampled_ttft"], row["first_sampled_admission_s"] = cold, cold_admit
             row["warm_sampled_ttft"], row["warm_sampled_admission_s"] = sampled_alone(server.url, prompts[-2], mlxfun)
@@ -337,7 +338,8 @@ def occupancy(before: dict, after: dict, rows: int, row: dict) -> dict:
     (none once warm). Served tok/s is about rows x occupancy x steps per second."""
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     steps = d.get("steps_total", 0.0)
-    return {"engine_steps": steps, "steps_per_s": steps / row["wall_s"] if row.get("wall_s") else None,
+    return {"engine_steps": steps, "steps_per_s": steps / row["seconds"] if row.get("seconds") else None,
+            "ms_per_step": 1e3 * row["seconds"] / steps if steps and row.get("seconds") else None,
             "row_occupancy": d.get("busy_row_steps_total", 0.0) / (steps * rows) if steps else None,
             "admissions": d.get("admissions_total"), "admission_s": d.get("admission_seconds_total"),
             "traces": d.get("step_traces_total"),
@@ -359,9 +361,13 @@ def offline_run(model, prompts: list[str], n: int, args, mode: str) -> dict:
     out = mlxfun.generate(model, prompts[:requests], max_tokens=args.gen_tokens, batch_size=rows, **sampling)
     seconds = time.perf_counter() - t
     tokens = sum(len(ids) for ids in out.token_ids)
-    print(f"  offline generate {mode} {requests} prompts, {rows} rows: {tokens / seconds:.1f} tok/s", flush=True)
+    steps = out.stats.steps  # decode steps, beside the servers' engine_steps and row_occupancy
+    print(f"  offline generate {mode} {requests} prompts, {rows} rows: {tokens / seconds:.1f} tok/s, {steps} steps "
+          f"({1e3 * seconds / max(steps, 1):.2f} ms each, prefills included), rows {out.stats.occupancy:.0%} full",
+          flush=True)
     return dict(mode=mode, clients=n, rows=rows, requests=requests, tokens=tokens, seconds=seconds,
-                tok_s=tokens / seconds)
+                tok_s=tokens / seconds, engine_steps=steps, ms_per_step=1e3 * seconds / max(steps, 1),
+                row_occupancy=out.stats.occupancy)
 
 
 def sampled_alone(url: str, prompt: str, mlxfun: bool) -> tuple[float, float | None]:
@@ -447,6 +453,9 @@ def main(argv=None) -> int:
     p.add_argument("--mlxfun-also", action="append", default=[], metavar="NAME=ARGS",
                    help="also run mlxfun serve with these extra arguments (space-separated), reported as NAME "
                         "(e.g. mlxfun-wait0='--admit-wait 0'); may be repeated")
+    p.add_argument("--mlxfun-ref", action="append", default=[], metavar="NAME=DIR",
+                   help="also run mlxfun serve from the package in DIR (a folder holding mlxfun/, say "
+                        "`git archive REV mlxfun | tar -x -C DIR`), reported as NAME: this tree against another")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",")]
@@ -485,6 +494,11 @@ def main(argv=None) -> int:
             name, _, extra = also.partition("=")
             servers.append((name, lambda port, r, x=tuple(extra.split()): mlxfun_argv(folder, port, r, args.gen_tokens,
                                                                                    extra=x)))
+        for ref in args.mlxfun_ref:
+            name, _, where = ref.partition("=")
+            # `python -m` puts its working folder first on the path: the server runs in DIR.
+            servers.append((name, lambda port, r, d=str(Path(where).resolve()): ["env", "-C", d] + mlxfun_argv(
+                folder, port, r, args.gen_tokens, extra=ours)))
         if args.mlx_lm:
             servers.append(("mlx-lm", lambda port, r: mlx_lm_argv(args.mlx_lm_python, folder, port, r, args.gen_tokens,
                                                                   args.mlx_lm_args.split())))
