@@ -7,8 +7,7 @@ warmed up first). Each engine round is timed and reported by kind: rounds that a
 after them, and the rest. Each `--runs` entry is
 KV_GB:SETTLE[:prewarm][:keep][:phases][:slices][:waitfirst][:waitN][:compiled][:mixedN]: a KV pool of KV_GB
 (0: the server's default), when a pool write waits for the one queued before it (`Runner.settle`):
-`default` (a server's prefills from 1 GB on, every write on the CPU), `steps` (the default, and on a
-GPU its decode steps too, as a server's did before 2026-12-07), `never` (every write queued behind
+`default` (a server's pool from 1 GB on, and always on the CPU), `never` (every write queued behind
 the one in flight) or `always`; and with `prewarm`, 1..rows prompts admitted once each before the
 loop (is a stall the first sight of a prefill shape?); with `keep`, CUDA's
 memory pool keeps the memory it frees (`alloc_probe.keep_freed`). Each of the slowest rounds is
@@ -79,11 +78,8 @@ def closed_loop(model, rows: int, total: int, prompt: int, gen: int, kv_memory: 
     engine = Engine(model, rows, fixed_shapes=True, kv_memory=kv_memory, admit_wait=admit_wait, mixed_tokens=mixed)
     if compiled:  # before any step is made: the engine's StepCache makes them with this bound
         engine.step_cache.compile_prefill = PREFILL_COMPILED_TOKENS
-    if settle == "steps":
-        engine.runner.settle_steps = True
-    elif settle != "default":
+    if settle != "default":
         engine.runner.settle_bytes = None if settle == "never" else 0
-        engine.runner.settle_steps = True
     warm = warm_up(engine) if warmup else None
     setup = time.perf_counter() - t
     kept = keep and keep_freed(4 << 30)  # the CUDA pool keeps what it frees, 4 GB of it mapped ahead

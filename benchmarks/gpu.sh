@@ -56,8 +56,6 @@
 #   serve-mixed  serve_load.py ($SERVE_SHAPE (1B), $SERVE_CLIENTS (32) clients, 8 requests each, greedy and seeded,
 #                first requests spread over $SERVE_ARRIVAL (1) s) against offline generate: mlxfun serve as it starts
 #                by default and with --mixed-tokens 0 ($SERVE_LM=1: mlx_lm.server too)
-#   settle-ab    closed_loop.py at the server's default pool, warmed up: decode steps pipelined (the default) against
-#                each step waiting for the one before (:steps, the server before 2026-12-07), alternating
 #   serve-ab     serve_load.py ($SERVE_SHAPE (1B), $SERVE_CLIENTS (32) clients, 8 requests each, greedy and seeded,
 #                first requests spread over $SERVE_ARRIVAL (1) s) against offline generate: mlxfun serve from this
 #                tree and from $AB_REF (reported as mlxfun-ref; see ab-static for how to make it)
@@ -193,8 +191,6 @@ for suite in "$@"; do
         --clients ${SERVE_CLIENTS:-32} --requests $((8 * ${SERVE_CLIENTS:-32})) --modes ${SERVE_MODES:-greedy,seeded} \
         --offline "${lm[@]}" --arrival ${SERVE_ARRIVAL:-1} --mlxfun-also "mlxfun-mixed0=--mixed-tokens 0" \
         --json "$OUT/serve-mixed-${SERVE_SHAPE:-1B}-${SERVE_CLIENTS:-32}-arrival${SERVE_ARRIVAL:-1}.json" ;;
-    settle-ab) timeout ${CLOSED_TIMEOUT:-300} python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 \
-      --runs 0:steps,0:default,0:steps,0:default --json "$OUT/closed-loop-settle-ab.json" | cut -c1-600 ;;
     serve-ab)
       wheels
       timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape ${SERVE_SHAPE:-1B} \

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 
-import mlx.core as mx
 import numpy as np
 from helpers import tiny_model
 
@@ -370,11 +369,9 @@ def test_an_admission_beside_a_decode_step_builds_its_graph_before_waiting_for_i
     real_chunk, real_settle = step.prefill_chunk, Runner.settle
     monkeypatch.setattr(step, "prefill_chunk", lambda *a, **k: (order.append("graph"), real_chunk(*a, **k))[1])
     monkeypatch.setattr(Runner, "settle",
-                        lambda self, cache=None, step=False: (order.append("settle"),
-                                                              real_settle(self, cache, step))[1])
+                        lambda self, cache=None: (order.append("settle"), real_settle(self, cache))[1])
     engine = Engine(model, 2, shrink_rows=False, admit_min=1)
     assert engine.runner.settle_bytes == 0  # the CPU: every pool write waits for the one before
-    assert engine.runner.settle_steps  # decode steps' writes too
     first = engine.add([5, 6, 7, 8, 9], max_tokens=6, ignore_eos=True)
     engine.step()  # admitted idle, then a decode step queued
     assert order[:2] == ["settle", "graph"]
@@ -391,33 +388,3 @@ def test_an_admission_beside_a_decode_step_builds_its_graph_before_waiting_for_i
         for _ in alone.events():
             pass
         assert alone.take(r).row.text.tokens == tokens[rid]
-
-
-def test_decode_steps_stay_pipelined_where_only_prefills_settle(monkeypatch):
-    """A GPU engine's decode steps (`settle_steps` off, `kv_budget.steps_settle`) are queued behind
-    the step in flight without waiting for it, while a prefill's write into a large pool still
-    waits (`settle_bytes`); the CPU waits for both. Counted by the synchronizations each makes,
-    on a CPU engine set as a GPU server's would be; the tokens stay those of the request alone."""
-    from helpers import tiny_config
-
-    from mlxfun.engine import kv_budget
-
-    assert kv_budget.steps_settle()  # this machine's device is the CPU
-    model = tiny_model(tiny_config(num_layers=2))
-    waits = []
-    real = mx.synchronize
-    monkeypatch.setattr(mx, "synchronize", lambda *a: (waits.append(1), real(*a))[1])
-    counts = {}
-    for settle_steps in (True, False):
-        engine = Engine(model, 2, shrink_rows=False, admit_min=1)
-        engine.runner.settle_steps = settle_steps
-        rid = engine.add([5, 6, 7, 8, 9], max_tokens=8, ignore_eos=True)
-        waits.clear()
-        engine.step()  # the prefill (one chunk) and the first decode step
-        first = len(waits)
-        for _ in engine.events():
-            pass
-        counts[settle_steps] = (first, len(waits) - first, engine.take(rid).row.text.tokens)
-    assert counts[True][0] == 2 and counts[False][0] == 1  # the prefill waits either way
-    assert counts[True][1] >= 6 and counts[False][1] == 0  # each later decode step waits only where it settles
-    assert counts[True][2] == counts[False][2]

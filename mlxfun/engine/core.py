@@ -45,7 +45,7 @@ from mlxfun.engine.checks import check_invariant, check_options
 from mlxfun.engine.detok import RowText
 from mlxfun.engine.events import Event
 from mlxfun.engine.inbox import Inbox
-from mlxfun.engine.kv_budget import fixed_pool_blocks, kv_budget, settle_bytes, steps_settle
+from mlxfun.engine.kv_budget import fixed_pool_blocks, kv_budget, settle_bytes
 from mlxfun.engine.options import GenerationConfig, Request, make_request
 from mlxfun.engine.outputs import hand_out
 from mlxfun.engine.paging import MIN_BLOCKS, MIN_BLOCKS_CPU, Pages, ladder, pool_size
@@ -114,7 +114,7 @@ class Engine:
         on_gpu = mx.default_device() == mx.gpu
         # Chunk lengths rounded up on a GPU, so attention kernels are built for few shapes.
         self.runner = Runner(model, self.config, rows, strategy, steps, block_size, prefill_step,
-                             pad_multiple or prefill.pad_multiple(), settle_bytes(fixed_shapes), steps_settle())
+                             pad_multiple or prefill.pad_multiple(), settle_bytes(fixed_shapes))
         self.kv_memory = kv_budget(kv_memory, strategy, fixed_shapes)
         self.slot_bytes = kv.slot_bytes(self.config, self.runner.dtype)
         self.block_bytes = block_size * self.slot_bytes

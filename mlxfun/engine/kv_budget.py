@@ -2,8 +2,7 @@
 
 A pool allocated once (a server's engine, fixed shapes) is sized here: the budget (`kv_budget`),
 at most every row at full context (`fixed_pool_blocks`). `settle_bytes` says from what pool size
-a prefill's write waits for the write before it (`Runner.settle`), `steps_settle` whether a decode
-step does.
+`Runner.settle` waits.
 """
 
 from __future__ import annotations
@@ -25,28 +24,17 @@ def kv_budget(kv_memory: int | None, strategy: WeightStrategy, fixed_shapes: boo
 
 
 def settle_bytes(fixed_shapes: bool) -> int | None:
-    """From what KV pool size a prefill's pool write waits for the write queued before it
-    (`Runner.settle`). The CPU: always (a write queued behind work in flight copies the pool
-    there). A server's GPU engine, whose pool is allocated at once: from 1 GB. On H100s, servers
-    lost requests to out-of-memory errors in prefills in 2 of 4 load runs without the wait (one
-    perhaps because the server before it was still exiting) and in none of 4 with it. An offline
-    engine's pool holds only what its requests need: its prefills stay pipelined. Decode steps:
-    `steps_settle`."""
+    """From what KV pool size a pool write waits for the one queued before (`Runner.settle`).
+    The CPU: always (a write queued behind work in flight copies the pool there). A server's GPU
+    engine, whose pool is allocated at once: from 1 GB. On H100s, servers lost requests to
+    out-of-memory errors in prefills in 2 of 4 load runs without the wait (one perhaps because the
+    server before it was still exiting) and in none of 4 with it; under a closed loop without HTTP
+    the engine ran 4,523 tok/s waiting against 5,028 pipelined (one run each,
+    `benchmarks/closed_loop.py`, 2026-12-06). Requests kept are worth a tenth of the rate. An
+    offline engine's pool holds only what its requests need: its steps stay pipelined."""
     if mx.default_device() == mx.cpu:
         return 0
     return SERVER_SETTLE_BYTES if fixed_shapes else None
-
-
-def steps_settle() -> bool:
-    """Whether a decode step (the compiled step, riding prompts included) waits for the step
-    queued before it, like a prefill's write past `settle_bytes`. On the CPU, yes: a task in flight
-    holds its outputs, so a step queued behind it copies the pool. On a GPU, no: the compiled
-    step's write takes over the pool's buffer as its output when it is queued, and the stream runs
-    it after the step before, so the host builds and launches step k + 1 while the device runs step
-    k. Waiting there left the device idle while each step launched: a server's engine under a
-    closed loop ran 4,523 tok/s waiting against 5,028 pipelined, 60 GB pool, no copy either way
-    (H100, `benchmarks/closed_loop.py`, 2026-12-06)."""
-    return mx.default_device() == mx.cpu
 
 
 # A server's GPU pool from this size on is written only after the write before it has run.

@@ -10,10 +10,9 @@ In-place writes. A step writes the KV pool in place only when nothing else refer
 pool, so no method keeps a reference to a state it has replaced (an extra reference makes MLX
 copy the whole pool first: a 134 MB pool took 74 ms per write on a 2-core CPU against 0.07).
 On the CPU, work still in flight is such a reference: it holds its outputs until it has run, and a
-write queued behind it copies (a 1 GB pool: 900 ms a step against 0.1 ms). There every write into
-the pool waits for the one queued before it (`settle`), and on a GPU a prefill's write into a
-server's large pool does (`kv_budget.settle_bytes`); a GPU's decode steps stay pipelined
-(`kv_budget.steps_settle`).
+write queued behind it copies (a 1 GB pool: 900 ms a step against 0.1 ms). There, and for a
+server's large pool on a GPU, a write into the pool waits for the one queued before it (`settle`,
+`kv_budget.settle_bytes`).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ IDLE = sampling.make_settings(1, seed=0)
 class Runner:
     def __init__(self, model: Model, config: ModelConfig, rows: int, strategy: WeightStrategy,
                  steps: Callable[[ModelConfig, Mode], Steps], block_size: int, prefill_step: int, pad_multiple: int,
-                 settle_bytes: int | None = 0, settle_steps: bool = True):
+                 settle_bytes: int | None = 0):
         self.config, self.strategy, self.steps = config, strategy, steps
         self.block_size, self.prefill_step, self.pad_multiple = block_size, prefill_step, pad_multiple
         # Quantized weights may run as a dense copy for this many rows (mlxfun.engine.strategy).
@@ -53,18 +52,16 @@ class Runner:
         self.step_params = weights.with_transposed(config, self.params)
         self.state: DecodeState | None = None
         self.settings: sampling.Settings | None = None  # per-row settings of the state's rows
-        # Prefills write pools of at least this many bytes after the write before has run (None:
-        # never); decode steps wait for the step before where `settle_steps`.
-        self.settle_bytes, self.settle_steps = settle_bytes, settle_steps
+        # Pools of at least this many bytes are written after the write before has run (None: never).
+        self.settle_bytes = settle_bytes
 
     def steps_for(self, mode: Mode) -> Steps:
         return self.steps(self.config, mode)
 
-    def settle(self, cache: kv.KVCache | None = None, step: bool = False) -> None:
+    def settle(self, cache: kv.KVCache | None = None) -> None:
         """Before queuing a write into the pool (`cache`'s, else the state's): wait for the write
-        queued before it, if the pool is large enough that copying it would cost more. `step`: the
-        write is a decode step's, which waits only where `settle_steps`."""
-        if self.settle_bytes is None or (step and not self.settle_steps):
+        queued before it, if the pool is large enough that copying it would cost more."""
+        if self.settle_bytes is None:
             return
         if self.settle_bytes and _pool_bytes(cache if cache is not None else self.state.cache) < self.settle_bytes:
             return
@@ -146,7 +143,7 @@ class Runner:
         out, state = steps.decode(self.step_params, state, self.settings) if chunk is None else \
             steps.mixed(self.step_params, state, self.settings, chunk)
         self._advanced(state)  # the old state unreferenced: the step writes the KV pool in place
-        self.settle(step=True)
+        self.settle()
         mx.async_eval(out, self.state)
         return out
 
@@ -154,7 +151,7 @@ class Runner:
         """Queue a decode step's forward pass (the masked decode's first half) -> logits."""
         logits, state = steps.forward(self.step_params, self.input_state(penalties))
         self._advanced(state)
-        self.settle(step=True)
+        self.settle()
         mx.async_eval(logits, self.state)
         return logits
 
@@ -169,7 +166,7 @@ class Runner:
         """Queue a verify round: every row's drafts (B, k) checked by one forward pass."""
         out, state = steps.verify(self.step_params, self.state._replace(counts=None), drafts, valid, q, self.settings)
         self.state = state._replace(counts=self.state.counts)
-        self.settle(step=True)
+        self.settle()
         mx.async_eval(out, self.state)
         return out
 
