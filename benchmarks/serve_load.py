@@ -502,16 +502,21 @@ def main(argv=None) -> int:
         if args.mlx_lm:
             servers.append(("mlx-lm", lambda port, r: mlx_lm_argv(args.mlx_lm_python, folder, port, r, args.gen_tokens,
                                                                   args.mlx_lm_args.split())))
-        for n in clients:
-            procs = args.client_procs or max(1, min(n // 32, (os.cpu_count() or 2) // 2))
-            for rep in range(args.repeats):
-                # Alternate which server goes first, so a machine's drift does not favour one.
-                for name, argv_for in (servers if rep % 2 == 0 else servers[::-1]):
-                    rows += measure(name, argv_for, n, procs, modes, prompts, args, log)
+        try:
+            for n in clients:
+                procs = args.client_procs or max(1, min(n // 32, (os.cpu_count() or 2) // 2))
+                for rep in range(args.repeats):
+                    # Alternate which server goes first, so a machine's drift does not favour one.
+                    for name, argv_for in (servers if rep % 2 == 0 else servers[::-1]):
+                        rows += measure(name, argv_for, n, procs, modes, prompts, args, log)
+        except BaseException:
+            print(f"the servers' log: {log.read_text()[-6000:]}", flush=True)
+            raise
+        finally:
+            if args.json:  # the servers' log beside the results, also when a run failed
+                Path(args.json).with_suffix(".server.log").write_text(log.read_text())
         runs = rows
         rows = best_runs(runs)
-        if args.json:  # the servers' log beside the results
-            Path(args.json).with_suffix(".server.log").write_text(log.read_text())
         if any(r["failed"] for r in rows):
             print(f"some requests failed; the servers' log: {log.read_text()[-3000:]}")
     print()
