@@ -209,7 +209,8 @@ def main(argv=None) -> int:
                                             None), compiled="compiled" in extra,
                             mixed=next((int(x[5:]) for x in extra if x.startswith("mixed") and x[5:].isdigit()), None))
         except RuntimeError as e:  # a device out of memory, say: the other runs still count
-            r = dict(kv=gb, settle=settle, error=f"{type(e).__name__}: {e}")
+            r = dict(kv=gb, settle=settle, error=f"{type(e).__name__}: {e}", active_gb=mx.get_active_memory() / 1e9,
+                     peak_gb=mx.get_peak_memory() / 1e9, cache_gb=mx.get_cache_memory() / 1e9)
         runs.append(r)
         print(json.dumps(r), flush=True)
         gc.collect()  # the engine's reference cycles, so that its pool is freed
