@@ -11,6 +11,10 @@ import mlx.core as mx
 
 from mlxfun.engine.strategy import WeightStrategy, free_memory, memory_limit
 
+# Device memory a server's process leaves to what MLX does not count (CUDA's context, library
+# workspaces, graphs), below what it found free.
+UNCOUNTED_BYTES = 1 << 30
+
 
 def kv_budget(kv_memory: int | None, strategy: WeightStrategy, fixed_shapes: bool) -> int:
     """Bytes the KV cache may take: `kv_memory`, else the strategy's share of the device's memory
@@ -45,3 +49,17 @@ def fixed_pool_blocks(budget: int, full: int) -> int:
     """A fixed-shape engine's pool in blocks: the `budget`, at most `full` (every row at full
     context) with an eighth more for the prefix cache and the scratch blocks."""
     return min(budget, 2 + full + full // 8)
+
+
+def process_memory_limit() -> int | None:
+    """What a server's engine process may hold on a GPU shared with other processes: what MLX holds
+    now and what the device has free, less `UNCOUNTED_BYTES` (None off CUDA). Set as MLX's memory
+    limit (`mx.set_memory_limit`), it makes MLX hand back its cache of freed buffers before the
+    device runs out: MLX's own limit is a share of the whole device, past which alone it trims the
+    cache. Beside the server's HTTP process and a benchmark's process, an H100 server's engine
+    (1B, 128 rows, a 61 GB pool and 11 GB of cached buffers) ran out of memory in the prefill of a
+    burst of 128 prompts, and failed the requests in it (`benchmarks/serve_load.py`, 2026-12-07)."""
+    free = free_memory()
+    if free is None:
+        return None
+    return mx.get_active_memory() + mx.get_cache_memory() + free - UNCOUNTED_BYTES

@@ -32,6 +32,7 @@ import numpy as np
 
 from mlxfun.engine import sampling
 from mlxfun.engine.core import Engine, engine_for
+from mlxfun.engine.kv_budget import process_memory_limit
 from mlxfun.engine.options import GenerationConfig, Request
 from mlxfun.errors import InputError, MlxfunError
 from mlxfun.features import structured
@@ -60,6 +61,10 @@ class EngineSpec(NamedTuple):
             if not loaded:
                 loaded.append(load(self.model, dtype=self.dtype))
                 mx.eval(loaded[0].params)
+            # The process owns its share of the device: MLX trims its cache before the device runs out.
+            limit = process_memory_limit()
+            if limit is not None:
+                mx.set_memory_limit(limit)
             return engine_for(loaded[0], self.rows, self.defaults, self.kv_memory, fixed_shapes=True,
                               admit_wait=self.admit_wait, mixed_tokens=self.mixed_tokens)
 
