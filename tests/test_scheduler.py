@@ -276,6 +276,30 @@ def test_static_batch_that_does_not_fit_runs_in_waves(tiny, monkeypatch):
         assert ids == generate(tiny, [p], max_tokens=m, ignore_eos=True).token_ids[0]
 
 
+def test_a_server_engine_process_limits_mlx_to_its_share_of_the_device(tiny, tmp_path, monkeypatch):
+    """A server's engine process sets MLX's memory limit to what MLX holds plus what the device has
+    free, less `UNCOUNTED_BYTES`, so that beside other processes on one GPU MLX trims its cache of
+    freed buffers before the device runs out. The CPU reports no free memory: no limit there."""
+    from mlxfun.engine import kv_budget
+    from mlxfun.engine.options import GenerationConfig
+    from mlxfun.serve import engine_process
+
+    assert kv_budget.process_memory_limit() is None
+    free = 6 << 30
+    monkeypatch.setattr(kv_budget, "free_memory", lambda: free)
+    held = mx.get_active_memory() + mx.get_cache_memory()
+    assert kv_budget.process_memory_limit() == held + free - kv_budget.UNCOUNTED_BYTES
+    limits = []
+    monkeypatch.setattr(mx, "set_memory_limit", lambda n: limits.append(n) or 0)
+    mlxfun.save(tiny, tmp_path / "m")
+    spec = engine_process.EngineSpec(str(tmp_path / "m"), None, 2, GenerationConfig(), 1 << 20)
+    engine = spec.maker()()
+    assert len(limits) == 1  # set once, after the weights are loaded and before the pool is made
+    assert free - kv_budget.UNCOUNTED_BYTES < limits[0] <= free - kv_budget.UNCOUNTED_BYTES + \
+        mx.get_active_memory() + mx.get_cache_memory()
+    assert engine.fixed  # the server's engine: fixed shapes
+
+
 def test_released_records_and_dropped_cache():
     model = tiny_model()
     engine = Engine(model, rows=3)
