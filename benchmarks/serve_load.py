@@ -271,7 +271,8 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
                 if row.get("admissions"):
                     full, each = 100 * (row["row_occupancy"] or 0), 1e3 * (row["admission_s"] or 0) / row["admissions"]
                     print(f"  {name} {mode}: rows {full:.0f}% full, {row['engine_steps']:.0f} steps "
-                          f"({row['ms_per_step'] or 0:.2f} ms each), {row['admissions']:.0f} admissions, {each:.1f} ms "
+                          f"({row['ms_per_step'] or 0:.2f} ms each, {row['wait_ms_per_step'] or 0:.2f} of them waiting "
+                          f"for the device), {row['admissions']:.0f} admissions, {each:.1f} ms "
                           f"of host time each, {row['traces']:.0f} traces", flush=True)
             row["first_sampled_ttft"], row["first_sampled_admission_s"] = cold, cold_admit
             row["warm_sampled_ttft"], row["warm_sampled_admission_s"] = sampled_alone(server.url, prompts[-2], mlxfun)
@@ -292,7 +293,7 @@ def engine_counters(url: str) -> dict[str, float]:
     """The mlxfun server's step counters from /metrics."""
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     names = ("steps_total", "busy_row_steps_total", "admissions_total", "admission_seconds_total", "step_traces_total",
-             "preemptions_total")
+             "preemptions_total", "device_wait_seconds_total")
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -340,6 +341,9 @@ def occupancy(before: dict, after: dict, rows: int, row: dict) -> dict:
     steps = d.get("steps_total", 0.0)
     return {"engine_steps": steps, "steps_per_s": steps / row["seconds"] if row.get("seconds") else None,
             "ms_per_step": 1e3 * row["seconds"] / steps if steps and row.get("seconds") else None,
+            # of which the engine waited for the device (the rest is host time the device may have waited for)
+            "wait_ms_per_step": 1e3 * d["device_wait_seconds_total"] / steps
+            if steps and "device_wait_seconds_total" in d else None,
             "row_occupancy": d.get("busy_row_steps_total", 0.0) / (steps * rows) if steps else None,
             "admissions": d.get("admissions_total"), "admission_s": d.get("admission_seconds_total"),
             "traces": d.get("step_traces_total"),

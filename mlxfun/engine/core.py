@@ -210,6 +210,7 @@ class Engine:
         """Start the counters (`stats`) again: a server's own first requests are not its clients'.
         Meant for an idle engine: a step in flight meanwhile may count into the counters replaced."""
         self.stats = EngineStats(rows=self.stats.rows)
+        self.runner.take_waited()
 
     # ---- the engine thread: the loop ----
 
@@ -524,6 +525,7 @@ class Engine:
         self._restack()
 
     def _count_rows(self) -> None:
+        self.stats.device_wait_seconds += self.runner.take_waited()
         self.stats.running = self.scheduler.live_count()
         self.stats.queued = len(self.scheduler.pending) + self.inbox.size()
 

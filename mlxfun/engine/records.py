@@ -96,6 +96,9 @@ class EngineStats(Stats):
     timed_prompt_tokens: int = 0  # the prompt tokens of the admissions `prompt_time` counts
     preemptions: int = 0  # rows taken back from their requests to make room in a full KV pool
     carried: int = 0  # admissions whose prompts rode along a decode step (`step.mixed_step`), of `admissions`
+    # Host seconds spent waiting for the device before queuing a write into the KV pool
+    # (`Runner.settle`: a server's engine on a GPU, every engine on the CPU).
+    device_wait_seconds: float = 0.0
 
     def record_memory(self, scheduler, on: bool, block_bytes: int) -> None:
         """The KV pool's sizes after a step (`on`: the device state exists)."""

@@ -17,6 +17,7 @@ server's large pool on a GPU, a write into the pool waits for the one queued bef
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import mlx.core as mx
@@ -54,6 +55,7 @@ class Runner:
         self.settings: sampling.Settings | None = None  # per-row settings of the state's rows
         # Pools of at least this many bytes are written after the write before has run (None: never).
         self.settle_bytes = settle_bytes
+        self.waited = 0.0  # seconds `settle` waited for the device (`take_waited`)
 
     def steps_for(self, mode: Mode) -> Steps:
         return self.steps(self.config, mode)
@@ -65,7 +67,15 @@ class Runner:
             return
         if self.settle_bytes and _pool_bytes(cache if cache is not None else self.state.cache) < self.settle_bytes:
             return
+        t = time.perf_counter()
         mx.synchronize()
+        self.waited += time.perf_counter() - t
+
+    def take_waited(self) -> float:
+        """Seconds `settle` waited for the device since the last call: where the host is ahead of
+        the device (a step's time less this is host time the device waited for)."""
+        waited, self.waited = self.waited, 0.0
+        return waited
 
     # ---- the state ----
 

@@ -364,7 +364,9 @@ def metrics_text(engine: Engine, tokens_per_second: float) -> str:
              "admissions_total).", s.carried),
             ("admission_seconds_total", "counter", "Host seconds spent admitting (prefill graphs built and queued, "
              "kernels built at a chunk shape's first sight, waits while no row decodes).",
-             f"{s.admission_seconds:.6f}")):
+             f"{s.admission_seconds:.6f}"),
+            ("device_wait_seconds_total", "counter", "Host seconds the engine waited for the device before queuing "
+             "a write into its KV pool (the rest of a step's time is the host's).", f"{s.device_wait_seconds:.6f}")):
         lines.append(f"{family(name, kind, help_)} {value}")
     for name, window, help_ in (
             ("time_to_first_token_seconds", s.ttft, "Time to first token over the last requests (a window)."),
