@@ -59,6 +59,9 @@
 #   serve-ab     serve_load.py ($SERVE_SHAPE (1B), $SERVE_CLIENTS (32) clients, 8 requests each, greedy and seeded,
 #                first requests spread over $SERVE_ARRIVAL (1) s) against offline generate: mlxfun serve from this
 #                tree and from $AB_REF (reported as mlxfun-ref; see ab-static for how to make it)
+#   serve-burst  serve_load.py (1B, $SERVE_CLIENTS (128) clients starting at once, 4 requests each, greedy) against
+#                offline generate first in the benchmark's process: a burst's prefill beside other processes on the
+#                device (an H100 server ran out of memory there before the engine process capped MLX's memory)
 #   serve-cold   benchmarks/serve_cold.py (1B, 32 rows): fresh servers' first requests, each timed alone ($COLD_SEQUENCES)
 #   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
 #                after keep_freed (CUDA's pool keeps freed memory)
@@ -197,6 +200,11 @@ for suite in "$@"; do
         --clients ${SERVE_CLIENTS:-32} --requests $((8 * ${SERVE_CLIENTS:-32})) --modes ${SERVE_MODES:-greedy,seeded} \
         --offline --arrival ${SERVE_ARRIVAL:-1} --mlxfun-ref "mlxfun-ref=$AB_REF" \
         --json "$OUT/serve-ab-${SERVE_SHAPE:-1B}-${SERVE_CLIENTS:-32}-arrival${SERVE_ARRIVAL:-1}.json" ;;
+    serve-burst)
+      wheels
+      timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape 1B --clients ${SERVE_CLIENTS:-128} \
+        --requests $((4 * ${SERVE_CLIENTS:-128})) --modes greedy --offline --arrival 0 \
+        --json "$OUT/serve-burst-1B-${SERVE_CLIENTS:-128}.json" ;;
     serve-cold) timeout ${COLD_TIMEOUT:-300} python3 benchmarks/serve_cold.py --shape 1B --rows 32 \
       --sequences ${COLD_SEQUENCES:-seeded,seeded,seeded greedy,seeded,seeded seeded,seeded@thread} --json "$OUT/serve-cold.json" ;;
     alloc) timeout 120 python3 benchmarks/alloc_probe.py --pool-gb ${ALLOC_POOL_GB:-60} --json "$OUT/alloc-probe.json" ;;
