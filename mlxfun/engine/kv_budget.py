@@ -12,8 +12,8 @@ import mlx.core as mx
 from mlxfun.engine.strategy import WeightStrategy, free_memory, memory_limit
 
 # Device memory a server's process leaves to what MLX does not count (CUDA's context, library
-# workspaces, graphs), below what it found free.
-UNCOUNTED_BYTES = 1 << 30
+# workspaces, graph instantiations) and to other processes' growth, below what it found free.
+UNCOUNTED_BYTES = 2 << 30
 
 
 def kv_budget(kv_memory: int | None, strategy: WeightStrategy, fixed_shapes: bool) -> int:
