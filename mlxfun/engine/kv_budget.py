@@ -34,8 +34,11 @@ def settle_bytes(fixed_shapes: bool) -> int | None:
     out-of-memory errors in prefills in 2 of 4 load runs without the wait (one perhaps because the
     server before it was still exiting) and in none of 4 with it; under a closed loop without HTTP
     the engine ran 4,523 tok/s waiting against 5,028 pipelined (one run each,
-    `benchmarks/closed_loop.py`, 2026-12-06). Requests kept are worth a tenth of the rate. An
-    offline engine's pool holds only what its requests need: its steps stay pipelined."""
+    `benchmarks/closed_loop.py`, 2026-12-06). Requests kept are worth a tenth of the rate. Letting
+    only the decode steps go unwaited does not pay either: work in flight holds the pool on CUDA
+    too, and on an H200 such rounds queued 14-24 GB (copies of a 110 GB pool's layers) while the
+    server served 7,609 greedy tok/s against 8,649 waiting (2026-12-07). An offline engine's pool
+    holds only what its requests need: its steps stay pipelined."""
     if mx.default_device() == mx.cpu:
         return 0
     return SERVER_SETTLE_BYTES if fixed_shapes else None
