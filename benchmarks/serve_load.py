@@ -366,12 +366,11 @@ def offline_run(model, prompts: list[str], n: int, args, mode: str) -> dict:
     seconds = time.perf_counter() - t
     tokens = sum(len(ids) for ids in out.token_ids)
     steps = out.stats.steps  # decode steps, beside the servers' engine_steps and row_occupancy
+    ms = 1e3 * seconds / max(steps, 1)
     print(f"  offline generate {mode} {requests} prompts, {rows} rows: {tokens / seconds:.1f} tok/s, {steps} steps "
-          f"({1e3 * seconds / max(steps, 1):.2f} ms each, prefills included), rows {out.stats.occupancy:.0%} full",
-          flush=True)
+          f"({ms:.2f} ms each, prefills included), rows {out.stats.occupancy:.0%} full", flush=True)
     return dict(mode=mode, clients=n, rows=rows, requests=requests, tokens=tokens, seconds=seconds,
-                tok_s=tokens / seconds, engine_steps=steps, ms_per_step=1e3 * seconds / max(steps, 1),
-                row_occupancy=out.stats.occupancy)
+                tok_s=tokens / seconds, engine_steps=steps, ms_per_step=ms, row_occupancy=out.stats.occupancy)
 
 
 def sampled_alone(url: str, prompt: str, mlxfun: bool) -> tuple[float, float | None]:

@@ -65,20 +65,17 @@ def steady(model, rows: int, prompt: int, rounds: int, kind: str, mode: str, kv_
             times.append(time.perf_counter() - t)
         mx.synchronize()
         seconds = time.perf_counter() - t0
-        step_mode = str(engine.roster().mode)
         passes.append(dict(ms_per_round=1e3 * seconds / rounds, median_round_ms=1e3 * float(np.median(times)),
                            max_round_ms=1e3 * max(times), queued_gb=(mx.get_peak_memory() - held) / 1e9,
-                           step_mode=step_mode))
+                           step_mode=str(engine.roster().mode)))
         for rid in rids:
             engine.cancel(rid)
         for _ in engine.events():
             pass
         for rid in list(engine.requests):
             engine.take(rid)
-    out = dict(kind=kind, mode=mode, kv_gb=round(engine.kv_memory / 1e9, 2), settle_bytes=engine.runner.settle_bytes,
-               **passes[-1], first_pass_ms=passes[0]["ms_per_round"])
-    del engine
-    return out
+    return dict(kind=kind, mode=mode, kv_gb=round(engine.kv_memory / 1e9, 2), settle_bytes=engine.runner.settle_bytes,
+                **passes[-1], first_pass_ms=passes[0]["ms_per_round"])
 
 
 def main(argv=None) -> int:
