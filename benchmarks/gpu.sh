@@ -62,6 +62,9 @@
 #   serve-burst  serve_load.py (1B, $SERVE_CLIENTS (128) clients starting at once, 4 requests each, greedy) against
 #                offline generate first in the benchmark's process: a burst's prefill beside other processes on the
 #                device (an H100 server ran out of memory there before the engine process capped MLX's memory)
+#   serve-load   serve_load.py ($SERVE_SHAPE (1B), $SERVE_CLIENTS (32) clients, $SERVE_EACH (8) requests each, greedy and
+#                seeded, all starting at once unless $SERVE_ARRIVAL) against offline generate; $SERVE_PROCS client
+#                processes; SERVE_SPY=1: under py-spy (add its wheel to .whl), stacks read by benchmarks/spy_threads.py
 #   serve-cold   benchmarks/serve_cold.py (1B, 32 rows): fresh servers' first requests, each timed alone ($COLD_SEQUENCES)
 #   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
 #                after keep_freed (CUDA's pool keeps freed memory)
@@ -200,6 +203,18 @@ for suite in "$@"; do
         --clients ${SERVE_CLIENTS:-32} --requests $((8 * ${SERVE_CLIENTS:-32})) --modes ${SERVE_MODES:-greedy,seeded} \
         --offline --arrival ${SERVE_ARRIVAL:-1} --mlxfun-ref "mlxfun-ref=$AB_REF" \
         --json "$OUT/serve-ab-${SERVE_SHAPE:-1B}-${SERVE_CLIENTS:-32}-arrival${SERVE_ARRIVAL:-1}.json" ;;
+    serve-load)  # the generic load: $SERVE_SHAPE (1B), $SERVE_CLIENTS (32) clients, $SERVE_EACH (8) requests each,
+      # $SERVE_MODES, first requests spread over $SERVE_ARRIVAL (0) s, $SERVE_PROCS client processes (default: 1 per 8
+      # clients), offline generate first; SERVE_SPY=1: the whole run under py-spy (from .whl; its raw stacks by
+      # process and thread in $OUT, read by benchmarks/spy_threads.py)
+      wheels
+      name=serve-load-${SERVE_SHAPE:-1B}-${SERVE_CLIENTS:-32}-arrival${SERVE_ARRIVAL:-0}${SERVE_PROCS:+-procs$SERVE_PROCS}
+      spy=(); [ "${SERVE_SPY:-0}" = 1 ] && spy=(/tmp/site/bin/py-spy record --subprocesses --threads --idle --nonblocking \
+        -r ${SPY_RATE:-100} -f raw -o "$OUT/$name-spy.txt" --) && name=$name-spy
+      timeout ${SERVE_TIMEOUT:-560} "${spy[@]}" python3 benchmarks/serve_load.py --shape ${SERVE_SHAPE:-1B} \
+        --clients ${SERVE_CLIENTS:-32} --requests $((${SERVE_EACH:-8} * ${SERVE_CLIENTS:-32})) \
+        --modes ${SERVE_MODES:-greedy,seeded} --offline --arrival ${SERVE_ARRIVAL:-0} ${SERVE_PROCS:+--client-procs $SERVE_PROCS} \
+        --json "$OUT/$name.json" | grep -v "^$" ;;
     serve-burst)
       wheels
       timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape 1B --clients ${SERVE_CLIENTS:-128} \

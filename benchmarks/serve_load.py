@@ -13,7 +13,10 @@ requests sample at temperature 0.8 with top-p 0.9 and a seed each (mlx-lm's serv
 one at a time). `--offline` times `mlxfun.generate(batch_size=rows)` on the same prompts in the
 same run (the engine alone); each server's first sampled request after /health answers is
 timed against a warm one, over plain HTTP (not the openai client, whose own first use costs).
-`--mlxfun-also NAME=ARGS` runs more mlxfun servers with other flags in the same run.
+`--mlxfun-also NAME=ARGS` runs more mlxfun servers with other flags in the same run. For mlxfun
+the engine's counters split the run: decode steps and their ms each, with and without the time the
+engine sat idle between its clients' requests, and the client processes' CPU share (near 100%, the
+clients are the bottleneck, not the server).
 
 The model is saved once with `mlxfun.save` into a temporary folder that both servers load:
 the default model (its 4-bit weights), `--model`, or a random-weight Llama shape (`--shape 1B`,
@@ -40,9 +43,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -104,18 +109,26 @@ def client_process(args: tuple[str, list]) -> tuple[list[dict], float]:
 
 
 def drive(base_url: str, prompts: list[str], clients: int, arrival: float, gen_tokens: int, seeded: bool,
-          procs: int) -> tuple[list[dict], float]:
+          procs: int, at_start: Callable[[], None] | None = None) -> tuple[list[dict], float]:
     """One request per prompt from `clients` clients (client c sends prompts c, c + clients, ...),
-    spread over `procs` processes (so the client side is never the bottleneck)."""
+    spread over `procs` processes (so the client side is never the bottleneck). `at_start` runs on
+    a thread of its own when the first request is due (the server's counters read then)."""
     t0 = time.time() + (1.0 if procs <= 1 else 5.0)  # every worker is up before the first arrival
     jobs = [(c, [(p, t0 + arrival * c / clients, gen_tokens, 1000 + i if seeded else None)
                  for i, p in list(enumerate(prompts))[c::clients]]) for c in range(clients)]
-    if procs <= 1:
-        return client_process((base_url, jobs))
-    shares = [(base_url, jobs[k::procs]) for k in range(procs)]
-    with multiprocessing.get_context("spawn").Pool(procs) as pool:
-        parts = pool.map(client_process, shares)
-    return [r for part, _ in parts for r in part], sum(cpu for _, cpu in parts)
+    timer = threading.Timer(max(0.0, t0 - time.time() - 0.01), at_start) if at_start else None
+    if timer:
+        timer.start()
+    try:
+        if procs <= 1:
+            return client_process((base_url, jobs))
+        shares = [(base_url, jobs[k::procs]) for k in range(procs)]
+        with multiprocessing.get_context("spawn").Pool(procs) as pool:
+            parts = pool.map(client_process, shares)
+        return [r for part, _ in parts for r in part], sum(cpu for _, cpu in parts)
+    finally:
+        if timer:
+            timer.join()
 
 
 def summarize(results: list[dict], client_cpu_s: float) -> dict:
@@ -259,11 +272,15 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
             requests = args.requests or n
             warm = prompts[len(prompts) // 2:][:n]  # other prompts: nothing of the measured ones is cached
             drive(server.url + "/v1", warm, n, args.arrival, 4, mode == "seeded", procs)
-            before = engine_counters(server.url) if name.startswith("mlxfun") else {}
+            before: dict[str, float] = {}  # the engine's counters when the first request is due
             threads = server_cpu(server.proc.pid)
             results, cpu = drive(server.url + "/v1", prompts[:requests], n, args.arrival, args.gen_tokens,
-                                 mode == "seeded", procs)
-            row = dict(server=name, mode=mode, rows=args.rows or n, clients=n, **summarize(results, cpu))
+                                 mode == "seeded", procs,
+                                 (lambda: before.update(engine_counters(server.url))) if mlxfun else None)
+            row = dict(server=name, mode=mode, rows=args.rows or n, clients=n, client_procs=procs,
+                       **summarize(results, cpu))
+            # The client processes' CPU over theirs and the run's time: near 1, the clients are the bottleneck.
+            row["client_cpu_share"] = cpu / (procs * row["seconds"]) if row["seconds"] else None
             row["server_cpu_us_per_token"] = cpu_per_token(threads, server_cpu(server.proc.pid), row["tokens"])
             print(f"  {name} {mode}: server CPU us per token by thread {row['server_cpu_us_per_token']}", flush=True)
             if before:
@@ -271,9 +288,11 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
                 if row.get("admissions"):
                     full, each = 100 * (row["row_occupancy"] or 0), 1e3 * (row["admission_s"] or 0) / row["admissions"]
                     print(f"  {name} {mode}: rows {full:.0f}% full, {row['engine_steps']:.0f} steps "
-                          f"({row['ms_per_step'] or 0:.2f} ms each, {row['wait_ms_per_step'] or 0:.2f} of them waiting "
-                          f"for the device), {row['admissions']:.0f} admissions, {each:.1f} ms "
-                          f"of host time each, {row['traces']:.0f} traces", flush=True)
+                          f"({row['ms_per_step'] or 0:.2f} ms each, {row['busy_ms_per_step'] or 0:.2f} without the "
+                          f"engine's idle time, {row['wait_ms_per_step'] or 0:.2f} waiting for the device), "
+                          f"idle {100 * (row['idle_share'] or 0):.1f}% of the run, {row['admissions']:.0f} "
+                          f"admissions, {each:.1f} ms of host time each, {row['traces']:.0f} traces; client "
+                          f"processes {100 * (row['client_cpu_share'] or 0):.0f}% busy", flush=True)
             row["first_sampled_ttft"], row["first_sampled_admission_s"] = cold, cold_admit
             row["warm_sampled_ttft"], row["warm_sampled_admission_s"] = sampled_alone(server.url, prompts[-2], mlxfun)
             out.append(row)
@@ -293,7 +312,7 @@ def engine_counters(url: str) -> dict[str, float]:
     """The mlxfun server's step counters from /metrics."""
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     names = ("steps_total", "busy_row_steps_total", "admissions_total", "admission_seconds_total", "step_traces_total",
-             "preemptions_total", "device_wait_seconds_total")
+             "preemptions_total", "device_wait_seconds_total", "idle_seconds_total")
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -344,6 +363,11 @@ def occupancy(before: dict, after: dict, rows: int, row: dict) -> dict:
             # of which the engine waited for the device (the rest is host time the device may have waited for)
             "wait_ms_per_step": 1e3 * d["device_wait_seconds_total"] / steps
             if steps and "device_wait_seconds_total" in d else None,
+            # the engine idle, no request in it: the time between the clients' requests
+            "idle_share": d["idle_seconds_total"] / row["seconds"] if row.get("seconds") and "idle_seconds_total" in d
+            else None,
+            "busy_ms_per_step": 1e3 * (row["seconds"] - d["idle_seconds_total"]) / steps
+            if steps and row.get("seconds") and "idle_seconds_total" in d else None,
             "row_occupancy": d.get("busy_row_steps_total", 0.0) / (steps * rows) if steps else None,
             "admissions": d.get("admissions_total"), "admission_s": d.get("admission_seconds_total"),
             "traces": d.get("step_traces_total"),
@@ -441,7 +465,7 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="greedy", help="greedy, seeded or both (comma-separated)")
     p.add_argument("--rows", type=int, default=None, help="rows of both servers (default: the client count)")
     p.add_argument("--client-procs", type=int, default=None,
-                   help="client processes (default: 1 per 32 clients, at most half the cores)")
+                   help="client processes (default: 1 per 8 clients, at most half the cores)")
     p.add_argument("--mlx-lm", action="store_true", help="also run mlx_lm.server on the same weights and prompts")
     p.add_argument("--mlx-lm-python", default="python", help="the interpreter that has mlx-lm (its own venv)")
     p.add_argument("--mlxfun-args", default="", help="extra arguments for mlxfun serve, space-separated")
@@ -507,7 +531,8 @@ def main(argv=None) -> int:
                                                                   args.mlx_lm_args.split())))
         try:
             for n in clients:
-                procs = args.client_procs or max(1, min(n // 32, (os.cpu_count() or 2) // 2))
+                # One client process per 8 clients: one process of 32 streams was 90% busy (H200).
+                procs = args.client_procs or max(1, min(n // 8, (os.cpu_count() or 2) // 2))
                 for rep in range(args.repeats):
                     # Alternate which server goes first, so a machine's drift does not favour one.
                     for name, argv_for in (servers if rep % 2 == 0 else servers[::-1]):

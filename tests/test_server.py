@@ -264,6 +264,9 @@ def test_closed_stream_frees_its_row_and_others_keep_their_tokens(slow_model_dir
         kept = "".join(c.choices[0].text for c in keep)
         after = client.completions.create(model="x", prompt=words(3), max_tokens=5, extra_body={"ignore_eos": True})
         assert after.choices[0].finish_reason == "length" and after.usage.completion_tokens == 5
+        idle = server.metrics()["mlxfun_idle_seconds_total"]
+        time.sleep(0.5)  # nothing running: the engine counts the wait as idle (it polls every 0.05 s)
+        assert 0.3 < server.metrics()["mlxfun_idle_seconds_total"] - idle < 5
     finally:
         assert server.stop() == 0
     model = mlxfun.load(str(slow_model_dir))

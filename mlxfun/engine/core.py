@@ -234,8 +234,10 @@ class Engine:
         """`serve`, one list of events per step (a server hands them to its clients at once)."""
         while not (stop.is_set() and self.idle):
             if self.idle:
+                t = time.perf_counter()
                 self.inbox.wake.wait(poll)
                 self.inbox.wake.clear()
+                self.stats.idle_seconds += time.perf_counter() - t
                 continue
             cancelling = self.inbox.cancelling
             for events in self._rounds():

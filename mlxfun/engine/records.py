@@ -99,6 +99,8 @@ class EngineStats(Stats):
     # Host seconds spent waiting for the device before queuing a write into the KV pool
     # (`Runner.settle`: a server's engine on a GPU, every engine on the CPU).
     device_wait_seconds: float = 0.0
+    # Seconds a serving engine (`Engine.rounds`) waited with no request at all: its clients' time.
+    idle_seconds: float = 0.0
 
     def record_memory(self, scheduler, on: bool, block_bytes: int) -> None:
         """The KV pool's sizes after a step (`on`: the device state exists)."""
