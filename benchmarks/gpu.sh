@@ -65,6 +65,8 @@
 #   serve-load   serve_load.py ($SERVE_SHAPE (1B), $SERVE_CLIENTS (32) clients, $SERVE_EACH (8) requests each, greedy and
 #                seeded, all starting at once unless $SERVE_ARRIVAL) against offline generate; $SERVE_PROCS client
 #                processes; SERVE_SPY=1: under py-spy (add its wheel to .whl), stacks read by benchmarks/spy_threads.py
+#   host-contention  benchmarks/host_contention.py: offline generate (1B, 32 rows) alone, beside $CONTENTION_BUSY (6)
+#                JSON-busy processes, and so with the engine pinned to cores they keep off, alternating
 #   serve-cold   benchmarks/serve_cold.py (1B, 32 rows): fresh servers' first requests, each timed alone ($COLD_SEQUENCES)
 #   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
 #                after keep_freed (CUDA's pool keeps freed memory)
@@ -215,6 +217,8 @@ for suite in "$@"; do
         --clients ${SERVE_CLIENTS:-32} --requests $((${SERVE_EACH:-8} * ${SERVE_CLIENTS:-32})) \
         --modes ${SERVE_MODES:-greedy,seeded} --offline --arrival ${SERVE_ARRIVAL:-0} ${SERVE_PROCS:+--client-procs $SERVE_PROCS} \
         --json "$OUT/$name.json" | grep -v "^$" ;;
+    host-contention) timeout ${CONTENTION_TIMEOUT:-400} python3 benchmarks/host_contention.py --shape 1B --rows 32 \
+      --busy ${CONTENTION_BUSY:-6} --runs ${CONTENTION_RUNS:-alone,busy,pinned,alone,busy,pinned} --json "$OUT/host-contention-1B-32.json" ;;
     serve-burst)
       wheels
       timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape 1B --clients ${SERVE_CLIENTS:-128} \

@@ -1,13 +1,14 @@
 """Why a server's decode step is slower than an offline engine's: steady decode rounds (every row
 busy, no admission) timed for engines that differ in one thing at a time.
 
-Each `--variants` entry is KIND[:MODE][:KV_GB][:never]:
+Each `--variants` entry is KIND[:MODE][:KV_GB][:never][:nowarm]:
 - KIND `offline` (an `Engine` as `generate` makes it) or `server` (fixed shapes, warmed up, as
   `mlxfun serve` makes it);
 - MODE `greedy` (default) or `seeded` (temperature 0.8, top-p 0.9, a seed per row: a server runs
   it with penalties and the top-k search as well, `records.fixed_mode`);
 - KV_GB: the server's KV pool (default: its own budget, most of the device);
-- `never`: no pool write waits for the one before (`Runner.settle`; a server's waits from 1 GB).
+- `never`: no pool write waits for the one before (`Runner.settle`; a server's waits from 1 GB);
+- `nowarm`: a server's engine without its warm-up (the untimed first pass compiles what the rounds run).
 
 Every variant runs `--rows` requests of `--prompt-tokens` random tokens, admitted first, then
 times `--rounds` rounds of `Engine.step` (each queues a step and hands out the one before), twice,
@@ -36,12 +37,13 @@ from mlxfun.engine.warmup import warm_up
 SEEDED = dict(temperature=0.8, top_p=0.9)
 
 
-def steady(model, rows: int, prompt: int, rounds: int, kind: str, mode: str, kv_gb: float, never: bool) -> dict:
+def steady(model, rows: int, prompt: int, rounds: int, kind: str, mode: str, kv_gb: float, never: bool,
+           warm: bool = True) -> dict:
     server = kind == "server"
     engine = Engine(model, rows, fixed_shapes=server, kv_memory=int(kv_gb * 1e9) or None)
     if never:
         engine.runner.settle_bytes = None
-    if server:
+    if server and warm:
         warm_up(engine)
     rng = np.random.default_rng(0)
     passes = []
@@ -96,7 +98,8 @@ def main(argv=None) -> int:
         mode = rest[0] if rest else "greedy"
         kv_gb = float(rest[1]) if len(rest) > 1 else 0.0
         try:
-            r = steady(model, args.rows, args.prompt_tokens, args.rounds, kind, mode, kv_gb, "never" in rest)
+            r = steady(model, args.rows, args.prompt_tokens, args.rounds, kind, mode, kv_gb, "never" in rest,
+                       "nowarm" not in rest)
         except RuntimeError as e:  # out of memory, say: the other variants still count
             r = dict(variant=variant, error=f"{type(e).__name__}: {e}")
         r["variant"] = variant
