@@ -79,10 +79,11 @@ class Runner:
 
     def _queue(self, outputs, settled: bool) -> None:
         """Queue a step's `outputs` and the state. After `settle` waited, the device is idle until
-        the host has encoded the step's graph (a 1B decode step's encode outlasts its run on an
-        H100, and an 8B's takes about half as long): so the step goes in parts, the state's first
-        `launch_part` layers, then the next..., each launched as soon as it is encoded. A part's
-        pool layers are still written in place: nothing in flight reads the layers it writes."""
+        the host has encoded the step (queued whole, a server's steps took 3.9 ms on an H100 with
+        the 1B, 16.8 ms with the 8B, at 32 rows, against 3.0 and 9.5 for an offline engine's, which
+        encodes a step while the device runs the one before; 2026-12-07): so the step goes in parts,
+        the state's first `launch_part` layers, then the next..., each launched once encoded. A
+        part's pool layers are still written in place: nothing in flight reads the layers it writes."""
         if settled and self.launch_part:
             c, n = self.state.cache, self.launch_part
             for end in range(n, len(c.keys), n):
@@ -91,7 +92,8 @@ class Runner:
 
     def take_waited(self) -> float:
         """Seconds `settle` waited for the device since the last call: where the host is ahead of
-        the device (a step's time less this is host time the device waited for)."""
+        the device (a step's time less this is the host's, the device running only the parts of
+        the step already queued)."""
         waited, self.waited = self.waited, 0.0
         return waited
 

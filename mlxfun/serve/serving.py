@@ -366,7 +366,7 @@ def metrics_text(engine: Engine, tokens_per_second: float) -> str:
              "kernels built at a chunk shape's first sight, waits while no row decodes).",
              f"{s.admission_seconds:.6f}"),
             ("device_wait_seconds_total", "counter", "Host seconds the engine waited for the device before queuing "
-             "a write into its KV pool (the rest of a step's time is the host's).", f"{s.device_wait_seconds:.6f}"),
+             "a write into its KV pool.", f"{s.device_wait_seconds:.6f}"),
             ("idle_seconds_total", "counter", "Seconds the engine waited with no request running or queued (its "
              "clients' time between requests).", f"{s.idle_seconds:.6f}")):
         lines.append(f"{family(name, kind, help_)} {value}")
