@@ -59,12 +59,10 @@
 #   serve-ab     serve_load.py ($SERVE_SHAPE (1B), $SERVE_CLIENTS (32) clients, 8 requests each, greedy and seeded,
 #                first requests spread over $SERVE_ARRIVAL (1) s) against offline generate: mlxfun serve from this
 #                tree and from $AB_REF (reported as mlxfun-ref; see ab-static for how to make it)
-#   serve-burst  serve_load.py (1B, $SERVE_CLIENTS (128) clients starting at once, 4 requests each, greedy) against
-#                offline generate first in the benchmark's process: a burst's prefill beside other processes on the
-#                device (an H100 server ran out of memory there before the engine process capped MLX's memory)
 #   serve-load   serve_load.py ($SERVE_SHAPE (1B), $SERVE_CLIENTS (32) clients, $SERVE_EACH (8) requests each, greedy and
 #                seeded, all starting at once unless $SERVE_ARRIVAL) against offline generate; $SERVE_PROCS client
-#                processes; SERVE_SPY=1: under py-spy (add its wheel to .whl), stacks read by benchmarks/spy_threads.py
+#                processes; SERVE_SPY=1: under py-spy (add its wheel to .whl), stacks read by benchmarks/spy_threads.py;
+#                a burst beside other processes on the device: SERVE_CLIENTS=128 SERVE_EACH=4 SERVE_MODES=greedy
 #   launch-parts step_gap.py ($PARTS_SHAPES: 8B then 1B, 32 rows): a server's steady step queued after settle in parts
 #                of 4 layers (Runner._queue, the default) against whole, beside offline and offline made to wait
 #   host-contention  benchmarks/host_contention.py: offline generate (1B, 32 rows) alone, beside $CONTENTION_BUSY (6)
@@ -227,11 +225,6 @@ server:greedy:0:nowarm:whole,server:greedy:0:nowarm --json "$OUT/launch-parts-$s
       done ;;
     host-contention) timeout ${CONTENTION_TIMEOUT:-400} python3 benchmarks/host_contention.py --shape 1B --rows 32 \
       --busy ${CONTENTION_BUSY:-6} --runs ${CONTENTION_RUNS:-alone,busy,pinned,alone,busy,pinned} --json "$OUT/host-contention-1B-32.json" ;;
-    serve-burst)
-      wheels
-      timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape 1B --clients ${SERVE_CLIENTS:-128} \
-        --requests $((4 * ${SERVE_CLIENTS:-128})) --modes greedy --offline --arrival 0 \
-        --json "$OUT/serve-burst-1B-${SERVE_CLIENTS:-128}.json" ;;
     serve-cold) timeout ${COLD_TIMEOUT:-300} python3 benchmarks/serve_cold.py --shape 1B --rows 32 \
       --sequences ${COLD_SEQUENCES:-seeded,seeded,seeded greedy,seeded,seeded seeded,seeded@thread} --json "$OUT/serve-cold.json" ;;
     alloc) timeout 120 python3 benchmarks/alloc_probe.py --pool-gb ${ALLOC_POOL_GB:-60} --json "$OUT/alloc-probe.json" ;;

@@ -20,11 +20,9 @@ import sys
 import time
 
 import mlx.core as mx
-from serve_load import make_prompts  # a sibling script: the same prompts as a load run
+from serve_load import make_prompts, offline_run  # a sibling script: a load run's prompts and offline run
 
-import mlxfun
-from mlxfun.bench.models import SHAPES, machine, random_params, word_tokenizer
-from mlxfun.model.load import Model
+from mlxfun.bench.models import SHAPES, machine, random_model
 
 
 def spin(cores: list[int] | None) -> None:
@@ -34,15 +32,6 @@ def spin(cores: list[int] | None) -> None:
     doc = {"id": "cmpl-1", "choices": [{"index": 0, "text": " word" * 8, "logprobs": None}], "model": "m" * 20}
     while True:
         json.loads(json.dumps(doc))
-
-
-def offline(model, prompts: list[str], rows: int, gen: int) -> dict:
-    mlxfun.generate(model, prompts[:rows], max_tokens=4, batch_size=rows)  # warm
-    t = time.perf_counter()
-    out = mlxfun.generate(model, prompts, max_tokens=gen, batch_size=rows, ignore_eos=True)
-    seconds = time.perf_counter() - t
-    tokens = sum(len(ids) for ids in out.token_ids)
-    return dict(tok_s=tokens / seconds, ms_per_step=1e3 * seconds / max(out.stats.steps, 1), steps=out.stats.steps)
 
 
 def main(argv=None) -> int:
@@ -55,11 +44,10 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default="alone,busy,pinned,alone,busy,pinned")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    config = SHAPES[args.shape]
-    dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
-    model = Model(config, random_params(config, dtype), word_tokenizer(config.vocab_size), f"random {args.shape}")
+    model = random_model(SHAPES[args.shape])
     mx.eval(model.params)
-    prompts = make_prompts(model, args.prompts, 128)
+    prompts = make_prompts(model, 2 * args.prompts, 128)  # the second half warms up (`offline_run`)
+    load = argparse.Namespace(rows=args.rows, requests=args.prompts, gen_tokens=args.gen_tokens)
     cores = sorted(os.sched_getaffinity(0))
     mine, others = cores[:2], cores[2:] or cores  # MLX's own threads (CUDA's event handler) beside the engine's
     ctx = multiprocessing.get_context("spawn")
@@ -74,7 +62,7 @@ def main(argv=None) -> int:
             time.sleep(1.0)
         os.sched_setaffinity(0, mine if run == "pinned" else cores)
         try:
-            r = dict(run=run, busy=len(procs), **offline(model, prompts, args.rows, args.gen_tokens))
+            r = dict(run=run, busy=len(procs), **offline_run(model, prompts, args.rows, load, "greedy"))
         finally:
             os.sched_setaffinity(0, cores)
             for q in procs:

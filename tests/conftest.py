@@ -30,11 +30,9 @@ def model_f32() -> mlxfun.Model:
     return model
 
 
-# The files whose tests take longest on the CPU run first. pytest-xdist (`--dist loadfile`) hands
-# files to its workers in collection order, so short files then fill the end of both workers
-# instead of one worker finishing a long file alone.
-# About longest first (by `--durations` on 2 cores, 2026-12-07): a long file handed out last ran alone
-# on one worker while the other had finished (917 s in all, against 883 s in this order).
+# The files whose tests take longest on the CPU run first, about longest first (by `--durations` on
+# 2 cores). pytest-xdist (`--dist loadfile`) hands files to its workers in collection order, so short
+# files then fill the end of both workers instead of one worker finishing a long file alone.
 LONG_FILES = ("test_generate", "test_distributed", "test_server", "test_generate_f32", "test_structured_engine",
               "test_prefix", "test_kernels", "test_speculative", "test_seeds", "test_server_tools", "test_families",
               "test_window", "test_preemption", "test_sinks", "test_real_model", "test_engine", "test_server_fuzz",

@@ -78,12 +78,12 @@ class Runner:
         return True
 
     def _queue(self, outputs, settled: bool) -> None:
-        """Queue a step's `outputs` and the state. After `settle` waited, the device is idle until
-        the host has encoded the step (queued whole, a server's steps took 3.9 ms on an H100 with
-        the 1B, 16.8 ms with the 8B, at 32 rows, against 3.0 and 9.5 for an offline engine's, which
-        encodes a step while the device runs the one before; 2026-12-07): so the step goes in parts,
-        the state's first `launch_part` layers, then the next..., each launched once encoded. A
-        part's pool layers are still written in place: nothing in flight reads the layers it writes."""
+        """Queue a step's `outputs` and the state. After `settle` waited the device is idle until
+        the host has encoded the step, where an offline engine encodes a step while the device runs
+        the one before (queued whole, a server's 8B step took 16.8 ms against offline's 9.5 on an
+        H100). So the step goes in parts, `launch_part` layers of the state at a time, each
+        launched once encoded; a part's pool layers are still written in place, as nothing in
+        flight reads the layers it writes."""
         if settled and self.launch_part:
             c, n = self.state.cache, self.launch_part
             for end in range(n, len(c.keys), n):
