@@ -33,10 +33,10 @@ def model_f32() -> mlxfun.Model:
 # The files whose tests take longest on the CPU run first, about longest first (by `--durations` on
 # 2 cores). pytest-xdist (`--dist loadfile`) hands files to its workers in collection order, so short
 # files then fill the end of both workers instead of one worker finishing a long file alone.
-LONG_FILES = ("test_generate", "test_distributed", "test_server", "test_generate_f32", "test_structured_engine",
-              "test_prefix", "test_kernels", "test_speculative", "test_seeds", "test_server_tools", "test_families",
-              "test_window", "test_preemption", "test_sinks", "test_real_model", "test_engine", "test_server_fuzz",
-              "test_scheduler", "test_qmm")
+LONG_FILES = ("test_generate", "test_server", "test_distributed", "test_structured_engine", "test_prefix",
+              "test_speculative", "test_kernels", "test_generate_f32", "test_server_tools", "test_engine", "test_seeds",
+              "test_scheduler", "test_preemption", "test_sinks", "test_window", "test_real_model", "test_server_fuzz",
+              "test_qmm", "test_families")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -10,7 +10,10 @@ merging, not speed or bf16 rounding (benchmarks/kernels_check.py does those on a
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import hashlib
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -228,6 +231,31 @@ CTYPES = {np.dtype(np.float32): "float", np.dtype(np.bool_): "bool", np.dtype(np
           np.dtype(np.int32): "int32_t"}
 
 
+# Compiled kernels by their C++ source: shapes and the launch come at run time, so a kernel run at
+# several shapes (the batch-invariance checks) is compiled once per process. The prelude (the C++
+# library headers and the fibers, half of a compile's time) is precompiled once per process.
+_LIBS: dict[str, ctypes.CDLL] = {}
+_BUILD = Path(tempfile.mkdtemp(prefix="cuda-emulator-"))
+atexit.register(shutil.rmtree, _BUILD, True)
+_FLAGS = ["g++", "-std=c++20", "-O1", "-w", "-fPIC", "-pthread"]
+
+
+def _compiled(code: str) -> ctypes.CDLL:
+    lib = _LIBS.get(code)
+    if lib is None:
+        prelude = _BUILD / "prelude.h"
+        if not prelude.exists():
+            prelude.write_text(PRELUDE)
+            subprocess.run([*_FLAGS, "-x", "c++-header", str(prelude), "-o", str(prelude) + ".gch"], check=True)
+        assert code.startswith(PRELUDE)
+        name = hashlib.sha1(code.encode()).hexdigest()
+        src, path = _BUILD / f"{name}.cpp", _BUILD / f"{name}.so"
+        src.write_text('#include "prelude.h"\n' + code[len(PRELUDE):])
+        subprocess.run([*_FLAGS, "-shared", str(src), "-o", str(path)], check=True)
+        lib = _LIBS[code] = ctypes.CDLL(str(path))
+    return lib
+
+
 def run(source: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple], template: list,
         grid: tuple[int, int, int], threads: int, header: str = "",
         output_dtypes: dict[str, np.dtype] | None = None, shared_memory: int = 0) -> list[np.ndarray]:
@@ -236,28 +264,27 @@ def run(source: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple], t
     float32 unless `output_dtypes` names another (int32). `shared_memory`: the launch's dynamic shared
     memory in bytes, as `mx.fast.cuda_kernel` takes it (a kernel asking for more aborts)."""
     types = {name: np.dtype((output_dtypes or {}).get(name, np.float32)) for name in outputs}
-    params, args = [], []
+    params, args, shapes = [], [], []
     for i, (name, a) in enumerate(inputs.items()):
         params.append(f"const {CTYPES[a.dtype]}* {name}")
         args.append(f"({CTYPES[a.dtype]}*)p[{i}]")
         if name + "_shape" in source:
             params.append(f"const Shape {name}_shape")
-            args.append("Shape{" + ", ".join(map(str, a.shape)) + "}")
+            args.append(f"shape_at(s + {10 * len(shapes)})")
+            shapes.append(list(a.shape) + [0] * (10 - a.ndim))
     for j, name in enumerate(outputs):
         params.append(f"{CTYPES[types[name]]}* {name}")
         args.append(f"({CTYPES[types[name]]}*)p[{len(inputs) + j}]")
     consts = "".join(f"  using {k} = float;\n" if k == "T" else f"  constexpr int {k} = {v};\n" for k, v in template)
     code = (PRELUDE + header + "void kernel(" + ", ".join(params) + ") {\n" + consts + source + "\n}\n"
-            f'extern "C" void run(void** p) {{ dynamic_smem = {shared_memory}; '
-            + 'launch([&] { kernel(' + ", ".join(args) + "); }, dim3{"
-            + f"{-(-grid[0] // threads)}, {grid[1]}, {grid[2]}" + "}, " + f"{min(threads, grid[0])}); }}\n")
-    with tempfile.TemporaryDirectory() as tmp:
-        src, lib = Path(tmp) / "k.cpp", Path(tmp) / "k.so"
-        src.write_text(code)
-        subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread", str(src), "-o", str(lib)],
-                       check=True)
-        outs = [np.zeros(shape, types[name]) for name, shape in outputs.items()]
-        arrays = [np.ascontiguousarray(a) for a in inputs.values()] + outs
-        ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
-        ctypes.CDLL(str(lib)).run(ptrs)
+            "static Shape shape_at(const int32_t* s) { Shape r; std::copy(s, s + 10, r.begin()); return r; }\n"
+            'extern "C" void run(void** p, const int32_t* s, int gx, int gy, int gz, int threads, size_t smem) {\n'
+            "  dynamic_smem = smem;\n"
+            "  launch([&] { kernel(" + ", ".join(args) + "); }, dim3{gx, gy, gz}, threads);\n}\n")
+    outs = [np.zeros(shape, types[name]) for name, shape in outputs.items()]
+    arrays = [np.ascontiguousarray(a) for a in inputs.values()] + outs
+    ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+    dims = np.ascontiguousarray(np.array(shapes or [[0] * 10], np.int32).reshape(-1))
+    _compiled(code).run(ptrs, dims.ctypes.data_as(ctypes.c_void_p), -(-grid[0] // threads), grid[1], grid[2],
+                        min(threads, grid[0]), ctypes.c_size_t(shared_memory))
     return outs

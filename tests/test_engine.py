@@ -115,6 +115,24 @@ def test_rows_follow_the_live_requests(tiny, shrink):
         assert engine.take(rid).row.token_ids == generate(tiny, [p], max_tokens=m, ignore_eos=True).token_ids[0]
 
 
+def test_a_servers_rows_follow_the_live_requests_in_powers_of_two_on_the_cpu(tiny):
+    """A fixed-shape engine (a server's) on the CPU holds 1, 2, 4 or 8 rows for its live requests,
+    not always all 8 (each row costs its share of a step there), and every width is one of the
+    few its warm-up runs; tokens equal each prompt alone."""
+    engine = Engine(tiny, rows=8, fixed_shapes=True, kv_memory=20_000_000)
+    assert engine.scheduler.widths() == [1, 2, 4, 8]
+    assert [engine.scheduler.width(n) for n in (0, 1, 2, 3, 5, 8, 9)] == [1, 1, 2, 4, 8, 8, 8]
+    prompts, max_tokens = [[3] * 5, [4] * 6, [5] * 7], [3, 12, 24]
+    ids = [engine.add(p, max_tokens=m, ignore_eos=True) for p, m in zip(prompts, max_tokens)]
+    widths = []
+    for _ in engine.events():
+        widths.append(engine.runner.state.tokens.shape[0])
+    assert widths[0] == 4 and 2 in widths and widths[-1] == 1 and set(widths) == {1, 2, 4}
+    for rid, p, m in zip(ids, prompts, max_tokens):
+        assert engine.take(rid).row.token_ids == generate(tiny, [p], max_tokens=m, ignore_eos=True).token_ids[0]
+    assert Engine(tiny, rows=8, fixed_shapes=True, kv_memory=20_000_000, shrink_rows=False).scheduler.widths() == [8]
+
+
 def test_rows_vacated_before_an_idle_engine_drops_its_state_are_not_written_in_the_next(tiny):
     """16 rows finish in one step, the idle engine drops its state, and 8 requests then get a state
     of 8 rows (shrink_rows). The 16 rows' pending "position -1" marks once reached the first decode

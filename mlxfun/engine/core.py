@@ -134,8 +134,10 @@ class Engine:
         # new requests wait until a quarter of the rows are free (H200, 256 prompts through 64 rows of
         # an 8B: 1.45 / 1.32x static batches; at one row 1.08 / 1.12x). On the CPU every token costs,
         # so each free row is refilled at once; and a row costs a step's share of work whether it
-        # holds a request or not, so the decoded rows follow the live requests (shrink_rows). On a
-        # GPU a step costs about the same for 1 row or 32, and every width would compile anew.
+        # holds a request or not, so the decoded rows follow the live requests (shrink_rows; a
+        # server's in powers of two, each warmed up: SmolLM2 4-bit on 2 cores decodes about 0.17 s
+        # a row, so one request at 32 full rows took 32x its time). On a GPU a step costs about
+        # the same for 1 row or 32, and every width would compile anew.
         # Prompts of up to this many tokens in all ride along a decode step when admitted beside
         # decoding rows (`step.mixed_step`); 0: every admission is a prefill of its own.
         mixed_tokens = default_mixed_tokens(on_gpu, fixed_shapes) if mixed_tokens is None else mixed_tokens
@@ -145,7 +147,8 @@ class Engine:
         self.scheduler = Scheduler(rows, pool, pages, max_blocks=max_blocks,
                                    context=self.config.max_position_embeddings, prefill_step=prefill_step,
                                    admit_min=admit_min or (max(1, rows // 4) if on_gpu else 1),
-                                   shrink_rows=not (on_gpu or fixed_shapes) if shrink_rows is None else shrink_rows,
+                                   shrink_rows=not on_gpu if shrink_rows is None else shrink_rows,
+                                   row_buckets=fixed_shapes,
                                    spill=0 if draft is None else 2 * (num_draft_tokens + 1),
                                    preempt=fixed_shapes and draft is None,
                                    admit_wait=default_admit_wait(on_gpu, fixed_shapes) if admit_wait is None

@@ -48,10 +48,11 @@ class Scheduler:
 
     def __init__(self, rows: int, pool: Pool, pages: Pages, *, max_blocks: int, context: int, prefill_step: int,
                  admit_min: int, shrink_rows: bool, spill: int = 0, preempt: bool = False, admit_wait: int = 0,
-                 mixed_tokens: int = 0):
+                 mixed_tokens: int = 0, row_buckets: bool = False):
         self.rows, self.pool, self.pages, self.max_blocks = rows, pool, pages, max_blocks
         self.context, self.prefill_step = context, prefill_step
         self.admit_min, self.shrink_rows = admit_min, shrink_rows
+        self.row_buckets = row_buckets  # shrunk widths are powers of two (and `rows`): few step shapes
         self.admit_wait = admit_wait
         self.mixed_tokens = mixed_tokens  # prompt tokens a decode step may carry (`step.mixed_step`)
         self.held = 0  # rounds in a row a queue that fit its free rows was held back for more of them
@@ -70,8 +71,20 @@ class Scheduler:
     # ---- rows ----
 
     def width(self, live: int) -> int:
-        """Rows the state holds for `live` requests: every row, or only the live ones (shrink_rows)."""
-        return max(1, min(live, self.rows)) if self.shrink_rows else self.rows
+        """Rows the state holds for `live` requests: every row, or (shrink_rows) only the live ones,
+        rounded up to a power of two with `row_buckets`."""
+        if not self.shrink_rows:
+            return self.rows
+        live = max(1, min(live, self.rows))
+        return min(self.rows, 1 << (live - 1).bit_length()) if self.row_buckets else live
+
+    def widths(self) -> list[int]:
+        """Every width `width` may give (ascending), where they are few: the shapes a warm-up runs."""
+        if not self.shrink_rows:
+            return [self.rows]
+        if not self.row_buckets:
+            raise ValueError("exact row widths are not few: shrink_rows without row_buckets")
+        return sorted({self.width(n) for n in (1 << k for k in range(self.rows.bit_length() + 1))} | {self.rows})
 
     def live_count(self) -> int:
         return len(self.owner) - self.owner.count(None)

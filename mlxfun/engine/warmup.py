@@ -39,6 +39,7 @@ class Warmup(NamedTuple):
     prompt_seconds: float = 0.0  # their time
     carrying: int = 0  # (table width, mode, chunk length) steps that carry prompts, compiled and run
     chunk_sizes: tuple[int, ...] = ()  # their chunk lengths (`riding.chunk_sizes`)
+    rows: tuple[int, ...] = ()  # the state's row counts (all rows; on the CPU each power of two up to them)
 
 
 def masks_available() -> bool:
@@ -47,8 +48,9 @@ def masks_available() -> bool:
 
 
 def warm_up(engine: Engine) -> Warmup:
-    """Compile and run every decode step a fixed-shape, idle engine may take. Speculative verify
-    rounds are not among them: with a draft model they compile when first used."""
+    """Compile and run every decode step a fixed-shape, idle engine may take: each (row count,
+    table width, mode). Speculative verify rounds are not among them: with a draft model they
+    compile when first used."""
     if not engine.fixed or not engine.idle:
         raise RuntimeError("warm_up takes an idle engine made with fixed_shapes=True")
     t0 = time.perf_counter()
@@ -57,31 +59,37 @@ def warm_up(engine: Engine) -> Warmup:
     engine.ensure_state()
     engine.sync()
     runner.restack([None] * len(sched.owner))
-    rows, table = len(sched.owner), runner.state.cache.table
+    table = runner.state.cache.table
     modes = fixed_modes(masks_available())
     widths = sched.pages.widths or [sched.pages.width]
-    everything = mx.full((rows, structured.words(engine.config.vocab_size)), 0xFFFFFFFF, mx.uint32)
-    chunks = [idle_chunk(rows, n) for n in engine.chunk_sizes]
-    per_width = []
-    for i, width in enumerate(widths):
-        t = time.perf_counter()
-        runner.state = runner.state._replace(cache=runner.state.cache._replace(table=mx.zeros((rows, width), mx.int32)))
-        for mode in modes:
-            steps = runner.steps_for(mode)
-            if i and mx.default_device() == mx.cpu:
-                # Traced only: MLX's CPU kernels of the first width serve every width, and a step
-                # over a wide table costs seconds there (its keys are gathered).
-                _trace(runner, steps, mode, everything, chunks)
-                continue
-            if mode.masked:
-                logits = runner.forward(steps, mode.penalties)
-                out = runner.sample(steps, logits, everything, mode.penalties)
-            else:
-                out = runner.decode(steps, mode.penalties)
-            mx.eval(out, runner.state)
-            for chunk in [] if mode.masked else chunks:  # masked steps carry no prompts
-                mx.eval(runner.decode(steps, mode.penalties, chunk), runner.state)
-        per_width.append(time.perf_counter() - t)
+    per_width = [0.0] * len(widths)
+    row_widths = sched.widths()
+    for rows in row_widths:  # all rows on a GPU; on the CPU, each power of two the rows shrink to
+        engine._set_width(rows)  # idle: `rows` empty rows
+        runner.restack([None] * rows)
+        everything = mx.full((rows, structured.words(engine.config.vocab_size)), 0xFFFFFFFF, mx.uint32)
+        chunks = [idle_chunk(rows, n) for n in engine.chunk_sizes]
+        for i, width in enumerate(widths):
+            t = time.perf_counter()
+            runner.state = runner.state._replace(cache=runner.state.cache._replace(table=mx.zeros((rows, width),
+                                                                                                   mx.int32)))
+            for mode in modes:
+                steps = runner.steps_for(mode)
+                if (i or rows != row_widths[0]) and mx.default_device() == mx.cpu:
+                    # Traced only: MLX's CPU kernels of the first shape serve every shape, and a step
+                    # over a wide table costs seconds there (its keys are gathered).
+                    _trace(runner, steps, mode, everything, chunks)
+                    continue
+                if mode.masked:
+                    logits = runner.forward(steps, mode.penalties)
+                    out = runner.sample(steps, logits, everything, mode.penalties)
+                else:
+                    out = runner.decode(steps, mode.penalties)
+                mx.eval(out, runner.state)
+                for chunk in [] if mode.masked else chunks:  # masked steps carry no prompts
+                    mx.eval(runner.decode(steps, mode.penalties, chunk), runner.state)
+            per_width[i] += time.perf_counter() - t
+        table = table if table.shape[0] == rows else mx.zeros((rows, table.shape[1]), mx.int32)
     t = time.perf_counter()
     runner.state = runner.state._replace(cache=runner.state.cache._replace(table=table))
     _first_tokens(engine, modes)
@@ -96,9 +104,10 @@ def warm_up(engine: Engine) -> Warmup:
     prompts = time.perf_counter() - t
     engine.reset_stats()  # the counters start with the first real request
     bs = sched.pool.block_size
-    carrying = len(widths) * sum(not m.masked for m in modes) * len(chunks)
-    return Warmup(len(widths) * len(modes), tuple(w * bs for w in widths), time.perf_counter() - t0,
-                  tuple(per_width), rest, lengths, prompts, carrying, engine.chunk_sizes)
+    carrying = len(row_widths) * len(widths) * sum(not m.masked for m in modes) * len(engine.chunk_sizes)
+    return Warmup(len(row_widths) * len(widths) * len(modes), tuple(w * bs for w in widths),
+                  time.perf_counter() - t0, tuple(per_width), rest, lengths, prompts, carrying, engine.chunk_sizes,
+                  tuple(row_widths))
 
 
 def _run(engine: Engine) -> None:

@@ -274,7 +274,8 @@ class Bridge:
                        if w.prompt_lengths else "")
             carrying = (f" and {w.carrying} that carry prompts (chunks of "
                         f"{'/'.join(map(str, w.chunk_sizes))} tokens)" if w.carrying else "")
-            print(f"mlxfun serve: compiled {w.variants} decode steps{carrying} (table widths {w.widths[0]}-"
+            rows = f"{w.rows[0]}-{w.rows[-1]} rows, " if len(w.rows) > 1 else ""
+            print(f"mlxfun serve: compiled {w.variants} decode steps{carrying} ({rows}table widths {w.widths[0]}-"
                   f"{w.widths[-1]} tokens) and ran a request in {w.seconds:.1f} s ({parts}; first tokens and a request "
                   f"{w.rest_seconds:.1f} s{prompts})", file=sys.stderr, flush=True)
         self._warm.set()
