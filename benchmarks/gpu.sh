@@ -63,9 +63,6 @@
 #                seeded, all starting at once unless $SERVE_ARRIVAL) against offline generate; $SERVE_PROCS client
 #                processes; SERVE_SPY=1: under py-spy (add its wheel to .whl), stacks read by benchmarks/spy_threads.py;
 #                a burst beside other processes on the device: SERVE_CLIENTS=128 SERVE_EACH=4 SERVE_MODES=greedy
-#   launch-parts step_gap.py ($PARTS_SHAPES: 8B then 1B, 32 rows): a server's steady step queued after settle in parts
-#                of 4 layers (Runner._queue, the default) and 1, against whole, beside offline and offline made to
-#                wait ($PARTS_VARIANTS: step_gap.py's --variants)
 #   host-contention  benchmarks/host_contention.py: offline generate (1B, 32 rows) alone, beside $CONTENTION_BUSY (6)
 #                JSON-busy processes, and so with the engine pinned to cores they keep off, alternating
 #   serve-cold   benchmarks/serve_cold.py (1B, 32 rows): fresh servers' first requests, each timed alone ($COLD_SEQUENCES)
@@ -218,12 +215,6 @@ for suite in "$@"; do
         --clients ${SERVE_CLIENTS:-32} --requests $((${SERVE_EACH:-8} * ${SERVE_CLIENTS:-32})) \
         --modes ${SERVE_MODES:-greedy,seeded} --offline --arrival ${SERVE_ARRIVAL:-0} ${SERVE_PROCS:+--client-procs $SERVE_PROCS} \
         --json "$OUT/$name.json" | grep -v "^$" ;;
-    launch-parts)  # issue 52: steady rounds, a server's step after settle launched in parts (default) or whole
-      for shape in ${PARTS_SHAPES:-8B 1B}; do
-        timeout ${PARTS_TIMEOUT:-280} python3 benchmarks/step_gap.py --shape $shape --rows 32 --rounds 60 \
-          --variants ${PARTS_VARIANTS:-server:greedy:0:nowarm:whole,server:greedy:0:nowarm,server:greedy:0:nowarm:part1,\
-offline,offline:greedy:0:always,server:greedy:0:nowarm:whole} --json "$OUT/launch-parts-$shape-32.json" | cut -c1-260
-      done ;;
     host-contention) timeout ${CONTENTION_TIMEOUT:-400} python3 benchmarks/host_contention.py --shape 1B --rows 32 \
       --busy ${CONTENTION_BUSY:-6} --runs ${CONTENTION_RUNS:-alone,busy,pinned,alone,busy,pinned} --json "$OUT/host-contention-1B-32.json" ;;
     serve-cold) timeout ${COLD_TIMEOUT:-300} python3 benchmarks/serve_cold.py --shape 1B --rows 32 \

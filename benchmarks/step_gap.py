@@ -1,7 +1,7 @@
 """Why a server's decode step is slower than an offline engine's: steady decode rounds (every row
 busy, no admission) timed for engines that differ in one thing at a time.
 
-Each `--variants` entry is KIND[:MODE][:KV_GB][:never|:always][:whole|:partN][:nowarm]:
+Each `--variants` entry is KIND[:MODE][:KV_GB][:never|:always][:nowarm]:
 - KIND `offline` (an `Engine` as `generate` makes it) or `server` (fixed shapes, warmed up, as
   `mlxfun serve` makes it);
 - MODE `greedy` (default) or `seeded` (temperature 0.8, top-p 0.9, a seed per row: a server runs
@@ -9,8 +9,6 @@ Each `--variants` entry is KIND[:MODE][:KV_GB][:never|:always][:whole|:partN][:n
 - KV_GB: the server's KV pool (default: its own budget, most of the device);
 - `never`: no pool write waits for the one before (`Runner.settle`; a server's waits from 1 GB);
   `always`: every one does (an offline engine's steps then run one after another, as a server's);
-- `whole`: a step queued after such a wait goes to the device at once, not a few layers at a time
-  (`Runner._queue`); `partN`: N layers at a time (default `runner.LAUNCH_PART_LAYERS`);
 - `nowarm`: a server's engine without its warm-up (the untimed first pass compiles what the rounds run).
 
 Every variant runs `--rows` requests of `--prompt-tokens` random tokens, admitted first, then
@@ -41,15 +39,13 @@ SEEDED = dict(temperature=0.8, top_p=0.9)
 
 
 def steady(model, rows: int, prompt: int, rounds: int, kind: str, mode: str, kv_gb: float, never: bool,
-           warm: bool = True, always: bool = False, part: int | None = None) -> dict:
+           warm: bool = True, always: bool = False) -> dict:
     server = kind == "server"
     engine = Engine(model, rows, fixed_shapes=server, kv_memory=int(kv_gb * 1e9) or None)
     if never:
         engine.runner.settle_bytes = None
     if always:
         engine.runner.settle_bytes = 0
-    if part is not None:
-        engine.runner.launch_part = part
     if server and warm:
         warm_up(engine)
     rng = np.random.default_rng(0)
@@ -84,16 +80,7 @@ def steady(model, rows: int, prompt: int, rounds: int, kind: str, mode: str, kv_
         for rid in list(engine.requests):
             engine.take(rid)
     return dict(kind=kind, mode=mode, kv_gb=round(engine.kv_memory / 1e9, 2), settle_bytes=engine.runner.settle_bytes,
-                launch_part=engine.runner.launch_part,
                 **passes[-1], first_pass_ms=passes[0]["ms_per_round"])
-
-
-def launch_part(rest: list[str]) -> int | None:
-    """A variant's layers per launch: `whole` 0, `partN` N, else None (the runner's default)."""
-    if "whole" in rest:
-        return 0
-    parts = [int(r[4:]) for r in rest if r.startswith("part")]
-    return parts[0] if parts else None
 
 
 def main(argv=None) -> int:
@@ -115,7 +102,7 @@ def main(argv=None) -> int:
         kv_gb = float(rest[1]) if len(rest) > 1 else 0.0
         try:
             r = steady(model, args.rows, args.prompt_tokens, args.rounds, kind, mode, kv_gb, "never" in rest,
-                       "nowarm" not in rest, "always" in rest, launch_part(rest))
+                       "nowarm" not in rest, "always" in rest)
         except RuntimeError as e:  # out of memory, say: the other variants still count
             r = dict(variant=variant, error=f"{type(e).__name__}: {e}")
         r["variant"] = variant

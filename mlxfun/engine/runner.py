@@ -37,9 +37,6 @@ from mlxfun.model.load import Model
 # Settings for a row that holds no request (its tokens are discarded).
 IDLE = sampling.make_settings(1, seed=0)
 
-# A step queued after `settle` waited goes to the device this many layers at a time (`_queue`).
-LAUNCH_PART_LAYERS = 4
-
 
 class Runner:
     def __init__(self, model: Model, config: ModelConfig, rows: int, strategy: WeightStrategy,
@@ -59,41 +56,24 @@ class Runner:
         # Pools of at least this many bytes are written after the write before has run (None: never).
         self.settle_bytes = settle_bytes
         self.waited = 0.0  # seconds `settle` waited for the device (`take_waited`)
-        self.launch_part = LAUNCH_PART_LAYERS  # 0: a settled step goes to the device at once
 
     def steps_for(self, mode: Mode) -> Steps:
         return self.steps(self.config, mode)
 
-    def settle(self, cache: kv.KVCache | None = None) -> bool:
+    def settle(self, cache: kv.KVCache | None = None) -> None:
         """Before queuing a write into the pool (`cache`'s, else the state's): wait for the write
-        queued before it, if the pool is large enough that copying it would cost more. -> whether
-        it waited."""
+        queued before it, if the pool is large enough that copying it would cost more."""
         if self.settle_bytes is None:
-            return False
+            return
         if self.settle_bytes and _pool_bytes(cache if cache is not None else self.state.cache) < self.settle_bytes:
-            return False
+            return
         t = time.perf_counter()
         mx.synchronize()
         self.waited += time.perf_counter() - t
-        return True
-
-    def _queue(self, outputs, settled: bool) -> None:
-        """Queue a step's `outputs` and the state. After `settle` waited the device is idle until
-        the host has encoded the step, where an offline engine encodes a step while the device runs
-        the one before (queued whole, a server's 8B step took 16.8 ms against offline's 9.5 on an
-        H100). So the step goes in parts, `launch_part` layers of the state at a time, each
-        launched once encoded; a part's pool layers are still written in place, as nothing in
-        flight reads the layers it writes."""
-        if settled and self.launch_part:
-            c, n = self.state.cache, self.launch_part
-            for end in range(n, len(c.keys), n):
-                mx.async_eval(c.keys[end - n:end], c.values[end - n:end])
-        mx.async_eval(outputs, self.state)
 
     def take_waited(self) -> float:
         """Seconds `settle` waited for the device since the last call: where the host is ahead of
-        the device (a step's time less this is the host's, the device running only the parts of
-        the step already queued)."""
+        the device (a step's time less this is host time the device waited for)."""
         waited, self.waited = self.waited, 0.0
         return waited
 
@@ -173,14 +153,16 @@ class Runner:
         out, state = steps.decode(self.step_params, state, self.settings) if chunk is None else \
             steps.mixed(self.step_params, state, self.settings, chunk)
         self._advanced(state)  # the old state unreferenced: the step writes the KV pool in place
-        self._queue(out, self.settle())
+        self.settle()
+        mx.async_eval(out, self.state)
         return out
 
     def forward(self, steps: Steps, penalties: bool) -> mx.array:
         """Queue a decode step's forward pass (the masked decode's first half) -> logits."""
         logits, state = steps.forward(self.step_params, self.input_state(penalties))
         self._advanced(state)
-        self._queue(logits, self.settle())
+        self.settle()
+        mx.async_eval(logits, self.state)
         return logits
 
     def sample(self, steps: Steps, logits: mx.array, masks: mx.array, penalties: bool) -> StepOut:
@@ -194,7 +176,8 @@ class Runner:
         """Queue a verify round: every row's drafts (B, k) checked by one forward pass."""
         out, state = steps.verify(self.step_params, self.state._replace(counts=None), drafts, valid, q, self.settings)
         self.state = state._replace(counts=self.state.counts)
-        self._queue(out, self.settle())
+        self.settle()
+        mx.async_eval(out, self.state)
         return out
 
     # ---- admission ----
