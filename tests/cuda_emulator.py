@@ -241,16 +241,16 @@ _FLAGS = ["g++", "-std=c++20", "-O1", "-w", "-fPIC", "-pthread"]
 
 
 def _compiled(code: str) -> ctypes.CDLL:
+    """`code` (C++ after `PRELUDE`) compiled and loaded, once per process."""
     lib = _LIBS.get(code)
     if lib is None:
         prelude = _BUILD / "prelude.h"
         if not prelude.exists():
             prelude.write_text(PRELUDE)
             subprocess.run([*_FLAGS, "-x", "c++-header", str(prelude), "-o", str(prelude) + ".gch"], check=True)
-        assert code.startswith(PRELUDE)
         name = hashlib.sha1(code.encode()).hexdigest()
         src, path = _BUILD / f"{name}.cpp", _BUILD / f"{name}.so"
-        src.write_text('#include "prelude.h"\n' + code[len(PRELUDE):])
+        src.write_text('#include "prelude.h"\n' + code)
         subprocess.run([*_FLAGS, "-shared", str(src), "-o", str(path)], check=True)
         lib = _LIBS[code] = ctypes.CDLL(str(path))
     return lib
@@ -276,7 +276,7 @@ def run(source: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple], t
         params.append(f"{CTYPES[types[name]]}* {name}")
         args.append(f"({CTYPES[types[name]]}*)p[{len(inputs) + j}]")
     consts = "".join(f"  using {k} = float;\n" if k == "T" else f"  constexpr int {k} = {v};\n" for k, v in template)
-    code = (PRELUDE + header + "void kernel(" + ", ".join(params) + ") {\n" + consts + source + "\n}\n"
+    code = (header + "void kernel(" + ", ".join(params) + ") {\n" + consts + source + "\n}\n"
             "static Shape shape_at(const int32_t* s) { Shape r; std::copy(s, s + 10, r.begin()); return r; }\n"
             'extern "C" void run(void** p, const int32_t* s, int gx, int gy, int gz, int threads, size_t smem) {\n'
             "  dynamic_smem = smem;\n"

@@ -90,9 +90,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    """The default model, 8 rows (a server's step computes all its rows: 0.17 s a row here)."""
-    # No warm-up: test_serve_warmup checks it; here it would compile every step variant of 8 rows first.
-    server = Server("--rows", "8", "--max-tokens", "8", "--no-warmup",
+    """The default model, 16 rows."""
+    # No warm-up: test_serve_warmup checks it; here it would compile every step variant of 16 rows first.
+    server = Server("--rows", "16", "--max-tokens", "8", "--no-warmup",
                     log_path=tmp_path_factory.mktemp("real") / "log")
     yield server
     server.stop()

@@ -79,12 +79,8 @@ class Scheduler:
         return min(self.rows, 1 << (live - 1).bit_length()) if self.row_buckets else live
 
     def widths(self) -> list[int]:
-        """Every width `width` may give (ascending), where they are few: the shapes a warm-up runs."""
-        if not self.shrink_rows:
-            return [self.rows]
-        if not self.row_buckets:
-            raise ValueError("exact row widths are not few: shrink_rows without row_buckets")
-        return sorted({self.width(n) for n in (1 << k for k in range(self.rows.bit_length() + 1))} | {self.rows})
+        """Every width `width` may give, ascending: the row counts a warm-up runs."""
+        return sorted({self.width(n) for n in range(self.rows + 1)})
 
     def live_count(self) -> int:
         return len(self.owner) - self.owner.count(None)

@@ -59,14 +59,13 @@ def warm_up(engine: Engine) -> Warmup:
     engine.ensure_state()
     engine.sync()
     runner.restack([None] * len(sched.owner))
-    table = runner.state.cache.table
+    table = runner.state.cache.table  # (rows, width) of an idle state: zeros, every row on the scratch block
     modes = fixed_modes(masks_available())
     widths = sched.pages.widths or [sched.pages.width]
     per_width = [0.0] * len(widths)
     row_widths = sched.widths()
     for rows in row_widths:  # all rows on a GPU; on the CPU, each power of two the rows shrink to
-        engine._set_width(rows)  # idle: `rows` empty rows
-        runner.restack([None] * rows)
+        engine._set_width(rows)  # idle: `rows` empty rows, their settings restacked
         everything = mx.full((rows, structured.words(engine.config.vocab_size)), 0xFFFFFFFF, mx.uint32)
         chunks = [idle_chunk(rows, n) for n in engine.chunk_sizes]
         for i, width in enumerate(widths):
@@ -89,8 +88,8 @@ def warm_up(engine: Engine) -> Warmup:
                 for chunk in [] if mode.masked else chunks:  # masked steps carry no prompts
                     mx.eval(runner.decode(steps, mode.penalties, chunk), runner.state)
             per_width[i] += time.perf_counter() - t
-        table = table if table.shape[0] == rows else mx.zeros((rows, table.shape[1]), mx.int32)
     t = time.perf_counter()
+    table = mx.zeros((row_widths[-1], table.shape[1]), mx.int32) if len(row_widths) > 1 else table
     runner.state = runner.state._replace(cache=runner.state.cache._replace(table=table))
     _first_tokens(engine, modes)
     # One request end to end: its prefill, first token and decode steps, through the real path.
