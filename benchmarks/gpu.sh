@@ -65,6 +65,9 @@
 #                a burst beside other processes on the device: SERVE_CLIENTS=128 SERVE_EACH=4 SERVE_MODES=greedy
 #   host-contention  benchmarks/host_contention.py: offline generate (1B, 32 rows) alone, beside $CONTENTION_BUSY (6)
 #                JSON-busy processes, and so with the engine pinned to cores they keep off, alternating
+#   step-gap     benchmarks/step_gap.py: steady decode rounds, $GAP_SHAPE (8B), 32 rows, $GAP_ROUNDS (100) each, variants
+#                $GAP_VARIANTS (a server's engine plain, with the engine process' memory limit, beside a process that
+#                builds MLX arrays as the HTTP process did, alternating; offline last)
 #   serve-cold   benchmarks/serve_cold.py (1B, 32 rows): fresh servers' first requests, each timed alone ($COLD_SEQUENCES)
 #   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
 #                after keep_freed (CUDA's pool keeps freed memory)
@@ -217,6 +220,9 @@ for suite in "$@"; do
         --json "$OUT/$name.json" | grep -v "^$" ;;
     host-contention) timeout ${CONTENTION_TIMEOUT:-400} python3 benchmarks/host_contention.py --shape 1B --rows 32 \
       --busy ${CONTENTION_BUSY:-6} --runs ${CONTENTION_RUNS:-alone,busy,pinned,alone,busy,pinned} --json "$OUT/host-contention-1B-32.json" ;;
+    step-gap) timeout ${GAP_TIMEOUT:-400} python3 benchmarks/step_gap.py --shape ${GAP_SHAPE:-8B} --rows 32 \
+      --rounds ${GAP_ROUNDS:-100} --variants ${GAP_VARIANTS:-server,server:greedy:0:limit,server:greedy:0:neighbour,server,\
+server:greedy:0:limit,server:greedy:0:neighbour,offline} --json "$OUT/step-gap-${GAP_SHAPE:-8B}-32.json" | cut -c1-330 ;;
     serve-cold) timeout ${COLD_TIMEOUT:-300} python3 benchmarks/serve_cold.py --shape 1B --rows 32 \
       --sequences ${COLD_SEQUENCES:-seeded,seeded,seeded greedy,seeded,seeded seeded,seeded@thread} --json "$OUT/serve-cold.json" ;;
     alloc) timeout 120 python3 benchmarks/alloc_probe.py --pool-gb ${ALLOC_POOL_GB:-60} --json "$OUT/alloc-probe.json" ;;

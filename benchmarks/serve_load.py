@@ -282,7 +282,9 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
             # The client processes' CPU over theirs and the run's time: near 1, the clients are the bottleneck.
             row["client_cpu_share"] = cpu / (procs * row["seconds"]) if row["seconds"] else None
             row["server_cpu_us_per_token"] = cpu_per_token(threads, server_cpu(server.proc.pid), row["tokens"])
-            print(f"  {name} {mode}: server CPU us per token by thread {row['server_cpu_us_per_token']}", flush=True)
+            row["gpu_mib_by_process"] = gpu_processes(server.proc.pid)
+            print(f"  {name} {mode}: server CPU us per token by thread {row['server_cpu_us_per_token']}; GPU MiB "
+                  f"by process {row['gpu_mib_by_process']}", flush=True)
             if before:
                 row.update(occupancy(before, engine_counters(server.url), args.rows or n, row))
                 if row.get("admissions"):
@@ -342,6 +344,25 @@ def server_cpu(pid: int) -> dict[str, float]:
     for child in children.read_text().split() if children.exists() else []:
         for name, seconds in thread_cpu(int(child)).items():
             out[f"child:{name}"] = out.get(f"child:{name}", 0.0) + seconds
+    return out
+
+
+def gpu_processes(pid: int) -> dict[str, float] | None:
+    """MiB of GPU memory held by the server's process ("server") and its children ("child"), as
+    nvidia-smi lists them; a process absent holds no CUDA context (None without nvidia-smi)."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    kids = set(children.read_text().split()) if children.exists() else set()
+    out: dict[str, float] = {}
+    for line in listed.splitlines():
+        p, _, mib = line.partition(",")
+        who = "server" if p.strip() == str(pid) else "child" if p.strip() in kids else None
+        if who:
+            out[who] = out.get(who, 0.0) + float(mib.strip() or 0)
     return out
 
 

@@ -1,7 +1,7 @@
 """Why a server's decode step is slower than an offline engine's: steady decode rounds (every row
 busy, no admission) timed for engines that differ in one thing at a time.
 
-Each `--variants` entry is KIND[:MODE][:KV_GB][:never|:always][:nowarm]:
+Each `--variants` entry is KIND[:MODE][:KV_GB][:never|:always][:nowarm][:limit][:neighbour]:
 - KIND `offline` (an `Engine` as `generate` makes it) or `server` (fixed shapes, warmed up, as
   `mlxfun serve` makes it);
 - MODE `greedy` (default) or `seeded` (temperature 0.8, top-p 0.9, a seed per row: a server runs
@@ -10,6 +10,10 @@ Each `--variants` entry is KIND[:MODE][:KV_GB][:never|:always][:nowarm]:
 - `never`: no pool write waits for the one before (`Runner.settle`; a server's waits from 1 GB);
   `always`: every one does (an offline engine's steps then run one after another, as a server's);
 - `nowarm`: a server's engine without its warm-up (the untimed first pass compiles what the rounds run).
+- `limit`: MLX's memory limit set as a server's engine process sets it (`process_memory_limit`);
+- `neighbour`: beside another process that builds small MLX arrays on the CPU device 200 times a
+  second, as a server's HTTP process built each request's settings before they moved to NumPy (a
+  CUDA context of its own on the same GPU).
 
 Every variant runs `--rows` requests of `--prompt-tokens` random tokens, admitted first, then
 times `--rounds` rounds of `Engine.step` (each queues a step and hands out the one before), twice,
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import subprocess
 import sys
 import time
 
@@ -32,10 +37,20 @@ import numpy as np
 
 from mlxfun.bench import models as bench
 from mlxfun.engine.core import Engine
+from mlxfun.engine.kv_budget import process_memory_limit
 from mlxfun.engine.options import GenerationConfig, requests
 from mlxfun.engine.warmup import warm_up
 
 SEEDED = dict(temperature=0.8, top_p=0.9)
+
+# What a server's HTTP process did per request before its settings moved to NumPy, 200 times a second.
+NEIGHBOUR = """
+import time, numpy as np, mlx.core as mx
+mx.set_default_device(mx.cpu)
+while True:
+    s = [mx.array([0.8], mx.float32) for _ in range(7)] + [mx.array([1], mx.uint32)]
+    mx.eval([a[0:1] for a in s]); [np.array(a) for a in s]; time.sleep(0.005)
+"""
 
 
 def steady(model, rows: int, prompt: int, rounds: int, kind: str, mode: str, kv_gb: float, never: bool,
@@ -96,15 +111,24 @@ def main(argv=None) -> int:
     model = bench.random_model(bench.SHAPES[args.shape])
     mx.eval(model.params)
     runs = []
+    default_limit = mx.get_memory_limit()
     for variant in args.variants.split(","):
         kind, *rest = variant.split(":")
         mode = rest[0] if rest else "greedy"
         kv_gb = float(rest[1]) if len(rest) > 1 else 0.0
+        neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if "neighbour" in rest else None
+        if "limit" in rest and process_memory_limit() is not None:
+            mx.set_memory_limit(process_memory_limit())
         try:
             r = steady(model, args.rows, args.prompt_tokens, args.rounds, kind, mode, kv_gb, "never" in rest,
                        "nowarm" not in rest, "always" in rest)
         except RuntimeError as e:  # out of memory, say: the other variants still count
             r = dict(variant=variant, error=f"{type(e).__name__}: {e}")
+        finally:
+            mx.set_memory_limit(default_limit)
+            if neighbour is not None:
+                neighbour.kill()
+                neighbour.wait()
         r["variant"] = variant
         runs.append(r)
         print(json.dumps(r), flush=True)

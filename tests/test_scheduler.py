@@ -470,6 +470,31 @@ def test_requests_built_on_one_thread_run_on_another(tiny):
     assert [out[0], out[1]] == expected
 
 
+def test_requests_are_built_on_the_host_without_mlx_arrays(tiny):
+    """A server's HTTP process builds every request (`options.requests`): it must not touch the
+    device, where an MLX array would open a CUDA context beside the engine's. Its settings are NumPy
+    arrays, and building them allocates no MLX memory; the engine copies them when it takes them."""
+    from mlxfun.engine.options import GenerationConfig, make_request, requests
+
+    mx.synchronize()
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    reqs = requests(tiny, [[5, 6, 7], "a b", [9, 10]],
+                    GenerationConfig(max_tokens=4, temperature=[0.0, 0.7, 1.0], top_p=0.9, seed=[1, 2, 3]))
+    assert mx.get_active_memory() == held and mx.get_peak_memory() <= held
+    for r in reqs:
+        assert all(isinstance(f, np.ndarray) and f.shape == (1,) for f in r.settings)
+    assert [float(r.settings.temperature[0]) for r in reqs] == [0.0, float(np.float32(0.7)), 1.0]
+    assert [int(r.settings.seed[0]) for r in reqs] == [1, 2, 3]
+    one = make_request(tiny, [5, 6], settings=sampling.make_settings(1, temperature=0.5, seed=9))
+    assert all(isinstance(f, np.ndarray) for f in one.settings) and int(one.settings.seed[0]) == 9
+    engine = Engine(tiny, 2)
+    rid = engine.submit(reqs[1])
+    engine.step()  # taken from the inbox
+    assert all(isinstance(f, mx.array) for f in engine.requests[rid].request.settings)
+    assert engine.requests[rid].request.settings.seed.tolist() == [2]
+
+
 def test_steps_write_the_kv_pool_in_place():
     """A write into an array something else still references makes MLX copy it whole first: a
     decode step that kept the old state alive copied the entire KV pool, every layer, every step

@@ -32,6 +32,7 @@ is refused by `submit`.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from functools import partial
@@ -180,6 +181,8 @@ class Engine:
         """Queue a checked Request (`options.requests` / `make_request`); returns its id. Raises
         InputError, before any work, if its cache could never fit the memory budget."""
         self.check(request)
+        # The settings copied from host memory: arrays without a graph, usable on the engine's thread.
+        request = dataclasses.replace(request, settings=sampling.on_device(request.settings))
         rid = self.inbox.new_id()
         record = Record(rid, request, request_mode(request),
                         Row(len(request.prompt), request.max_tokens, RowText(self.model.tokenizer, request.stop),

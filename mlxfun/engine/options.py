@@ -92,7 +92,7 @@ class Request:
 
     prompt: tuple[int, ...]
     max_tokens: int
-    settings: sampling.Settings  # one row
+    settings: sampling.Settings  # one row, NumPy arrays (the engine copies them to the device)
     stop: tuple[str, ...] = ()
     logprobs: int = -1  # -1: none; 0: the chosen token's; n: and the n most likely
     eos: frozenset[int] = frozenset()  # tokens that end the row (without being part of its output)
@@ -251,7 +251,7 @@ def requests(model: Model, prompts, config: GenerationConfig) -> list[Request]:
         check_positive_int("max_tokens", m)
     stop = stops(config.stop, n)
     top = check_logprobs(config.logprobs, model.config.vocab_size)
-    settings = sampling.make_settings(
+    settings = sampling.host_settings(
         n, temperature=config.temperature, top_p=config.top_p, min_p=config.min_p, top_k=config.top_k,
         repetition_penalty=config.repetition_penalty, presence_penalty=config.presence_penalty,
         frequency_penalty=config.frequency_penalty, seed=config.seed)
@@ -263,9 +263,6 @@ def requests(model: Model, prompts, config: GenerationConfig) -> list[Request]:
         check_context(model, ids, i)
         out.append(Request(tuple(ids), int(max_tokens[i]), sampling.row(settings, i), stop[i], top, eos,
                            constraints[i]))
-    # Evaluated here: MLX evaluates an array on the thread (stream) that built its graph, and an
-    # engine may run on another thread than the one that builds its requests.
-    mx.eval([r.settings for r in out])
     return out
 
 
@@ -284,9 +281,10 @@ def make_request(model: Model, prompt, *, max_tokens: int = 256, settings: sampl
     (stop_,) = stops(list(stop) if not isinstance(stop, str) else stop, 1)
     eos = eos_ids(model, ignore_eos, extra_eos_tokens)
     constraint = structured.constraint(model.tokenizer, model.config.vocab_size, response_format)
-    mx.eval(settings)  # built on this thread: see `requests`
-    return Request(tuple(ids), int(max_tokens), settings, stop_, check_logprobs(logprobs, model.config.vocab_size),
-                   eos, constraint)
+    # On the host: MLX evaluates an array on the thread (stream) that built its graph, and an engine
+    # may run on another thread than this one.
+    return Request(tuple(ids), int(max_tokens), sampling.on_host(settings), stop_,
+                   check_logprobs(logprobs, model.config.vocab_size), eos, constraint)
 
 
 def ring_overflow(reqs: Sequence[Request], max_kv_size: int | None, names: Sequence[str] | None = None

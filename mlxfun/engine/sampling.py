@@ -53,7 +53,8 @@ from mlxfun.errors import InputError
 
 
 class Settings(NamedTuple):
-    """Per-row sampling settings, each (B,). Build with `make_settings`, which validates."""
+    """Per-row sampling settings, each (B,): MLX arrays for the sampling functions
+    (`make_settings`), NumPy arrays in a Request (`host_settings`); both validate."""
 
     temperature: mx.array  # (B,) float32, 0 = greedy
     top_p: mx.array  # (B,) float32 in (0, 1], 1 = off
@@ -100,11 +101,21 @@ def make_settings(batch: int, *, temperature=0.0, top_p=1.0, min_p=0.0, top_k=0,
     value per row. `seed`: an int gives every row that seed (so a prompt samples the same
     alone or in any batch); a list gives one per row; None draws a fresh seed per row, readable
     from `seeds(settings)` so the run can be repeated."""
+    return on_device(host_settings(
+        batch, temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k, repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed))
+
+
+def host_settings(batch: int, *, temperature=0.0, top_p=1.0, min_p=0.0, top_k=0, repetition_penalty=1.0,
+                  presence_penalty=0.0, frequency_penalty=0.0, seed=None) -> Settings:
+    """`make_settings` as NumPy arrays: what a Request carries. A server's HTTP process builds its
+    requests with these and never touches the device (on CUDA an MLX array there would open a
+    second context on the engine's GPU)."""
     if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
         raise InputError(f"batch must be a positive integer, got {batch!r}")
 
     def floats(name, value, ok, expected):
-        return mx.array(_check(name, per_row(name, value, batch), ok, expected), mx.float32)
+        return np.array(_check(name, per_row(name, value, batch), ok, expected), np.float32)
 
     if seed is None:
         seed = [secrets.randbits(32) for _ in range(batch)]
@@ -115,14 +126,24 @@ def make_settings(batch: int, *, temperature=0.0, top_p=1.0, min_p=0.0, top_k=0,
     return Settings(
         temperature=floats("temperature", temperature, lambda v: v >= 0, "a non-negative number"),
         top_p=floats("top_p", top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
-        top_k=mx.array([min(int(k), 2**31 - 1) for k in top_k_], mx.int32),
+        top_k=np.array([min(int(k), 2**31 - 1) for k in top_k_], np.int32),
         min_p=floats("min_p", min_p, lambda v: 0 <= v <= 1, "in [0, 1]"),
         repetition_penalty=floats("repetition_penalty", repetition_penalty, lambda v: v > 0,
                                   "a positive number (1 = off)"),
         presence_penalty=floats("presence_penalty", presence_penalty, lambda v: True, "a finite number"),
         frequency_penalty=floats("frequency_penalty", frequency_penalty, lambda v: True, "a finite number"),
-        seed=mx.array([int(s) for s in seeds_], mx.uint32),
+        seed=np.array([int(s) for s in seeds_], np.uint32),
     )
+
+
+def on_host(settings: Settings) -> Settings:
+    """Settings as NumPy arrays (MLX ones are evaluated on the calling thread)."""
+    return Settings(*(np.asarray(f) for f in settings))
+
+
+def on_device(settings: Settings) -> Settings:
+    """Settings as MLX arrays copied from host memory: no graph, so any thread's stream may use them."""
+    return Settings(*(mx.array(np.asarray(f)) for f in settings))
 
 
 def row(settings: Settings, i: int) -> Settings:

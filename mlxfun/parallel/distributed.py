@@ -20,6 +20,7 @@ import json
 from typing import Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from mlxfun.engine.events import Stats
 from mlxfun.engine.kv_budget import kv_budget
@@ -101,7 +102,7 @@ def agree(reqs: list[Request], *groups_) -> list[Request]:
             differ = [i for i, e in enumerate(everyone) if e["digest"] != everyone[0]["digest"]]
             raise InputError(f"ranks {differ} of the group were given other prompts or options than rank 0: every "
                              "rank must call generate with the same prompts and options")
-        reqs = [dataclasses.replace(r, settings=r.settings._replace(seed=mx.array([s], mx.uint32)))
+        reqs = [dataclasses.replace(r, settings=r.settings._replace(seed=np.array([s], np.uint32)))
                 for r, s in zip(reqs, everyone[0]["seeds"])]
     return reqs
 

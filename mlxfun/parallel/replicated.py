@@ -22,7 +22,7 @@ import queue
 import threading
 from typing import Iterator
 
-import mlx.core as mx
+import numpy as np
 
 from mlxfun.engine import sampling
 from mlxfun.engine.core import Engine
@@ -33,7 +33,7 @@ from mlxfun.errors import InputError
 from mlxfun.model.load import Model
 from mlxfun.parallel import distributed
 
-_DTYPES = {"top_k": mx.int32, "seed": mx.uint32}  # the other Settings fields are float32
+_DTYPES = {"top_k": np.int32, "seed": np.uint32}  # the other Settings fields are float32
 
 
 def encode(request: Request) -> dict:
@@ -44,7 +44,7 @@ def encode(request: Request) -> dict:
 
 
 def decode(d: dict) -> Request:
-    settings = sampling.Settings(*(mx.array(d["settings"][f], _DTYPES.get(f, mx.float32))
+    settings = sampling.Settings(*(np.array(d["settings"][f], _DTYPES.get(f, np.float32))
                                    for f in sampling.Settings._fields))
     return Request(tuple(d["prompt"]), d["max_tokens"], settings, tuple(d["stop"]), d["logprobs"],
                    frozenset(d["eos"]))

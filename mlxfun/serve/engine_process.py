@@ -28,7 +28,6 @@ import threading
 from typing import Callable, NamedTuple
 
 import mlx.core as mx
-import numpy as np
 
 from mlxfun.engine import sampling
 from mlxfun.engine.core import Engine, engine_for
@@ -80,7 +79,7 @@ class Wired(NamedTuple):
 
 
 def wire(r: Request) -> Wired:
-    settings = sampling.Settings(*(np.array(f) for f in r.settings))
+    settings = sampling.on_host(r.settings)
     source = None if r.constraint is None else r.constraint.source
     return Wired(dataclasses.replace(r, settings=settings, constraint=None), source)
 

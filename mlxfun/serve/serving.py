@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import dataclasses
 import gc
 import logging
 import sys
@@ -27,9 +26,7 @@ from collections import deque
 from typing import Any, Callable, NamedTuple
 
 import mlx.core as mx
-import numpy as np
 
-from mlxfun.engine import sampling
 from mlxfun.engine.core import Engine
 from mlxfun.engine.events import Event
 from mlxfun.engine.options import Request
@@ -151,10 +148,6 @@ class Bridge:
 
     def submit_to(self, requests: list[Request], target) -> list[int]:
         """`submit`, delivering the requests' items to `target` (what `deliver` takes)."""
-        # MLX streams are per thread: the engine thread gets settings copied from host memory, never
-        # arrays computed here (`options.requests` slices them lazily).
-        requests = [dataclasses.replace(r, settings=sampling.Settings(*(mx.array(np.array(f)) for f in r.settings)))
-                    for r in requests]
         with self._lock:
             if not self.alive:
                 raise Busy("the server is shutting down")
