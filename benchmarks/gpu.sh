@@ -63,8 +63,9 @@
 #                seeded, all starting at once unless $SERVE_ARRIVAL) against offline generate; $SERVE_PROCS client
 #                processes; SERVE_SPY=1: under py-spy (add its wheel to .whl), stacks read by benchmarks/spy_threads.py;
 #                a burst beside other processes on the device: SERVE_CLIENTS=128 SERVE_EACH=4 SERVE_MODES=greedy
-#   host-contention  benchmarks/host_contention.py: offline generate (1B, 32 rows) alone, beside $CONTENTION_BUSY (6)
-#                JSON-busy processes, and so with the engine pinned to cores they keep off, alternating
+#   host-contention  benchmarks/host_contention.py: offline generate ($CONTENTION_SHAPE (1B), 32 rows, $CONTENTION_PROMPTS
+#                (256) prompts) alone, beside $CONTENTION_BUSY (6) JSON-busy processes, and so with the engine pinned to
+#                two physical cores they keep off, alternating
 #   step-gap     benchmarks/step_gap.py: steady decode rounds, $GAP_SHAPE (8B), 32 rows, $GAP_ROUNDS (100) each, variants
 #                $GAP_VARIANTS (a server's engine plain, with the engine process' memory limit, beside a process that
 #                builds MLX arrays as the HTTP process did, alternating; offline last)
@@ -218,8 +219,9 @@ for suite in "$@"; do
         --clients ${SERVE_CLIENTS:-32} --requests $((${SERVE_EACH:-8} * ${SERVE_CLIENTS:-32})) \
         --modes ${SERVE_MODES:-greedy,seeded} --offline --arrival ${SERVE_ARRIVAL:-0} ${SERVE_PROCS:+--client-procs $SERVE_PROCS} \
         --json "$OUT/$name.json" | grep -v "^$" ;;
-    host-contention) timeout ${CONTENTION_TIMEOUT:-400} python3 benchmarks/host_contention.py --shape 1B --rows 32 \
-      --busy ${CONTENTION_BUSY:-6} --runs ${CONTENTION_RUNS:-alone,busy,pinned,alone,busy,pinned} --json "$OUT/host-contention-1B-32.json" ;;
+    host-contention) timeout ${CONTENTION_TIMEOUT:-400} python3 benchmarks/host_contention.py --shape ${CONTENTION_SHAPE:-1B} \
+      --rows 32 --prompts ${CONTENTION_PROMPTS:-256} --busy ${CONTENTION_BUSY:-6} \
+      --runs ${CONTENTION_RUNS:-alone,busy,pinned,alone,busy,pinned} --json "$OUT/host-contention-${CONTENTION_SHAPE:-1B}-32.json" ;;
     step-gap) timeout ${GAP_TIMEOUT:-400} python3 benchmarks/step_gap.py --shape ${GAP_SHAPE:-8B} --rows 32 \
       --rounds ${GAP_ROUNDS:-100} --variants ${GAP_VARIANTS:-server,server:greedy:0:limit,server:greedy:0:neighbour,server,\
 server:greedy:0:limit,server:greedy:0:neighbour,offline} --json "$OUT/step-gap-${GAP_SHAPE:-8B}-32.json" | cut -c1-330 ;;

@@ -34,6 +34,30 @@ def spin(cores: list[int] | None) -> None:
         json.loads(json.dumps(doc))
 
 
+def physical_cores(cores: list[int], n: int) -> list[int]:
+    """The logical CPUs of the first `n` physical cores among `cores` (a core's hyperthreads share
+    its execution units: the other processes must keep off both)."""
+    picked: list[int] = []
+    for c in cores:
+        if c in picked:
+            continue
+        try:
+            text = open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read().strip()
+            siblings = [int(x) for part in text.split(",") for x in _span(part)]
+        except OSError:
+            siblings = [c]
+        picked += [s for s in siblings if s in cores]
+        n -= 1
+        if not n:
+            break
+    return picked
+
+
+def _span(part: str) -> range:
+    a, _, b = part.partition("-")
+    return range(int(a), int(b or a) + 1)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="1B")
@@ -49,7 +73,8 @@ def main(argv=None) -> int:
     prompts = make_prompts(model, 2 * args.prompts, 128)  # the second half warms up (`offline_run`)
     load = argparse.Namespace(rows=args.rows, requests=args.prompts, gen_tokens=args.gen_tokens)
     cores = sorted(os.sched_getaffinity(0))
-    mine, others = cores[:2], cores[2:] or cores  # MLX's own threads (CUDA's event handler) beside the engine's
+    mine = physical_cores(cores, 2)  # MLX's own threads (CUDA's event handler) beside the engine's
+    others = [c for c in cores if c not in mine] or cores
     ctx = multiprocessing.get_context("spawn")
     results = []
     for run in args.runs.split(","):
@@ -72,7 +97,7 @@ def main(argv=None) -> int:
         print(json.dumps(r), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"machine": machine(), "args": vars(args), "runs": results}, fh, indent=1)
+            json.dump({"machine": machine(), "args": vars(args), "engine_cores": mine, "runs": results}, fh, indent=1)
     return 0
 
 
