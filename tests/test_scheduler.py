@@ -300,6 +300,36 @@ def test_a_server_engine_process_limits_mlx_to_its_share_of_the_device(tiny, tmp
     assert engine.fixed  # the server's engine: fixed shapes
 
 
+def test_the_engine_process_queues_its_messages_and_never_waits_for_the_pipe():
+    """The engine process' messages go through its `Outbox`: queued at once while the pipe is full
+    (the server's process slow to read), then written in the order they were queued; a closed
+    pipe drops the rest rather than raising in the engine process."""
+    from mlxfun.serve.engine_process import Outbox
+
+    class Pipe:  # a pipe whose reader does not read until `go` is set
+        def __init__(self):
+            self.go, self.got = threading.Event(), []
+
+        def send(self, m):
+            self.go.wait()
+            if m == "closed":
+                raise OSError("the pipe is closed")
+            self.got.append(m)
+
+    pipe = Pipe()
+    outbox = Outbox(pipe)
+    t = time.perf_counter()
+    for i in range(1000):
+        outbox.put(("items", i))
+    queued = time.perf_counter() - t
+    assert pipe.got == [] and queued < 5.0  # nothing written, and the puts returned (with the reader stuck)
+    pipe.go.set()
+    outbox.put("closed")
+    outbox.put(("items", 1000))
+    outbox.close()
+    assert pipe.got == [("items", i) for i in range(1001)]
+
+
 def test_released_records_and_dropped_cache():
     model = tiny_model()
     engine = Engine(model, rows=3)

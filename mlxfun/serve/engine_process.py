@@ -11,9 +11,11 @@ They talk over one pipe (`multiprocessing.Pipe`), in order:
 - engine -> server: ("started", rows, model without weights) or ("error", text), ("ready", bool),
   ("ack", token, ids, error), ("items", [(token, item)]) once per step, ("metrics", token, text).
 
-A submission's ack goes out before any of its items (both are sent under one lock in the engine
-process). When the engine process dies (a crash, the OOM killer), every request in it ends with
-an `EngineFailed` item and a fresh process takes over, as a fresh engine does after an exception.
+A submission's ack goes out before any of its items: both are queued under one lock in the engine
+process, and one thread, the `Outbox`, writes them in order. The engine thread never writes to the
+pipe, so it never waits for the server's process to read. When the engine process dies (a crash,
+the OOM killer), every request in it ends with an `EngineFailed` item and a fresh process takes
+over, as a fresh engine does after an exception.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import queue
 import signal
 import threading
 from typing import Callable, NamedTuple
@@ -94,15 +97,45 @@ def unwire(w: Wired, model: Model) -> Request:
 # ---- the engine's process ----
 
 
+class Outbox:
+    """Messages to the server's process, in order, written to the pipe by a thread of their own:
+    the engine thread only queues its steps' items, so an HTTP side slow to read (a full pipe)
+    never holds up a decode step."""
+
+    def __init__(self, conn):
+        self._conn = conn
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, name="mlxfun-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, message) -> None:
+        self._queue.put(message)
+
+    def _write(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                self._conn.send(message)
+            except OSError:  # the server's process is gone: nobody reads the message
+                pass
+            except Exception:  # a message that does not pickle (a bug): the ones after it still go
+                log.exception("the engine process could not send a message to the server")
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+
 def engine_main(spec: EngineSpec, conn, max_queued: int, warm: bool) -> None:
     """The child: the Bridge on its engine thread, this thread reading the server's messages."""
     name_os_thread("mlxfun-engproc")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the group: the server decides
-    lock = threading.Lock()  # one message at a time; an ack before its requests' items
+    outbox = Outbox(conn)
+    lock = threading.Lock()  # an ack queued before its requests' items
 
     def send(message) -> None:
         with lock:
-            conn.send(message)
+            outbox.put(message)
 
     bridge = Bridge(spec.maker(), max_queued, warm, deliver=lambda sends: send(("items", sends)),
                     on_ready=lambda ready: send(("ready", ready)))
@@ -110,6 +143,7 @@ def engine_main(spec: EngineSpec, conn, max_queued: int, warm: bool) -> None:
         bridge.start()
     except BaseException as e:  # the model or a flag: the server prints it and exits
         send(("error", f"{type(e).__name__}: {e}" if not isinstance(e, MlxfunError) else str(e)))
+        outbox.close()
         return
     model = bridge.engine.model
     send(("started", bridge.rows, Model(model.config, None, model.tokenizer, model.source)))
@@ -127,7 +161,7 @@ def engine_main(spec: EngineSpec, conn, max_queued: int, warm: bool) -> None:
                         ids, error = bridge.submit_to([unwire(w, model) for w in wired], token), None
                     except (Busy, InputError) as e:
                         ids, error = None, e
-                    conn.send(("ack", token, ids, error))
+                    outbox.put(("ack", token, ids, error))
             elif kind == "cancel":
                 bridge.cancel(message[1])
             elif kind == "metrics":
@@ -141,6 +175,7 @@ def engine_main(spec: EngineSpec, conn, max_queued: int, warm: bool) -> None:
                 break
     finally:
         bridge.stop()
+        outbox.close()
         conn.close()
 
 
