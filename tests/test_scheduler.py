@@ -4,6 +4,7 @@ process, memory budgets, and every boundary checked before any work."""
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import statistics
 import subprocess
@@ -302,9 +303,11 @@ def test_a_server_engine_process_limits_mlx_to_its_share_of_the_device(tiny, tmp
 
 def test_the_engine_process_queues_its_messages_and_never_waits_for_the_pipe():
     """The engine process' messages go through its `Outbox`: queued at once while the pipe is full
-    (the server's process slow to read), then written in the order they were queued; a closed
-    pipe drops the rest rather than raising in the engine process."""
+    (the server's process slow to read), then written in the order they were queued; a message
+    the pipe refuses is dropped rather than raising in the engine process, and one that does not
+    pickle goes without what does not pickle."""
     from mlxfun.serve.engine_process import Outbox
+    from mlxfun.serve.serving import EngineFailed
 
     class Pipe:  # a pipe whose reader does not read until `go` is set
         def __init__(self):
@@ -328,6 +331,22 @@ def test_the_engine_process_queues_its_messages_and_never_waits_for_the_pipe():
     outbox.put(("items", 1000))
     outbox.close()
     assert pipe.got == [("items", i) for i in range(1001)]
+
+    # An item that does not pickle fails its own submission only; the step's other items still go.
+    class Pickling(Pipe):
+        def send(self, m):
+            self.got.append(pickle.loads(pickle.dumps(m)))
+
+    pipe = Pickling()
+    outbox = Outbox(pipe)
+    outbox.put(("items", [(7, ("event", None)), (8, ("event", lambda: 0)), (9, ("done", "outcome"))]))
+    outbox.put(("items", [(7, ("next", None))]))
+    outbox.close()
+    (first, items), second = pipe.got
+    assert first == "items" and items[0] == (7, ("event", None)) and items[2] == (9, ("done", "outcome"))
+    assert items[1][0] == 8 and isinstance(items[1][1][0], EngineFailed) and items[1][1][1] is None
+    assert "could not be sent" in str(items[1][1][0])
+    assert second == ("items", [(7, ("next", None))])
 
 
 def test_released_records_and_dropped_cache():

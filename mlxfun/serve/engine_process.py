@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import pickle
 import queue
 import signal
 import threading
@@ -117,13 +118,39 @@ class Outbox:
                 self._conn.send(message)
             except OSError:  # the server's process is gone: nobody reads the message
                 pass
-            except Exception:  # a message that does not pickle (a bug): the ones after it still go
+            except Exception as e:  # something in it does not pickle (a bug): only its submissions fail
                 log.exception("the engine process could not send a message to the server")
+                try:
+                    self._conn.send(salvaged(message, e))
+                except Exception:
+                    pass
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued, then stop."""
         self._queue.put(None)
         self._thread.join(timeout)
+
+
+def salvaged(message: tuple, error: Exception) -> tuple:
+    """A message that failed to pickle, with what does not pickle replaced: a step's item by an
+    `EngineFailed` item (its submission's requests end with a server error, the others' items go),
+    an ack's error by its text."""
+    failed = f"the engine's answer could not be sent: {type(error).__name__}: {error}"
+    if message[0] == "items":
+        return ("items", [(token, item if _pickles(item) else (EngineFailed(failed), None))
+                          for token, item in message[1]])
+    if message[0] == "ack":
+        _, token, ids, err = message
+        return ("ack", token, ids, err if _pickles(err) else MlxfunError(f"{type(err).__name__}: {err}"))
+    return message
+
+
+def _pickles(x) -> bool:
+    try:
+        pickle.dumps(x)
+        return True
+    except Exception:
+        return False
 
 
 def engine_main(spec: EngineSpec, conn, max_queued: int, warm: bool) -> None:
