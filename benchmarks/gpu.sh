@@ -69,6 +69,11 @@
 #   step-gap     benchmarks/step_gap.py: steady decode rounds, $GAP_SHAPE (8B), 32 rows, $GAP_ROUNDS (100) each, variants
 #                $GAP_VARIANTS (a server's engine plain, with the engine process' memory limit, beside a process that
 #                builds MLX arrays as the HTTP process did, alternating; offline last)
+#   server-gap   where a server's 8B step loses half its speed under load (issue 52), in one call: step-gap at 8B
+#                without warm-ups (plain, :limit, :neighbour, alternating; offline), then serve_load.py at 8B, 32
+#                clients, 128 greedy requests, this tree against $AB_REF (the tree before the HTTP process' requests
+#                left MLX: `git archive e490d28 mlxfun | tar -x -C .ab/ref`), each server's GPU memory by process
+#                listed, then host-contention at 8B (128 prompts); $GAP_PARTS picks of "gap serve contention"
 #   serve-cold   benchmarks/serve_cold.py (1B, 32 rows): fresh servers' first requests, each timed alone ($COLD_SEQUENCES)
 #   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
 #                after keep_freed (CUDA's pool keeps freed memory)
@@ -225,6 +230,20 @@ for suite in "$@"; do
     step-gap) timeout ${GAP_TIMEOUT:-400} python3 benchmarks/step_gap.py --shape ${GAP_SHAPE:-8B} --rows 32 \
       --rounds ${GAP_ROUNDS:-100} --variants ${GAP_VARIANTS:-server,server:greedy:0:limit,server:greedy:0:neighbour,server,\
 server:greedy:0:limit,server:greedy:0:neighbour,offline} --json "$OUT/step-gap-${GAP_SHAPE:-8B}-32.json" | cut -c1-330 ;;
+    server-gap)
+      wheels
+      for part in ${GAP_PARTS:-gap serve contention}; do
+        case $part in
+          gap) timeout 200 python3 benchmarks/step_gap.py --shape 8B --rows 32 --rounds 100 --variants \
+server:greedy:0:nowarm,server:greedy:0:nowarm:limit,server:greedy:0:nowarm:neighbour,server:greedy:0:nowarm,\
+server:greedy:0:nowarm:neighbour,offline --json "$OUT/server-gap-step-8B-32.json" | cut -c1-260 ;;
+          serve) timeout 420 python3 benchmarks/serve_load.py --shape 8B --clients 32 --requests 128 --modes greedy \
+            --offline --arrival 0 --mlxfun-ref "mlxfun-ref=$AB_REF" --json "$OUT/server-gap-serve-8B-32.json" \
+            | grep -v "^$" | tail -24 ;;
+          contention) timeout 300 python3 benchmarks/host_contention.py --shape 8B --rows 32 --prompts 128 --busy 6 \
+            --runs alone,busy,pinned,alone,busy,pinned --json "$OUT/server-gap-contention-8B-32.json" | cut -c1-300 ;;
+        esac
+      done ;;
     serve-cold) timeout ${COLD_TIMEOUT:-300} python3 benchmarks/serve_cold.py --shape 1B --rows 32 \
       --sequences ${COLD_SEQUENCES:-seeded,seeded,seeded greedy,seeded,seeded seeded,seeded@thread} --json "$OUT/serve-cold.json" ;;
     alloc) timeout 120 python3 benchmarks/alloc_probe.py --pool-gb ${ALLOC_POOL_GB:-60} --json "$OUT/alloc-probe.json" ;;
