@@ -117,8 +117,9 @@ def main(argv=None) -> int:
         mode = rest[0] if rest else "greedy"
         kv_gb = float(rest[1]) if len(rest) > 1 else 0.0
         neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if "neighbour" in rest else None
-        if "limit" in rest and process_memory_limit() is not None:
-            mx.set_memory_limit(process_memory_limit())
+        limit = process_memory_limit() if "limit" in rest else None  # None off CUDA
+        if limit is not None:
+            mx.set_memory_limit(limit)
         try:
             r = steady(model, args.rows, args.prompt_tokens, args.rounds, kind, mode, kv_gb, "never" in rest,
                        "nowarm" not in rest, "always" in rest)

@@ -30,14 +30,14 @@ if TYPE_CHECKING:
 
 
 class Warmup(NamedTuple):
-    variants: int  # (table width, mode) decode steps compiled and run
+    variants: int  # (row count, table width, mode) decode steps compiled and run
     widths: tuple[int, ...]  # the table widths, in tokens
     seconds: float
     width_seconds: tuple[float, ...] = ()  # each width's steps (all modes), in `widths` order
     rest_seconds: float = 0.0  # first-token sampling per mode and the request run end to end
     prompt_lengths: tuple[int, ...] = ()  # the one-row prompts prefilled (GPU: each chunk length)
     prompt_seconds: float = 0.0  # their time
-    carrying: int = 0  # (table width, mode, chunk length) steps that carry prompts, compiled and run
+    carrying: int = 0  # (row count, table width, mode, chunk length) steps that carry prompts, compiled and run
     chunk_sizes: tuple[int, ...] = ()  # their chunk lengths (`riding.chunk_sizes`)
     rows: tuple[int, ...] = ()  # the state's row counts (all rows; on the CPU each power of two up to them)
 
@@ -59,7 +59,7 @@ def warm_up(engine: Engine) -> Warmup:
     engine.ensure_state()
     engine.sync()
     runner.restack([None] * len(sched.owner))
-    table = runner.state.cache.table  # (rows, width) of an idle state: zeros, every row on the scratch block
+    idle_width = runner.state.cache.table.shape[1]  # an idle state's table: zeros, every row on the scratch block
     modes = fixed_modes(masks_available())
     widths = sched.pages.widths or [sched.pages.width]
     per_width = [0.0] * len(widths)
@@ -89,7 +89,7 @@ def warm_up(engine: Engine) -> Warmup:
                     mx.eval(runner.decode(steps, mode.penalties, chunk), runner.state)
             per_width[i] += time.perf_counter() - t
     t = time.perf_counter()
-    table = mx.zeros((row_widths[-1], table.shape[1]), mx.int32) if len(row_widths) > 1 else table
+    table = mx.zeros((row_widths[-1], idle_width), mx.int32)  # the state now holds the last row count
     runner.state = runner.state._replace(cache=runner.state.cache._replace(table=table))
     _first_tokens(engine, modes)
     # One request end to end: its prefill, first token and decode steps, through the real path.
