@@ -22,6 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import openai
 import pytest
+from mlx.utils import tree_flatten
 
 import mlxfun
 from mlxfun.bench.models import WORKLOAD_SHAPE, random_params, word_tokenizer
@@ -41,13 +42,15 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m mlxfun serve ARGS` on a free port of 127.0.0.1, up when /health answers."""
+    """`python -m mlxfun serve ARGS` on a free port of 127.0.0.1, up when /health answers.
+    `launcher`: the command before serve's flags, in place of `python -m mlxfun serve`."""
 
-    def __init__(self, *args: str, log_path: Path):
+    def __init__(self, *args: str, log_path: Path,
+                 launcher: tuple[str, ...] = (sys.executable, "-m", "mlxfun", "serve")):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "mlxfun", "serve", "--port", str(self.port),
+        self.proc = subprocess.Popen([*launcher, "--port", str(self.port),
                                       "--log-level", "warning", *args], cwd=ROOT, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
@@ -369,6 +372,44 @@ def test_a_killed_engine_process_fails_its_requests_then_a_fresh_one_serves(slow
         assert server.stop() == 0
     model = mlxfun.load(str(slow_model_dir))
     assert after.choices[0].text == mlxfun.generate(model, words(3), max_tokens=6, ignore_eos=True).texts[0]
+
+
+# The server's own process, printing at its exit what MLX ever held in it.
+COUNTING_SERVER = """
+import atexit, sys
+import mlx.core as mx
+atexit.register(lambda: print("HTTP PROCESS MLX PEAK", mx.get_peak_memory(), flush=True))
+from mlxfun.serve.server import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_http_process_never_allocates_mlx_memory(model_q4, tmp_path):
+    """On a GPU, one MLX array in the server's HTTP process opens a CUDA context beside the
+    engine's, and the two processes' work takes turns on the device. So the HTTP process builds
+    every request (seeded, constrained, several choices, streamed) on the host: MLX's allocator there
+    stays at zero bytes, while the engine's process reports the model's memory in /metrics."""
+    server = Server("--rows", "4", "--no-warmup", log_path=tmp_path / "log",
+                    launcher=(sys.executable, "-c", COUNTING_SERVER))
+    try:
+        client = server.client()
+        seeded = client.completions.create(model="x", prompt=words(1), max_tokens=3, temperature=0.9, top_p=0.9,
+                                           seed=5, n=2, logprobs=2)
+        assert [len(c.logprobs.token_logprobs) for c in seeded.choices] == [3, 3]
+        chunks = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=3, stream=True, extra_body={"ignore_eos": True}))
+        assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) == 3
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+        shaped = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "A number?"}],
+                                                max_tokens=40, response_format=fmt)
+        assert isinstance(json.loads(shaped.choices[0].message.content)["n"], int)
+        m = server.metrics()
+        weights = sum(a.nbytes for _, a in tree_flatten(model_q4.params) if a is not None)
+        assert m["mlxfun_memory_peak_bytes"] >= m["mlxfun_memory_active_bytes"] > 0.9 * weights > 1e6
+    finally:
+        assert server.stop() == 0
+    assert "HTTP PROCESS MLX PEAK 0\n" in (tmp_path / "log").read_text()
 
 
 def test_bad_flags_exit_2_naming_the_flag(slow_model_dir):

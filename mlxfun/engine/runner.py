@@ -34,8 +34,10 @@ from mlxfun.model import weights
 from mlxfun.model.config import ModelConfig
 from mlxfun.model.load import Model
 
-# Settings for a row that holds no request (its tokens are discarded).
-IDLE = sampling.make_settings(1, seed=0)
+# Settings for a row that holds no request (its tokens are discarded). On the host: importing
+# mlxfun makes no MLX array, which on CUDA would open a context in every process that imports it
+# (a server's HTTP process among them).
+IDLE = sampling.host_settings(1, seed=0)
 
 
 class Runner:
@@ -53,6 +55,7 @@ class Runner:
         self.step_params = weights.with_transposed(config, self.params)
         self.state: DecodeState | None = None
         self.settings: sampling.Settings | None = None  # per-row settings of the state's rows
+        self.idle = sampling.on_device(IDLE)
         # Pools of at least this many bytes are written after the write before has run (None: never).
         self.settle_bytes = settle_bytes
         self.waited = 0.0  # seconds `settle` waited for the device (`take_waited`)
@@ -92,7 +95,7 @@ class Runner:
 
     def restack(self, settings: list[sampling.Settings | None]) -> None:
         """The rows' sampling settings as one batch (None: a row without a request)."""
-        self.settings = _stack([IDLE if s is None else s for s in settings])
+        self.settings = _stack([self.idle if s is None else s for s in settings])
 
     def set_rows(self, keep: list[int], width: int) -> None:
         """Rows `keep` become rows 0, 1, ..., then empty rows up to `width`. Steps already queued

@@ -327,7 +327,8 @@ def to_loops(sends: list[tuple[Target, tuple]]) -> None:
 
 
 def metrics_text(engine: Engine, tokens_per_second: float) -> str:
-    """The engine's counters, gauges and latency percentiles in Prometheus' text format."""
+    """The engine's counters, gauges and latency percentiles in Prometheus' text format (called
+    where the engine runs: the memory is its process')."""
     s = engine.stats
     lines = []
 
@@ -373,4 +374,9 @@ def metrics_text(engine: Engine, tokens_per_second: float) -> str:
             v = values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
             lines.append(f'{full}{{quantile="{q}"}} {v:.6f}')
         lines += [f"{full}_sum {sum(values):.6f}", f"{full}_count {len(values)}"]
+    for name, help_, value in (
+            ("memory_active_bytes", "Bytes MLX holds in the engine's process now (the device's memory on a GPU).",
+             mx.get_active_memory()),
+            ("memory_peak_bytes", "Most bytes MLX held at once in the engine's process.", mx.get_peak_memory())):
+        lines.append(f"{family(name, 'gauge', help_)} {value}")
     return "\n".join(lines) + "\n"
