@@ -69,3 +69,31 @@ def test_the_check_finds_a_planted_circle():
     graph["mlxfun.model.linear"] = graph["mlxfun.model.linear"] | {"mlxfun.model.llama"}
     found = cycles(graph)
     assert found and all({"mlxfun.model.linear", "mlxfun.model.llama"} <= set(c) for c in found), found
+
+
+IMPORT_ALL = """
+import importlib, pkgutil, sys
+import mlx.core as mx
+import mlxfun
+for m in pkgutil.walk_packages(mlxfun.__path__, "mlxfun."):
+    if not m.name.endswith("__main__"):
+        importlib.import_module(m.name)
+        if mx.get_peak_memory():
+            sys.exit(f"{m.name} made an MLX array at import ({mx.get_peak_memory()} bytes)")
+print(len(sys.modules))
+"""
+
+
+def test_importing_any_module_makes_no_mlx_array():
+    """No module makes an MLX array when imported: on CUDA that opens a context in every process
+    that imports mlxfun, a server's HTTP process among them (whose work then takes turns with the
+    engine's on the device). Settings and tables a module keeps are NumPy or made by a function."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", IMPORT_ALL], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout) > 100  # the package's modules and their dependencies were imported
+    plant = "import mlx.core as mx\nX = mx.zeros((4,))\nmx.eval(X)\n"  # as a module-level table would
+    planted = subprocess.run([sys.executable, "-c", plant + IMPORT_ALL], capture_output=True, text=True, timeout=120)
+    assert planted.returncode != 0 and "made an MLX array at import" in planted.stderr
