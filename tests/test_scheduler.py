@@ -349,6 +349,47 @@ def test_the_engine_process_queues_its_messages_and_never_waits_for_the_pipe():
     assert second == ("items", [(7, ("next", None))])
 
 
+def test_the_servers_process_queues_its_messages_to_the_engine_and_never_waits_for_the_pipe():
+    """The server's event loop hands its messages to an `Outbox` of its own: a submission returns
+    at once while the engine process is slow to read (a full pipe), messages go in order, and one
+    the pipe refuses (the engine process gone) resolves its waiting answer with the failure value."""
+    import asyncio
+
+    from mlxfun.engine.options import GenerationConfig
+    from mlxfun.serve.engine_process import EngineProcess, EngineSpec, Outbox
+
+    class Pipe:  # a pipe whose reader does not read until `go` is set, closed for "closed" messages
+        def __init__(self):
+            self.go, self.got = threading.Event(), []
+
+        def send(self, m):
+            assert threading.current_thread() is not threading.main_thread(), "written on the caller's thread"
+            self.go.wait()
+            if m[0] == "closed":
+                raise OSError("the pipe is closed")
+            self.got.append(m)
+
+    ep = EngineProcess(EngineSpec(None, None, 2, GenerationConfig(), None), max_queued=4)
+    pipe = Pipe()
+    ep._outbox = Outbox(pipe, "mlxfun-writer", ep._unsent)
+    t = time.perf_counter()
+    for i in range(1000):
+        ep._send(("cancel", i))
+    assert pipe.got == [] and time.perf_counter() - t < 5.0  # queued, with the reader stuck
+
+    async def refused():
+        answer = asyncio.get_running_loop().create_future()
+        ep._waiting[7] = (asyncio.get_running_loop(), answer, "the engine process died")
+        ep._send(("closed", 7), 7)
+        pipe.go.set()
+        return await asyncio.wait_for(answer, 10)
+
+    assert asyncio.run(refused()) == "the engine process died" and 7 not in ep._waiting
+    ep._send(("cancel", 1000))
+    ep._outbox.close()
+    assert pipe.got == [("cancel", i) for i in range(1001)]
+
+
 def test_released_records_and_dropped_cache():
     model = tiny_model()
     engine = Engine(model, rows=3)

@@ -13,7 +13,8 @@ They talk over one pipe (`multiprocessing.Pipe`), in order:
 
 A submission's ack goes out before any of its items: both are queued under one lock in the engine
 process, and one thread, the `Outbox`, writes them in order. The engine thread never writes to the
-pipe, so it never waits for the server's process to read. When the engine process dies (a crash,
+pipe, so it never waits for the server's process to read; the server's event loop likewise queues
+its messages for an `Outbox` of its own. When the engine process dies (a crash,
 the OOM killer), every request in it ends with an `EngineFailed` item and a fresh process takes
 over, as a fresh engine does after an exception.
 """
@@ -99,36 +100,48 @@ def unwire(w: Wired, model: Model) -> Request:
 
 
 class Outbox:
-    """Messages to the server's process, in order, written to the pipe by a thread of their own:
-    the engine thread only queues its steps' items, so an HTTP side slow to read (a full pipe)
-    never holds up a decode step."""
+    """Messages written to a pipe in order by a thread of their own, so that the thread that sends
+    them never waits for the other side to read (a full pipe): the engine thread's steps' items,
+    and the server's event loop's submissions (at 128 requests at once, writing them on the loop
+    blocked it 0.3 ms a request on the CPU while the engine process was slow to read).
+    `failed(conn, message, token, error)` runs on that thread when a message cannot be written;
+    by default (the engine process') a closed pipe drops it and anything else is salvaged."""
 
-    def __init__(self, conn):
-        self._conn = conn
+    def __init__(self, conn, name: str = "mlxfun-outbox",
+                 failed: Callable[[object, tuple, int | None, Exception], None] | None = None):
+        self._conn, self._failed = conn, failed or _salvage
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._write, name="mlxfun-outbox", daemon=True)
+        self._thread = threading.Thread(target=self._write, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, message) -> None:
-        self._queue.put(message)
+    def put(self, message, token: int | None = None) -> None:
+        """Queue `message`; `token` is handed to `failed` should it not be written."""
+        self._queue.put((message, token))
 
     def _write(self) -> None:
-        while (message := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            message, token = item
             try:
                 self._conn.send(message)
-            except OSError:  # the server's process is gone: nobody reads the message
-                pass
-            except Exception as e:  # something in it does not pickle (a bug): only its submissions fail
-                log.exception("the engine process could not send a message to the server")
-                try:
-                    self._conn.send(salvaged(message, e))
-                except Exception:
-                    pass
+            except Exception as e:
+                self._failed(self._conn, message, token, e)
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued, then stop."""
         self._queue.put(None)
         self._thread.join(timeout)
+
+
+def _salvage(conn, message: tuple, token: int | None, error: Exception) -> None:
+    """The engine process' `Outbox.failed`: the server's process gone (nobody reads the message),
+    or something in it does not pickle (a bug): then only its submissions fail."""
+    if isinstance(error, OSError):
+        return
+    log.error("the engine process could not send a message to the server", exc_info=error)
+    try:
+        conn.send(salvaged(message, error))
+    except Exception:
+        pass
 
 
 def salvaged(message: tuple, error: Exception) -> tuple:
@@ -220,9 +233,8 @@ class EngineProcess:
         self.rows = 0
         self.pid: int | None = None
         self._ctx = multiprocessing.get_context("spawn")  # no copy of this process' threads or MLX state
-        self._conn = None
+        self._outbox: Outbox | None = None  # writes to the current engine process' pipe
         self._proc = None
-        self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the tables below
         self._queues: dict[int, list] = {}  # token -> [target, requests still open]
         self._open: dict[int, int] = {}  # request id -> its submission's token
@@ -253,7 +265,9 @@ class EngineProcess:
                                        name="mlxfun-engine", daemon=True)
         self._proc.start()
         theirs.close()
-        self._conn, self.pid = ours, self._proc.pid
+        if self._outbox is not None:
+            self._outbox.close(0)  # what it still holds fails on the old pipe (`_unsent`)
+        self._outbox, self.pid = Outbox(ours, "mlxfun-writer", self._unsent), self._proc.pid
         threading.Thread(target=self._read, args=(ours, self._proc), name="mlxfun-reader", daemon=True).start()
 
     @property
@@ -335,16 +349,19 @@ class EngineProcess:
         return await answer
 
     def _send(self, message, token: int | None = None) -> None:
-        """Send to the engine process; when it is gone, the answer awaited under `token` is its
-        failure value (the reader ends the requests it held)."""
-        try:
-            with self._send_lock:
-                self._conn.send(message)
-        except (OSError, ValueError):
-            with self._lock:
-                waiting = self._waiting.pop(token, None)
-            if waiting is not None:
-                _resolve(waiting, waiting[2])
+        """Queue for the engine process (the event loop never waits for it to read); when it is
+        gone, the answer awaited under `token` is its failure value (the reader ends the requests
+        it held)."""
+        self._outbox.put(message, token)
+
+    def _unsent(self, conn, message, token: int | None, error: Exception) -> None:
+        """`Outbox.failed`, on the writer's thread: a message the engine process did not get."""
+        if not isinstance(error, (OSError, ValueError)):  # not a closed pipe: something does not pickle
+            log.error("a message to the engine process could not be sent", exc_info=error)
+        with self._lock:
+            waiting = self._waiting.pop(token, None)
+        if waiting is not None:
+            _resolve(waiting, waiting[2])
 
     def _close(self, token: int) -> None:
         """One request of a submission is done (under _lock)."""
