@@ -2,6 +2,8 @@
 # The GPU benchmarks, in named suites. On the lent machine, from the repo root, after
 # `. .gpu-b/install.sh` (made here by `bash ../shared/gpu/prepare.sh`):
 #   bash benchmarks/gpu.sh SUITE [SUITE ...]
+# On a fresh machine the first server (or engine) of a shape builds MLX's kernels, 160-250 s; later starts
+# on the same machine take seconds (/tmp/mlx/<version>/ptx). Give a serving suite's first call 300 s or more.
 # Suites (each writes JSON to $OUT, default /tmp/mlxfun-out):
 #   smoke        batched == alone in float32, the decode kernels on (benchmarks/smoke.py)
 #   kernels      the CUDA kernels against MLX references (benchmarks/kernels_check.py; $KERNELS_ONLY: one kernel)
@@ -69,11 +71,13 @@
 #   step-gap     benchmarks/step_gap.py: steady decode rounds, $GAP_SHAPE (8B), 32 rows, $GAP_ROUNDS (100) each, variants
 #                $GAP_VARIANTS (a server's engine plain, with the engine process' memory limit, beside a process that
 #                builds MLX arrays as the HTTP process did, alternating; offline last)
-#   server-gap   where a server's 8B step loses half its speed under load (issue 52), in one call: step-gap at 8B
-#                without warm-ups (plain, :limit, :neighbour, alternating; offline), then serve_load.py at 8B, 32
-#                clients, 128 greedy requests, this tree against $AB_REF (the tree before the HTTP process' requests
-#                left MLX: `git archive e490d28 mlxfun | tar -x -C .ab/ref`), each server's GPU memory by process
-#                listed, then host-contention at 8B (128 prompts); $GAP_PARTS picks of "gap serve contention"
+#   server-gap   where a server's 8B step loses speed under load (issue 52): step-gap at 8B without warm-ups
+#                (plain, :limit, :neighbour, alternating; offline), then serve_load.py at 8B, 32 clients, 128
+#                greedy requests, each server's GPU memory by process listed ($GAP_REF=1: also against $AB_REF,
+#                the tree before the HTTP process' requests left MLX: `git archive e490d28 mlxfun | tar -x -C
+#                .ab/ref`), then host-contention at 8B (128 prompts); $GAP_PARTS picks of "gap serve contention".
+#                Each part wants a call of its own: on a fresh machine the first 8B server took 250 s to start
+#                (MLX's first-use kernel builds), and serve with the reference tree passed 420 s (2026-12-08)
 #   serve-cold   benchmarks/serve_cold.py (1B, 32 rows): fresh servers' first requests, each timed alone ($COLD_SEQUENCES)
 #   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
 #                after keep_freed (CUDA's pool keeps freed memory)
@@ -237,8 +241,9 @@ server:greedy:0:limit,server:greedy:0:neighbour,offline} --json "$OUT/step-gap-$
           gap) timeout 200 python3 benchmarks/step_gap.py --shape 8B --rows 32 --rounds 100 --variants \
 server:greedy:0:nowarm,server:greedy:0:nowarm:limit,server:greedy:0:nowarm:neighbour,server:greedy:0:nowarm,\
 server:greedy:0:nowarm:neighbour,offline --json "$OUT/server-gap-step-8B-32.json" | cut -c1-260 ;;
-          serve) timeout 420 python3 benchmarks/serve_load.py --shape 8B --clients 32 --requests 128 --modes greedy \
-            --offline --arrival 0 --mlxfun-ref "mlxfun-ref=$AB_REF" --json "$OUT/server-gap-serve-8B-32.json" \
+          serve) ref=(); [ "${GAP_REF:-0}" = 1 ] && ref=(--mlxfun-ref "mlxfun-ref=$AB_REF")
+            timeout ${GAP_SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape 8B --clients 32 --requests 128 \
+            --modes ${GAP_MODES:-greedy} --offline --arrival 0 "${ref[@]}" --json "$OUT/server-gap-serve-8B-32.json" \
             | grep -v "^$" | tail -24 ;;
           contention) timeout 300 python3 benchmarks/host_contention.py --shape 8B --rows 32 --prompts 128 --busy 6 \
             --runs alone,busy,pinned,alone,busy,pinned --json "$OUT/server-gap-contention-8B-32.json" | cut -c1-300 ;;
