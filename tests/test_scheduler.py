@@ -389,6 +389,14 @@ def test_the_servers_process_queues_its_messages_to_the_engine_and_never_waits_f
     ep._outbox.close()
     assert pipe.got == [("cancel", i) for i in range(1001)]
 
+    async def after_close():  # a fresh process' outbox replaced this one: a late message still gets its answer
+        answer = asyncio.get_running_loop().create_future()
+        ep._waiting[8] = (asyncio.get_running_loop(), answer, "the engine process died")
+        ep._send(("submit", 8, []), 8)
+        return await asyncio.wait_for(answer, 10)
+
+    assert asyncio.run(after_close()) == "the engine process died" and pipe.got[-1] == ("cancel", 1000)
+
 
 def test_released_records_and_dropped_cache():
     model = tiny_model()

@@ -111,12 +111,18 @@ class Outbox:
                  failed: Callable[[object, tuple, int | None, Exception], None] | None = None):
         self._conn, self._failed = conn, failed or _salvage
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # a message put after `close` fails rather than waiting forever
+        self._closed = False
         self._thread = threading.Thread(target=self._write, name=name, daemon=True)
         self._thread.start()
 
     def put(self, message, token: int | None = None) -> None:
         """Queue `message`; `token` is handed to `failed` should it not be written."""
-        self._queue.put((message, token))
+        with self._lock:
+            if not self._closed:
+                self._queue.put((message, token))
+                return
+        self._failed(self._conn, message, token, OSError("the pipe was closed"))
 
     def _write(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -127,8 +133,10 @@ class Outbox:
                 self._failed(self._conn, message, token, e)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Write what is queued, then stop."""
-        self._queue.put(None)
+        """Write what is queued, then stop (waiting up to `timeout` s)."""
+        with self._lock:
+            self._closed = True
+            self._queue.put(None)
         self._thread.join(timeout)
 
 
