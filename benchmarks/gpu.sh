@@ -33,8 +33,10 @@
 #                `echo /.whl/ >> .git/info/exclude` and `pip download --no-deps --only-binary=:all:
 #                --python-version 3.12 --platform manylinux2014_x86_64 -d .whl fastapi starlette uvicorn pydantic
 #                pydantic-core typing-inspection annotated-types annotated-doc opentelemetry-api typing-extensions
-#                click idna anyio h11 openai httpx2 httpcore2 truststore jiter sniffio distro [mlx-lm]`
-#                (versions as in this venv; the GPU machine's Python lacks these), carried as ".whl";
+#                click idna anyio h11 uvloop httptools openai httpx2 httpcore2 truststore jiter sniffio distro
+#                [mlx-lm] [py-spy]` (versions as in this venv; the GPU machine's Python lacks these), carried as
+#                ".whl"; uvloop and httptools are the [server] extra's, which uvicorn picks when importable (the
+#                leases up to 2026-12-08 lacked them: asyncio's own loop and h11 served those runs);
 #                $SERVE_MODES (greedy,seeded) picks the modes
 #   serve-process  serve_load.py (1B, 32 clients, 256 requests, greedy and seeded) against offline generate: the
 #                engine in its own process (the default) and on the server's thread (--engine-thread), one run
@@ -108,7 +110,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 bench() { timeout -s INT -k 30 "$1" python3 -m mlxfun.bench "${@:2}"; }  # SIGINT: bench keeps the rows measured
 # The server's extra, the openai client and mlx-lm (side by side) from the wheels in .whl/ (see serve).
 wheels() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}; }
+  .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  python3 -c "import uvloop, httptools" 2>/dev/null || echo "note: no uvloop / httptools in .whl: uvicorn serves with asyncio and h11"; }
 # Runs mlxfun bench with the package at $1 (a folder holding mlxfun/) first on the path.
 # issue 54: batch_invariant end to end, and its cost; $1 names the JSON files.
 invariant_e2e() { timeout ${INVARIANT_TIMEOUT:-240} python3 benchmarks/invariant_e2e.py \

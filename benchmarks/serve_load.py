@@ -472,6 +472,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: the default model)")
@@ -513,6 +520,8 @@ def main(argv=None) -> int:
     from mlxfun.bench.models import machine
 
     info = machine()
+    # uvicorn serves with uvloop and httptools (the [server] extra) when they import, else asyncio and h11.
+    info["uvloop"], info["httptools"] = (_version(name) for name in ("uvloop", "httptools"))
     if args.mlx_lm:
         v = subprocess.run([args.mlx_lm_python, "-c", "import mlx_lm, mlx.core as mx; print(mlx_lm.__version__, "
                             "mx.__version__)"], capture_output=True, text=True)
