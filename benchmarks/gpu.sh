@@ -80,6 +80,8 @@
 #                .ab/ref`), then host-contention at 8B (128 prompts); $GAP_PARTS picks of "gap serve contention".
 #                Each part wants a call of its own: on a fresh machine the first 8B server took 250 s to start
 #                (MLX's first-use kernel builds), and serve with the reference tree passed 420 s (2026-12-08)
+#   http-layer   benchmarks/http_layer.py: the server's HTTP layer over a stand-in engine, CPU per streamed chunk with
+#                uvloop + httptools and with asyncio + h11 ($SERVE_CLIENTS (128) clients; needs them in .whl)
 #   serve-cold   benchmarks/serve_cold.py (1B, 32 rows): fresh servers' first requests, each timed alone ($COLD_SEQUENCES)
 #   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
 #                after keep_freed (CUDA's pool keeps freed memory)
@@ -231,6 +233,10 @@ for suite in "$@"; do
         --clients ${SERVE_CLIENTS:-32} --requests $((${SERVE_EACH:-8} * ${SERVE_CLIENTS:-32})) \
         --modes ${SERVE_MODES:-greedy,seeded} --offline --arrival ${SERVE_ARRIVAL:-0} ${SERVE_PROCS:+--client-procs $SERVE_PROCS} \
         --json "$OUT/$name.json" | grep -v "^$" ;;
+    http-layer)  # the HTTP layer alone, per streamed chunk: uvloop + httptools against asyncio + h11
+      wheels
+      timeout ${HTTP_TIMEOUT:-200} python3 benchmarks/http_layer.py --clients ${SERVE_CLIENTS:-128} --repeats 3 \
+        --json "$OUT/http-layer.json" ;;
     host-contention) timeout ${CONTENTION_TIMEOUT:-400} python3 benchmarks/host_contention.py --shape ${CONTENTION_SHAPE:-1B} \
       --rows 32 --prompts ${CONTENTION_PROMPTS:-256} --busy ${CONTENTION_BUSY:-6} \
       --runs ${CONTENTION_RUNS:-alone,busy,pinned,alone,busy,pinned} --json "$OUT/host-contention-${CONTENTION_SHAPE:-1B}-32.json" ;;
