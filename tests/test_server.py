@@ -497,3 +497,24 @@ def test_serve_takes_rows_once(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     assert "--batch-size" not in capsys.readouterr().out
+
+
+def test_a_text_chunk_is_the_bytes_json_would_write():
+    """Most streamed chunks carry text alone and are written without serializing their dicts
+    (`sse_text_chunk`): the same bytes as the general path, whatever the text holds."""
+    import mlxfun.serve.openai_api as api
+    from mlxfun.serve.server import sse_chunk, sse_text_chunk
+
+    texts = [" tok", "a", 'say "hi"', "back\\slash", "new\nline\ttab", "\x00\x1f\x7f", "é 漢字 🙂", "\u2028\u2029",
+             "</script>", "{\"choices\": [0]}"]
+    for chat, kind in ((False, "text_completion"), (True, "chat.completion.chunk")):
+        for usage in (False, True):
+            env = api.envelope("cmpl-1", 7, "m\"odel", kind, [0]) | ({"usage": None} if usage else {})
+            head, _, tail = json.dumps(env, ensure_ascii=False).partition('"choices": [0]')
+            for i, text in enumerate(texts):
+                choice = api.chat_delta_choice(i, {"content": text}, None, None) if chat else \
+                    api.completion_choice(i, text, None, None)
+                fast = sse_text_chunk(head, tail, chat, i, text)
+                assert fast == sse_chunk(head, tail, [choice]), (chat, text)
+                parsed = json.loads(fast.removeprefix("data: "))
+                assert parsed["choices"][0] == choice and parsed["object"] == kind and ("usage" in parsed) == usage

@@ -132,6 +132,23 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def sse_chunk(head: str, tail: str, choices: list[dict]) -> str:
+    """A streamed chunk: the envelope serialized once per stream (`head`, `tail`) around its choices."""
+    return f'data: {head}"choices": {json.dumps(choices, ensure_ascii=False)}{tail}\n\n'
+
+
+def sse_text_chunk(head: str, tail: str, chat: bool, index: int, text: str) -> str:
+    """`sse_chunk` of one choice carrying text alone (no logprobs, no finish reason), the same bytes
+    built without serializing its dicts (`benchmarks/http_layer.py`, this CPU: 2-14% less of the
+    HTTP process' CPU per streamed chunk, in four alternations)."""
+    t = json.dumps(text, ensure_ascii=False)
+    if chat:
+        return f'data: {head}"choices": [{{"index": {index}, "delta": {{"content": {t}}}, "logprobs": null, ' \
+               f'"finish_reason": null}}]{tail}\n\n'
+    return f'data: {head}"choices": [{{"index": {index}, "text": {t}, "logprobs": null, "finish_reason": null}}]' \
+           f'{tail}\n\n'
+
+
 def _json_error(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -209,7 +226,7 @@ async def _stream(served: Served, chat: bool, body: Common, reqs: list[Request],
         {"usage": None} if want_usage else {}), ensure_ascii=False).partition('"choices": [0]')
 
     def chunk(choices: list[dict]) -> str:
-        return f'data: {head}"choices": {json.dumps(choices, ensure_ascii=False)}{tail}\n\n'
+        return sse_chunk(head, tail, choices)
 
     def render(event, record: Outcome | None) -> str:
         """One token's chunk ("" when it brings neither text nor logprobs nor the end)."""
@@ -229,6 +246,8 @@ async def _stream(served: Served, chat: bool, body: Common, reqs: list[Request],
             delta = api.chat_delta(parsers[i].feed(event.text) + (parsers[i].close() if reason else []))
             reason = "tool_calls" if parsers[i].calls and reason == "stop" else reason
         else:
+            if lp is None and reason is None and event.text:  # most of a stream: text alone
+                return sse_text_chunk(head, tail, chat, i, event.text)
             delta = {"content": event.text} if event.text else {}
         if not (delta or lp or reason):
             return ""
