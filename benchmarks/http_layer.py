@@ -35,6 +35,7 @@ TEXT = " t7"
 def _server(port: int, step: float, loop: str, http_impl: str) -> None:
     """The child: the app over the stand-in engine, until SIGINT."""
     import uvicorn
+    from serve_load import TINY  # the tiny shape's config (its word tokenizer is all the app reads)
 
     from mlxfun.bench.models import word_tokenizer
     from mlxfun.engine.events import Event
@@ -93,8 +94,7 @@ def _server(port: int, step: float, loop: str, http_impl: str) -> None:
                 if sends:
                     to_loops(sends)
 
-    config = ModelConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
-                         num_kv_heads=2, head_dim=16)
+    config = ModelConfig(**TINY)
     model = Model(config, None, word_tokenizer(config.vocab_size), "stand-in")
     served = Served(model, Engine(model), GenerationConfig(max_tokens=16), "stand-in", 0)
     uvicorn.run(make_app(served), host="127.0.0.1", port=port, log_level="warning", loop=loop, http=http_impl)

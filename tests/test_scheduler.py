@@ -301,6 +301,21 @@ def test_a_server_engine_process_limits_mlx_to_its_share_of_the_device(tiny, tmp
     assert engine.fixed  # the server's engine: fixed shapes
 
 
+class StuckPipe:
+    """A pipe whose reader does not read until `go` is set; ("closed", ...) messages find it closed.
+    Only an `Outbox`'s thread may write to it."""
+
+    def __init__(self):
+        self.go, self.got = threading.Event(), []
+
+    def send(self, m):
+        assert threading.current_thread() is not threading.main_thread(), "written on the caller's thread"
+        self.go.wait()
+        if m[0] == "closed":
+            raise OSError("the pipe is closed")
+        self.got.append(m)
+
+
 def test_the_engine_process_queues_its_messages_and_never_waits_for_the_pipe():
     """The engine process' messages go through its `Outbox`: queued at once while the pipe is full
     (the server's process slow to read), then written in the order they were queued; a message
@@ -309,17 +324,7 @@ def test_the_engine_process_queues_its_messages_and_never_waits_for_the_pipe():
     from mlxfun.serve.engine_process import Outbox
     from mlxfun.serve.serving import EngineFailed
 
-    class Pipe:  # a pipe whose reader does not read until `go` is set
-        def __init__(self):
-            self.go, self.got = threading.Event(), []
-
-        def send(self, m):
-            self.go.wait()
-            if m == "closed":
-                raise OSError("the pipe is closed")
-            self.got.append(m)
-
-    pipe = Pipe()
+    pipe = StuckPipe()
     outbox = Outbox(pipe)
     t = time.perf_counter()
     for i in range(1000):
@@ -327,13 +332,13 @@ def test_the_engine_process_queues_its_messages_and_never_waits_for_the_pipe():
     queued = time.perf_counter() - t
     assert pipe.got == [] and queued < 5.0  # nothing written, and the puts returned (with the reader stuck)
     pipe.go.set()
-    outbox.put("closed")
+    outbox.put(("closed",))
     outbox.put(("items", 1000))
     outbox.close()
     assert pipe.got == [("items", i) for i in range(1001)]
 
     # An item that does not pickle fails its own submission only; the step's other items still go.
-    class Pickling(Pipe):
+    class Pickling(StuckPipe):
         def send(self, m):
             self.got.append(pickle.loads(pickle.dumps(m)))
 
@@ -358,19 +363,8 @@ def test_the_servers_process_queues_its_messages_to_the_engine_and_never_waits_f
     from mlxfun.engine.options import GenerationConfig
     from mlxfun.serve.engine_process import EngineProcess, EngineSpec, Outbox
 
-    class Pipe:  # a pipe whose reader does not read until `go` is set, closed for "closed" messages
-        def __init__(self):
-            self.go, self.got = threading.Event(), []
-
-        def send(self, m):
-            assert threading.current_thread() is not threading.main_thread(), "written on the caller's thread"
-            self.go.wait()
-            if m[0] == "closed":
-                raise OSError("the pipe is closed")
-            self.got.append(m)
-
     ep = EngineProcess(EngineSpec(None, None, 2, GenerationConfig(), None), max_queued=4)
-    pipe = Pipe()
+    pipe = StuckPipe()
     ep._outbox = Outbox(pipe, "mlxfun-writer", ep._unsent)
     t = time.perf_counter()
     for i in range(1000):
