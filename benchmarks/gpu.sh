@@ -38,53 +38,26 @@
 #                ".whl"; uvloop and httptools are the [server] extra's, which uvicorn picks when importable (the
 #                leases up to 2026-12-08 lacked them: asyncio's own loop and h11 served those runs);
 #                $SERVE_MODES (greedy,seeded) picks the modes
-#   serve-process  serve_load.py (1B, 32 clients, 256 requests, greedy and seeded) against offline generate: the
-#                engine in its own process (the default) and on the server's thread (--engine-thread), one run
 #   closed-loop  benchmarks/closed_loop.py: the server's engine (1B, 32 rows) replacing each finished request at once,
 #                no HTTP; rounds timed by kind, for the default KV pool, the same after every
 #                prefill shape was seen once, and a 0.5 GB pool ($CLOSED_RUNS, $CLOSED_ARGS)
-#   pool-probe   where an admission's time beside a large KV pool goes (issue 52): closed_loop.py with the engine's
-#                parts timed one at a time (8 and 60 GB pools), the same without MLX's commits by bytes
-#                (MLX_MAX_MB_PER_BUFFER), alloc_probe.py (managed-memory phases too), pool_writes.py (4/16/60 GB)
-#   admission-ab closed_loop.py at the server's default pool: admissions beside a decode step building their graph
-#                before waiting for it (the default) against waiting first (:waitfirst), alternating (issue 52)
-#   admit-wait   closed_loop.py at the server's default pool: the engine's admit_wait at 0 / 4 / 8 (the default) / 16
-#                rounds, alternating, then admissions building their graph before the step in flight against
-#                after it (:waitfirst), at admit_wait 8; the first run (compiles) is dropped (issue 52)
-#   serve-wait   serve_load.py (1B, $SERVE_CLIENTS (32) clients, 8 requests each, greedy and seeded) against offline
-#                generate: mlxfun serve as it starts by default and with --admit-wait 0 ($SERVE_LM=1: mlx_lm.server too)
-#   prefill-compiled  closed_loop.py at the server's default pool, every admission shape seen first (prewarm): prefill
-#                chunks plain (a server's) against compiled (an offline engine's), alternating; the first run compiles
-#   mixed        closed_loop.py at the server's default pool, warmed up: admissions as prefills of their own (mixed0)
-#                against prompts riding along decode steps of 256 (the default), 128 and 512 tokens (issue 52)
-#   serve-mixed  serve_load.py ($SERVE_SHAPE (1B), $SERVE_CLIENTS (32) clients, 8 requests each, greedy and seeded,
-#                first requests spread over $SERVE_ARRIVAL (1) s) against offline generate: mlxfun serve as it starts
-#                by default and with --mixed-tokens 0 ($SERVE_LM=1: mlx_lm.server too)
 #   serve-ab     serve_load.py ($SERVE_SHAPE (1B), $SERVE_CLIENTS (32) clients, 8 requests each, greedy and seeded,
 #                first requests spread over $SERVE_ARRIVAL (1) s) against offline generate: mlxfun serve from this
 #                tree and from $AB_REF (reported as mlxfun-ref; see ab-static for how to make it)
 #   serve-load   serve_load.py ($SERVE_SHAPE (1B), $SERVE_CLIENTS (32) clients, $SERVE_EACH (8) requests each, greedy and
 #                seeded, all starting at once unless $SERVE_ARRIVAL) against offline generate; $SERVE_PROCS client
 #                processes; SERVE_SPY=1: under py-spy (add its wheel to .whl), stacks read by benchmarks/spy_threads.py;
-#                a burst beside other processes on the device: SERVE_CLIENTS=128 SERVE_EACH=4 SERVE_MODES=greedy
-#   host-contention  benchmarks/host_contention.py: offline generate ($CONTENTION_SHAPE (1B), 32 rows, $CONTENTION_PROMPTS
-#                (256) prompts) alone, beside $CONTENTION_BUSY (6) JSON-busy processes, and so with the engine pinned to
-#                two physical cores they keep off, alternating
+#                a burst beside other processes on the device: SERVE_CLIENTS=128 SERVE_EACH=4 SERVE_MODES=greedy;
+#                SERVE_LM=1: mlx_lm.server too (from .whl); SERVE_ALSO=NAME=ARGS: another mlxfun server with
+#                those flags (say mlxfun-mixed2048=--mixed-tokens 2048); offline is the best of 2 runs, every
+#                timed phase samples the GPU's utilization, and each run splits the engine's rounds into plain
+#                ones (ms each) and the admissions' excess over them
 #   step-gap     benchmarks/step_gap.py: steady decode rounds, $GAP_SHAPE (8B), 32 rows, $GAP_ROUNDS (100) each, variants
 #                $GAP_VARIANTS (a server's engine plain, with the engine process' memory limit, beside a process that
 #                builds MLX arrays as the HTTP process did, alternating; offline last)
-#   server-gap   where a server's 8B step loses speed under load (issue 52): step-gap at 8B without warm-ups
-#                (plain, :limit, :neighbour, alternating; offline), then serve_load.py at 8B, 32 clients, 128
-#                greedy requests, each server's GPU memory by process listed ($GAP_REF=1: also against $AB_REF,
-#                the tree before the HTTP process' requests left MLX: `git archive e490d28 mlxfun | tar -x -C
-#                .ab/ref`), then host-contention at 8B (128 prompts); $GAP_PARTS picks of "gap serve contention".
-#                Each part wants a call of its own: on a fresh machine the first 8B server took 250 s to start
-#                (MLX's first-use kernel builds), and serve with the reference tree passed 420 s (2026-12-08)
 #   http-layer   benchmarks/http_layer.py: the server's HTTP layer over a stand-in engine, CPU per streamed chunk with
 #                uvloop + httptools and with asyncio + h11 ($SERVE_CLIENTS (128) clients; needs them in .whl)
 #   serve-cold   benchmarks/serve_cold.py (1B, 32 rows): fresh servers' first requests, each timed alone ($COLD_SEQUENCES)
-#   alloc        benchmarks/alloc_probe.py: new allocations timed alone, beside a $ALLOC_POOL_GB (60) GB pool, and
-#                after keep_freed (CUDA's pool keeps freed memory)
 #   families     mlxfun bench: Gemma 3 4B and Qwen3-30B-A3B (24 of 48 layers) shapes ($FAMILY_SHAPES), batch
 #                1/8/32/128, q4 and bf16 ($FAMILY_DTYPES), mlx-lm beside (installed from .whl, as for serve)
 #   moe          mlxfun bench: the Qwen3-30B-A3B shape (24 of 48 layers), $FAMILY_DTYPES (q4), batch 1/8/32/128
@@ -97,9 +70,6 @@
 #                and carried with the device tool's `carry: [".gpu-b", ".ab"]`), alternating processes:
 #                1B bf16 batch 1/8/32/128 (ABBA), 8B bf16 (AB); ratios by benchmarks/ab_compare.py
 #   ab-continuous  the same for --continuous 32 (1B, ABBA)
-#   ab-inprocess benchmarks/ab_inprocess.py: this tree and $AB_REF alternating in ONE process (1B, 128 rows,
-#                3 rounds), each run after a host calibration: a gap the process causes hits both alike
-#   ab-profile   benchmarks/host_profile.py (1B, 128 rows) for this tree and $AB_REF: host time by function
 #   ab-1B        the 1B part of ab-static only, in the order $AB_ORDER (default "ref ours ours ref"),
 #                at batch sizes $AB_BATCHES (default 1,8,32,128)
 set -u
@@ -179,42 +149,6 @@ for suite in "$@"; do
       timeout 500 python3 benchmarks/serve_load.py --shape 1B --clients ${SERVE_CLIENTS:-32} \
         --requests $((8 * ${SERVE_CLIENTS:-32})) --modes greedy,seeded --offline "${lm[@]}" \
         --json "$OUT/serve-1B-${SERVE_CLIENTS:-32}.json" ;;
-    serve-process)  # no mlx-lm: the engine's own process against its thread in the server's, and offline
-      wheels
-      timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape 1B --clients 32 --requests 256 \
-        --modes ${SERVE_MODES:-greedy,seeded} --offline --engine-thread-too --json "$OUT/serve-process-1B-32.json" ;;
-    pool-probe)
-      timeout 280 python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 128 --no-warmup \
-        --runs 8:default:phases,60:default:phases,60:default,8:default --json "$OUT/closed-loop-phases.json"
-      MLX_MAX_MB_PER_BUFFER=1000000 timeout 100 python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 128 \
-        --no-warmup --runs 8:default,60:default,60:default --json "$OUT/closed-loop-no-byte-commits.json"
-      timeout 80 python3 benchmarks/alloc_probe.py --pool-gb 60 --json "$OUT/alloc-probe-managed.json"
-      timeout 80 python3 benchmarks/pool_writes.py --shape 1B --gb 4,16,60 --json "$OUT/pool-writes.json" ;;
-    admission-ab) timeout 240 python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 --no-warmup \
-      --runs 0:default,0:default:waitfirst,0:default,0:default:waitfirst,0:default --json "$OUT/closed-loop-admission-ab.json" ;;
-    admit-wait) timeout ${CLOSED_TIMEOUT:-400} python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 \
-      --no-warmup --runs 0:default:wait0,0:default:wait8,0:default:wait0,0:default:wait4,0:default:wait16,\
-0:default:wait8,0:default:wait0,0:default:wait8:waitfirst,0:default:wait8,0:default:wait8:waitfirst \
-      --json "$OUT/closed-loop-admit-wait.json" ;;
-    serve-wait)
-      wheels
-      lm=(); [ "${SERVE_LM:-0}" = 1 ] && python3 -c "import mlx_lm" 2>/dev/null && lm=(--mlx-lm --mlx-lm-python python3)
-      timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape 1B --clients ${SERVE_CLIENTS:-32} \
-        --requests $((8 * ${SERVE_CLIENTS:-32})) --modes ${SERVE_MODES:-greedy,seeded} --offline "${lm[@]}" \
-        --mlxfun-also "mlxfun-wait0=--admit-wait 0" --json "$OUT/serve-wait-1B-${SERVE_CLIENTS:-32}.json" ;;
-    prefill-compiled) timeout ${CLOSED_TIMEOUT:-240} python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 \
-      --no-warmup --runs 0:default:prewarm,0:default:prewarm:compiled,0:default:prewarm,0:default:prewarm:compiled,\
-0:default:prewarm --json "$OUT/closed-loop-prefill-compiled.json" | cut -c1-420 ;;
-    mixed) timeout ${CLOSED_TIMEOUT:-420} python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 \
-      --runs 0:default:mixed0,0:default:mixed256,0:default:mixed128,0:default:mixed512,0:default:mixed0,\
-0:default:mixed256 --json "$OUT/closed-loop-mixed.json" | cut -c1-600 ;;
-    serve-mixed)
-      wheels
-      lm=(); [ "${SERVE_LM:-0}" = 1 ] && python3 -c "import mlx_lm" 2>/dev/null && lm=(--mlx-lm --mlx-lm-python python3)
-      timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape ${SERVE_SHAPE:-1B} \
-        --clients ${SERVE_CLIENTS:-32} --requests $((8 * ${SERVE_CLIENTS:-32})) --modes ${SERVE_MODES:-greedy,seeded} \
-        --offline "${lm[@]}" --arrival ${SERVE_ARRIVAL:-1} --mlxfun-also "mlxfun-mixed0=--mixed-tokens 0" \
-        --json "$OUT/serve-mixed-${SERVE_SHAPE:-1B}-${SERVE_CLIENTS:-32}-arrival${SERVE_ARRIVAL:-1}.json" ;;
     serve-ab)
       wheels
       timeout ${SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape ${SERVE_SHAPE:-1B} \
@@ -226,41 +160,23 @@ for suite in "$@"; do
       # clients), offline generate first; SERVE_SPY=1: the whole run under py-spy (from .whl; its raw stacks by
       # process and thread in $OUT, read by benchmarks/spy_threads.py)
       wheels
+      lm=(); [ "${SERVE_LM:-0}" = 1 ] && python3 -c "import mlx_lm" 2>/dev/null && lm=(--mlx-lm --mlx-lm-python python3)
       name=serve-load-${SERVE_SHAPE:-1B}-${SERVE_CLIENTS:-32}-arrival${SERVE_ARRIVAL:-0}${SERVE_PROCS:+-procs$SERVE_PROCS}
       spy=(); [ "${SERVE_SPY:-0}" = 1 ] && spy=(/tmp/site/bin/py-spy record --subprocesses --threads --idle --nonblocking \
         -r ${SPY_RATE:-100} -f raw -o "$OUT/$name-spy.txt" --) && name=$name-spy
       timeout ${SERVE_TIMEOUT:-560} "${spy[@]}" python3 benchmarks/serve_load.py --shape ${SERVE_SHAPE:-1B} \
         --clients ${SERVE_CLIENTS:-32} --requests $((${SERVE_EACH:-8} * ${SERVE_CLIENTS:-32})) \
         --modes ${SERVE_MODES:-greedy,seeded} --offline --arrival ${SERVE_ARRIVAL:-0} ${SERVE_PROCS:+--client-procs $SERVE_PROCS} \
-        --json "$OUT/$name.json" | grep -v "^$" ;;
+        "${lm[@]}" ${SERVE_ALSO:+--mlxfun-also "$SERVE_ALSO"} --json "$OUT/$name.json" | grep -v "^$" ;;
     http-layer)  # the HTTP layer alone, per streamed chunk: uvloop + httptools against asyncio + h11
       wheels
       timeout ${HTTP_TIMEOUT:-200} python3 benchmarks/http_layer.py --clients ${SERVE_CLIENTS:-128} --repeats 3 \
         --json "$OUT/http-layer.json" ;;
-    host-contention) timeout ${CONTENTION_TIMEOUT:-400} python3 benchmarks/host_contention.py --shape ${CONTENTION_SHAPE:-1B} \
-      --rows 32 --prompts ${CONTENTION_PROMPTS:-256} --busy ${CONTENTION_BUSY:-6} \
-      --runs ${CONTENTION_RUNS:-alone,busy,pinned,alone,busy,pinned} --json "$OUT/host-contention-${CONTENTION_SHAPE:-1B}-32.json" ;;
     step-gap) timeout ${GAP_TIMEOUT:-400} python3 benchmarks/step_gap.py --shape ${GAP_SHAPE:-8B} --rows 32 \
       --rounds ${GAP_ROUNDS:-100} --variants ${GAP_VARIANTS:-server,server:greedy:0:limit,server:greedy:0:neighbour,server,\
 server:greedy:0:limit,server:greedy:0:neighbour,offline} --json "$OUT/step-gap-${GAP_SHAPE:-8B}-32.json" | cut -c1-330 ;;
-    server-gap)
-      wheels
-      for part in ${GAP_PARTS:-gap serve contention}; do
-        case $part in
-          gap) timeout 200 python3 benchmarks/step_gap.py --shape 8B --rows 32 --rounds 100 --variants \
-server:greedy:0:nowarm,server:greedy:0:nowarm:limit,server:greedy:0:nowarm:neighbour,server:greedy:0:nowarm,\
-server:greedy:0:nowarm:neighbour,offline --json "$OUT/server-gap-step-8B-32.json" | cut -c1-260 ;;
-          serve) ref=(); [ "${GAP_REF:-0}" = 1 ] && ref=(--mlxfun-ref "mlxfun-ref=$AB_REF")
-            timeout ${GAP_SERVE_TIMEOUT:-560} python3 benchmarks/serve_load.py --shape 8B --clients 32 --requests 128 \
-            --modes ${GAP_MODES:-greedy} --offline --arrival 0 "${ref[@]}" --json "$OUT/server-gap-serve-8B-32.json" \
-            | grep -v "^$" | tail -24 ;;
-          contention) timeout 300 python3 benchmarks/host_contention.py --shape 8B --rows 32 --prompts 128 --busy 6 \
-            --runs alone,busy,pinned,alone,busy,pinned --json "$OUT/server-gap-contention-8B-32.json" | cut -c1-300 ;;
-        esac
-      done ;;
     serve-cold) timeout ${COLD_TIMEOUT:-300} python3 benchmarks/serve_cold.py --shape 1B --rows 32 \
       --sequences ${COLD_SEQUENCES:-seeded,seeded,seeded greedy,seeded,seeded seeded,seeded@thread} --json "$OUT/serve-cold.json" ;;
-    alloc) timeout 120 python3 benchmarks/alloc_probe.py --pool-gb ${ALLOC_POOL_GB:-60} --json "$OUT/alloc-probe.json" ;;
     closed-loop) timeout ${CLOSED_TIMEOUT:-420} python3 benchmarks/closed_loop.py --shape 1B --rows 32 --requests 256 \
       --runs ${CLOSED_RUNS:-0:default,0:default:prewarm,0.5:default} ${CLOSED_ARGS:-} --json "$OUT/closed-loop-1B$RANDOM.json" ;;
     families)
@@ -294,14 +210,6 @@ server:greedy:0:nowarm:neighbour,offline --json "$OUT/server-gap-step-8B-32.json
       for who in ref ours ours ref; do
         dir=$AB_REF; [ $who = ours ] && dir=$here
         bench_at "$dir" 200 --shape 1B --continuous 32 --prompts 256 --json "$OUT/ab-continuous-1B-$who-$RANDOM.json" | tail -4
-      done ;;
-    ab-inprocess) timeout ${AB_TIMEOUT:-300} python3 benchmarks/ab_inprocess.py --ours . --ref "$AB_REF" --shape 1B \
-      --rows 128 --rounds 3 --json "$OUT/ab-inprocess-1B-128.json" | tail -30 ;;
-    ab-profile)
-      for who in ours ref; do
-        dir=$AB_REF; [ $who = ours ] && dir=$here
-        (cd "$dir" && PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout 200 python3 "$here/benchmarks/host_profile.py" \
-          --shape 1B --batch 128 --label $who) | tee "$OUT/ab-profile-$who.txt" | grep -v "^$" | head -30
       done ;;
     *) echo "unknown suite $suite"; exit 2 ;;
   esac

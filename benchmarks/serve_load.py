@@ -13,7 +13,11 @@ requests sample at temperature 0.8 with top-p 0.9 and a seed each (mlx-lm's serv
 one at a time). `--offline` times `mlxfun.generate(batch_size=rows)` on the same prompts in the
 same run (the engine alone); each server's first sampled request after /health answers is
 timed against a warm one, over plain HTTP (not the openai client, whose own first use costs).
-`--mlxfun-also NAME=ARGS` runs more mlxfun servers with other flags in the same run. For mlxfun
+`--offline-repeats` keeps the best of that many offline runs (its rate moved 42% between two runs
+of one H100 lease). On a GPU, each timed phase also samples the device's utilization
+(`nvidia-smi`, the share of time some kernel ran, every 50 ms): a server whose engine leaves the
+device idle shows less of it than the offline run. `--mlxfun-also NAME=ARGS` runs more mlxfun
+servers with other flags in the same run. For mlxfun
 the engine's counters split the run: decode steps and their ms each, with and without the time the
 engine sat idle between its clients' requests, and the client processes' CPU share (near 100%, the
 clients are the bottleneck, not the server).
@@ -129,6 +133,33 @@ def drive(base_url: str, prompts: list[str], clients: int, arrival: float, gen_t
     finally:
         if timer:
             timer.join()
+
+
+class Utilization:
+    """The GPU's utilization (percent of time some kernel ran, as NVML reports it) sampled every
+    `period_ms` by `nvidia-smi` while the block runs; `mean` is None without nvidia-smi."""
+
+    def __init__(self, period_ms: int = 50):
+        self.period_ms, self.mean, self.proc = period_ms, None, None
+
+    def __enter__(self):
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                          f"-lms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         text=True)
+        except OSError:  # no GPU here
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is None:
+            return False
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=10)
+        # The first sample may cover the time before the block.
+        values = [float(x) for x in out.split()[1:] if x.replace(".", "", 1).isdigit()]
+        self.mean = float(np.mean(values)) if values else None
+        return False
 
 
 def summarize(results: list[dict], client_cpu_s: float) -> dict:
@@ -274,17 +305,18 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
             drive(server.url + "/v1", warm, n, args.arrival, 4, mode == "seeded", procs)
             before: dict[str, float] = {}  # the engine's counters when the first request is due
             threads = server_cpu(server.proc.pid)
-            results, cpu = drive(server.url + "/v1", prompts[:requests], n, args.arrival, args.gen_tokens,
-                                 mode == "seeded", procs,
-                                 (lambda: before.update(engine_counters(server.url))) if mlxfun else None)
+            with Utilization() as util:
+                results, cpu = drive(server.url + "/v1", prompts[:requests], n, args.arrival, args.gen_tokens,
+                                     mode == "seeded", procs,
+                                     (lambda: before.update(engine_counters(server.url))) if mlxfun else None)
             row = dict(server=name, mode=mode, rows=args.rows or n, clients=n, client_procs=procs,
-                       **summarize(results, cpu))
+                       **summarize(results, cpu), gpu_utilization=util.mean)
             # The client processes' CPU over theirs and the run's time: near 1, the clients are the bottleneck.
             row["client_cpu_share"] = cpu / (procs * row["seconds"]) if row["seconds"] else None
             row["server_cpu_us_per_token"] = cpu_per_token(threads, server_cpu(server.proc.pid), row["tokens"])
             row["gpu_mib_by_process"] = gpu_processes(server.proc.pid)
             print(f"  {name} {mode}: server CPU us per token by thread {row['server_cpu_us_per_token']}; GPU MiB "
-                  f"by process {row['gpu_mib_by_process']}", flush=True)
+                  f"by process {row['gpu_mib_by_process']}; GPU utilization {_pct(util.mean)}", flush=True)
             if before:
                 row.update(occupancy(before, engine_counters(server.url), args.rows or n, row))
                 if row.get("admissions"):
@@ -294,7 +326,8 @@ def measure(name: str, argv_for, n: int, procs: int, modes: list[str], prompts: 
                           f"engine's idle time, {row['wait_ms_per_step'] or 0:.2f} waiting for the device), "
                           f"idle {100 * (row['idle_share'] or 0):.1f}% of the run, {row['admissions']:.0f} "
                           f"admissions, {each:.1f} ms of host time each, {row['traces']:.0f} traces; client "
-                          f"processes {100 * (row['client_cpu_share'] or 0):.0f}% busy", flush=True)
+                          f"processes {100 * (row['client_cpu_share'] or 0):.0f}% busy; {split_text(row)}",
+                          flush=True)
             row["first_sampled_ttft"], row["first_sampled_admission_s"] = cold, cold_admit
             row["warm_sampled_ttft"], row["warm_sampled_admission_s"] = sampled_alone(server.url, prompts[-2], mlxfun)
             out.append(row)
@@ -314,7 +347,8 @@ def engine_counters(url: str) -> dict[str, float]:
     """The mlxfun server's step counters from /metrics."""
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     names = ("steps_total", "busy_row_steps_total", "admissions_total", "admission_seconds_total", "step_traces_total",
-             "preemptions_total", "device_wait_seconds_total", "idle_seconds_total")
+             "preemptions_total", "device_wait_seconds_total", "idle_seconds_total", "rounds_total",
+             "round_seconds_total", "plain_rounds_total", "plain_round_seconds_total")
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -392,7 +426,19 @@ def occupancy(before: dict, after: dict, rows: int, row: dict) -> dict:
             "row_occupancy": d.get("busy_row_steps_total", 0.0) / (steps * rows) if steps else None,
             "admissions": d.get("admissions_total"), "admission_s": d.get("admission_seconds_total"),
             "traces": d.get("step_traces_total"),
-            "preemptions": d.get("preemptions_total")}
+            "preemptions": d.get("preemptions_total"), **round_split(d)}
+
+
+def round_split(d: dict) -> dict:
+    """The engine's rounds split (`EngineStats.time_round`): the plain ones' ms each (the steady
+    step under the load), and the seconds the others took beyond as many plain rounds (what
+    admissions cost the run); from /metrics deltas or an offline run's stats alike."""
+    rounds, plain = d.get("rounds_total", 0.0), d.get("plain_rounds_total", 0.0)
+    if not rounds or not plain:
+        return {"rounds": rounds, "plain_rounds": plain, "plain_round_ms": None, "admission_overhead_s": None}
+    each = d["plain_round_seconds_total"] / plain
+    return {"rounds": rounds, "plain_rounds": plain, "plain_round_ms": 1e3 * each,
+            "admission_overhead_s": d["round_seconds_total"] - rounds * each}
 
 
 def offline_run(model, prompts: list[str], n: int, args, mode: str) -> dict:
@@ -406,16 +452,39 @@ def offline_run(model, prompts: list[str], n: int, args, mode: str) -> dict:
     warm = prompts[len(prompts) // 2:][:n]
     mlxfun.generate(model, warm, max_tokens=4, batch_size=rows,
                     **({**sampling, "seed": sampling["seed"][:len(warm)]} if sampling else {}))
-    t = time.perf_counter()
-    out = mlxfun.generate(model, prompts[:requests], max_tokens=args.gen_tokens, batch_size=rows, **sampling)
-    seconds = time.perf_counter() - t
-    tokens = sum(len(ids) for ids in out.token_ids)
-    steps = out.stats.steps  # decode steps, beside the servers' engine_steps and row_occupancy
-    ms = 1e3 * seconds / max(steps, 1)
-    print(f"  offline generate {mode} {requests} prompts, {rows} rows: {tokens / seconds:.1f} tok/s, {steps} steps "
-          f"({ms:.2f} ms each, prefills included), rows {out.stats.occupancy:.0%} full", flush=True)
-    return dict(mode=mode, clients=n, rows=rows, requests=requests, tokens=tokens, seconds=seconds,
-                tok_s=tokens / seconds, engine_steps=steps, ms_per_step=ms, row_occupancy=out.stats.occupancy)
+    runs = []
+    for _ in range(args.offline_repeats):
+        with Utilization() as util:
+            t = time.perf_counter()
+            out = mlxfun.generate(model, prompts[:requests], max_tokens=args.gen_tokens, batch_size=rows, **sampling)
+            seconds = time.perf_counter() - t
+        tokens = sum(len(ids) for ids in out.token_ids)
+        steps = out.stats.steps  # decode steps, beside the servers' engine_steps and row_occupancy
+        ms = 1e3 * seconds / max(steps, 1)
+        print(f"  offline generate {mode} {requests} prompts, {rows} rows: {tokens / seconds:.1f} tok/s, {steps} "
+              f"steps ({ms:.2f} ms each, prefills included), rows {out.stats.occupancy:.0%} full, GPU utilization "
+              f"{_pct(util.mean)}", flush=True)
+        st = out.stats
+        split = round_split({"rounds_total": st.rounds, "round_seconds_total": st.round_seconds,
+                             "plain_rounds_total": st.plain_rounds,
+                             "plain_round_seconds_total": st.plain_round_seconds})
+        print(f"    its rounds: {split_text(split)}", flush=True)
+        runs.append(dict(mode=mode, clients=n, rows=rows, requests=requests, tokens=tokens, seconds=seconds,
+                         tok_s=tokens / seconds, engine_steps=steps, ms_per_step=ms,
+                         row_occupancy=out.stats.occupancy, gpu_utilization=util.mean, **split))
+    best = max(runs, key=lambda r: r["tok_s"])
+    return {**best, "tok_s_runs": [r["tok_s"] for r in runs]}
+
+
+def split_text(split: dict) -> str:
+    if split["plain_round_ms"] is None:
+        return f"{split['rounds']:.0f} rounds, none plain"
+    return (f"{split['rounds']:.0f} rounds, {split['plain_rounds']:.0f} plain ({split['plain_round_ms']:.2f} ms "
+            f"each), the others {split['admission_overhead_s']:.2f} s beyond as many plain ones")
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0f}%"
 
 
 def sampled_alone(url: str, prompt: str, mlxfun: bool) -> tuple[float, float | None]:
@@ -502,6 +571,8 @@ def main(argv=None) -> int:
                    help="runs per server and client count, the servers' order alternating; the best is kept")
     p.add_argument("--offline", action="store_true",
                    help="also time mlxfun.generate(batch_size=rows) on the same prompts (the engine alone)")
+    p.add_argument("--offline-repeats", type=int, default=2,
+                   help="offline runs per client count and mode; the best is kept (default 2)")
     p.add_argument("--engine-thread-too", action="store_true",
                    help="also run `mlxfun serve --engine-thread` (the engine on a thread of the server's process, "
                         "sharing its GIL), reported as mlxfun-thread")

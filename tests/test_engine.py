@@ -55,6 +55,25 @@ def test_hundred_prompts_through_eight_rows_equal_alone(tiny):
         in stats.summary() and stats.generation_tps > 0 and stats.admissions >= 100 // 8
 
 
+def test_rounds_are_timed_and_the_plain_ones_are_those_far_from_admissions(tiny):
+    engine = Engine(tiny, rows=2, admit_min=1)
+    for prompt, n in (([1, 2, 3], 6), ([4, 5], 12), ([6, 7, 8, 9], 3)):
+        engine.add(prompt, max_tokens=n, ignore_eos=True)
+    admitted = []  # per round: did it admit?
+    while not engine.idle:
+        before = engine.stats.admissions
+        engine.step()
+        admitted.append(engine.stats.admissions > before)
+    s = engine.stats
+    plain = sum(not a and not (i and admitted[i - 1]) for i, a in enumerate(admitted))
+    assert s.rounds == len(admitted) and s.plain_rounds == plain and 0 < plain < len(admitted)
+    assert 0 < s.plain_round_seconds < s.round_seconds
+    assert s.plain_round_ms == pytest.approx(1e3 * s.plain_round_seconds / plain)
+    assert s.admission_overhead_seconds == pytest.approx(s.round_seconds - len(admitted) * s.plain_round_ms / 1e3)
+    engine.reset_stats()
+    assert engine.stats.rounds == engine.stats.plain_rounds == 0 and engine.stats.admission_overhead_seconds == 0
+
+
 def test_sampled_outputs_equal_alone_with_seeds(tiny):
     prompts, max_tokens = workload(20, seed=1)
     seeds = list(range(100, 120))
@@ -228,7 +247,8 @@ def test_a_queue_refilled_one_request_at_a_time_waits_admit_wait_rounds_for_more
         Engine(tiny, rows=2, admit_wait=-1)
 
 
-def test_prompts_that_ride_along_decode_steps_equal_alone(tiny):
+@pytest.mark.parametrize("mixed", [80, 600])  # 600: chunks of 128, 256, 512 and 600 tokens
+def test_prompts_that_ride_along_decode_steps_equal_alone(tiny, mixed):
     """A server's engine on a GPU admits short prompts inside its decode steps (`mixed_tokens`):
     B + P one-token rows through one pass, each prompt token reading its row's blocks. Under a
     closed loop (one in as one finishes) with seeded sampling, penalties, logprobs and prompts that
@@ -243,7 +263,7 @@ def test_prompts_that_ride_along_decode_steps_equal_alone(tiny):
                for i in range(len(prompts))]
     alone = [generate(tiny, [p], max_tokens=m, ignore_eos=True, logprobs=2, **o)
              for p, m, o in zip(prompts, max_tokens, options)]
-    engine = Engine(tiny, rows=6, fixed_shapes=True, kv_memory=1 << 24, mixed_tokens=80)
+    engine = Engine(tiny, rows=6, fixed_shapes=True, kv_memory=1 << 24, mixed_tokens=mixed)
 
     def add(n: int) -> int:
         o = options[n]
@@ -266,6 +286,15 @@ def test_prompts_that_ride_along_decode_steps_equal_alone(tiny):
                                                                                        stats.admissions)
     with pytest.raises(mlxfun.InputError, match="mixed_tokens must be a non-negative integer"):
         Engine(tiny, rows=2, mixed_tokens=-1)
+
+
+def test_chunk_lengths_pad_a_lone_prompt_little_at_any_budget():
+    from mlxfun.engine.riding import chunk_sizes
+
+    assert chunk_sizes(0) == () and chunk_sizes(64) == (64,) and chunk_sizes(256) == (64, 128, 256)
+    assert chunk_sizes(512) == (128, 256, 512)  # the GPU server's default
+    # Past 512 (a burst's prompts in one step): every power of two from 128, so one prompt still pads to 128.
+    assert chunk_sizes(2048) == (128, 256, 512, 1024, 2048) and chunk_sizes(1000) == (128, 256, 512, 1000)
 
 
 def test_a_queue_that_fits_one_chunk_rides_along_and_a_burst_prefills_on_its_own(tiny):

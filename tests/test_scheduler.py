@@ -583,8 +583,34 @@ def test_requests_are_built_on_the_host_without_mlx_arrays(tiny):
     engine = Engine(tiny, 2)
     rid = engine.submit(reqs[1])
     engine.step()  # taken from the inbox
-    assert all(isinstance(f, mx.array) for f in engine.requests[rid].request.settings)
+    # The engine keeps them on the host too, and puts the rows' batch on the device (`Runner.restack`).
+    assert all(isinstance(f, np.ndarray) for f in engine.requests[rid].request.settings)
     assert engine.requests[rid].request.settings.seed.tolist() == [2]
+    width = len(engine.scheduler.owner)  # the CPU decodes the live rows' power of two
+    assert all(isinstance(f, mx.array) and f.shape == (width,) for f in engine.runner.settings)
+    assert 2 in engine.runner.settings.seed.tolist()
+
+
+def test_the_rows_settings_are_stacked_on_the_host_and_copied_once_per_field(tiny, monkeypatch):
+    """Restacking 128 rows' settings (each admission does) concatenated each field's 128 pieces on
+    the device: a copy kernel per row and field, about a thousand launches. Stacked on the host,
+    it is one copy per field, whatever the rows."""
+    from mlxfun.engine import runner as runner_module
+
+    engine = Engine(tiny, 128)
+    rows = [sampling.host_settings(1, temperature=0.5 + i / 256, top_k=i, seed=i) if i % 3 else None
+            for i in range(128)]
+    made = []
+    monkeypatch.setattr(runner_module.mx, "concatenate", lambda *a, **k: pytest.fail("concatenated on the device"))
+    real_array = runner_module.sampling.mx.array
+    monkeypatch.setattr(runner_module.sampling.mx, "array", lambda *a, **k: made.append(1) or real_array(*a, **k))
+    engine.runner.restack(rows)
+    monkeypatch.undo()
+    assert len(made) == len(sampling.Settings._fields)
+    s = engine.runner.settings
+    assert s.seed.tolist() == [i if i % 3 else 0 for i in range(128)]
+    assert s.top_k.tolist() == [i if i % 3 else 0 for i in range(128)]
+    assert np.allclose(np.array(s.temperature), [0.5 + i / 256 if i % 3 else 0.0 for i in range(128)])
 
 
 def test_steps_write_the_kv_pool_in_place():

@@ -259,6 +259,10 @@ def test_closed_stream_frees_its_row_and_others_keep_their_tokens(slow_model_dir
         assert m["mlxfun_generation_tokens_total"] >= 3 and m['mlxfun_time_to_first_token_seconds_count'] == 2
         assert m["mlxfun_admissions_total"] >= 1 and 0 < m["mlxfun_admission_seconds_total"] < 60
         assert 0 < m["mlxfun_device_wait_seconds_total"] < 60  # the CPU: each pool write waits for the one before
+        # Rounds: every decode step is one; the plain ones (no admission in them or just before) among them.
+        assert m["mlxfun_rounds_total"] >= m["mlxfun_steps_total"] >= 3
+        assert 0 < m["mlxfun_plain_rounds_total"] <= m["mlxfun_rounds_total"] - 2 * m["mlxfun_admissions_total"] + 1
+        assert 0 < m["mlxfun_plain_round_seconds_total"] < m["mlxfun_round_seconds_total"] < 60
         drop.close()
         deadline = time.monotonic() + 20
         while server.metrics()["mlxfun_requests_running"] > 1 and time.monotonic() < deadline:

@@ -164,6 +164,7 @@ class Engine:
         self._inflight: list[tuple[StepOut, Sequence]] = []
         self._chunk: Admitted | None = None  # prompts admitted to ride along the next decode step
         self._roster_of: Roster | None = None
+        self._admitted_before = False  # the last round admitted (`EngineStats.time_round`)
         self.inbox = Inbox()  # any thread's messages
 
     @property
@@ -181,8 +182,9 @@ class Engine:
         """Queue a checked Request (`options.requests` / `make_request`); returns its id. Raises
         InputError, before any work, if its cache could never fit the memory budget."""
         self.check(request)
-        # The settings copied from host memory: arrays without a graph, usable on the engine's thread.
-        request = dataclasses.replace(request, settings=sampling.on_device(request.settings))
+        # The settings kept in host memory (NumPy; MLX ones are read here, on the calling thread): the
+        # engine thread stacks the rows' settings there and copies each field to the device at once.
+        request = dataclasses.replace(request, settings=sampling.on_host(request.settings))
         rid = self.inbox.new_id()
         record = Record(rid, request, request_mode(request),
                         Row(len(request.prompt), request.max_tokens, RowText(self.model.tokenizer, request.stop),
@@ -272,6 +274,7 @@ class Engine:
     def step(self) -> list[Event]:
         """One round: admit, queue a decode step (a masked one when a live row is constrained), then
         hand out the round before. When speculation pays, a verify round instead (`Speculation`)."""
+        t0, admissions = time.perf_counter(), self.stats.admissions
         spec = self.speculation
         if spec is not None and spec.wants_round(self):
             events = spec.round(self)
@@ -287,6 +290,9 @@ class Engine:
             if spec is not None:
                 spec.after_plain_round(self)
         self._fit_cache()
+        admitted = self.stats.admissions > admissions
+        self.stats.time_round(time.perf_counter() - t0, admitted, self._admitted_before)
+        self._admitted_before = admitted
         return events
 
     def take(self, rid: int) -> Record:

@@ -42,7 +42,7 @@ def slice_writes() -> bool:
     update at an array offset launches a thread per element of the whole destination, not of the
     update (MLX 0.32, `copy_general_dynamic`), so each admission's writes cost about 1.5 ms per GB
     of KV pool: on an H100, 6.5 ms at 4 GB and 23.6 ms at 16 GB against 0.43 ms for the scatter at
-    both (`benchmarks/pool_writes.py`), and a server's admissions stalled 130 ms at 60 GB."""
+    both (`benchmarks/pool_writes.py`, a probe since removed), and a server's admissions stalled 130 ms at 60 GB."""
     return mx.default_device() == mx.cpu
 
 

@@ -101,6 +101,14 @@ class EngineStats(Stats):
     device_wait_seconds: float = 0.0
     # Seconds a serving engine (`Engine.rounds`) waited with no request at all: its clients' time.
     idle_seconds: float = 0.0
+    # Rounds (`Engine.step`) and their wall seconds. A round queues a step and waits, one step
+    # behind, for the one before (the device's pace shows in its time); a plain round neither
+    # admitted nor followed a round that did, so plain rounds time the steady decode step under
+    # whatever load ran, and the other rounds' excess over them is what admissions cost.
+    rounds: int = 0
+    round_seconds: float = 0.0
+    plain_rounds: int = 0
+    plain_round_seconds: float = 0.0
 
     def record_memory(self, scheduler, on: bool, block_bytes: int) -> None:
         """The KV pool's sizes after a step (`on`: the device state exists)."""
@@ -118,6 +126,23 @@ class EngineStats(Stats):
         """Prompt tokens computed per second: reused ones (the prefix cache) and admissions that
         overlapped decoding are in neither count nor time."""
         return self.timed_prompt_tokens / self.prompt_time if self.prompt_time else 0.0
+
+    def time_round(self, seconds: float, admitted: bool, after_admission: bool) -> None:
+        """Count a round of `seconds`; plain unless it admitted or followed one that did."""
+        self.rounds += 1
+        self.round_seconds += seconds
+        if not admitted and not after_admission:
+            self.plain_rounds += 1
+            self.plain_round_seconds += seconds
+
+    @property
+    def plain_round_ms(self) -> float:
+        return 1e3 * self.plain_round_seconds / self.plain_rounds if self.plain_rounds else 0.0
+
+    @property
+    def admission_overhead_seconds(self) -> float:
+        """Seconds the rounds took beyond as many plain rounds: admissions' cost to the run."""
+        return self.round_seconds - self.rounds * self.plain_round_ms / 1e3 if self.plain_rounds else 0.0
 
     @property
     def occupancy(self) -> float:

@@ -24,12 +24,16 @@ MIXED_TOKENS = 512
 
 def chunk_sizes(mixed_tokens: int) -> tuple[int, ...]:
     """The lengths a decode step's chunk of prompts is padded to (each compiles its own step): a
-    quarter, a half and all of `mixed_tokens` (one length below 256). Every padded token costs the
-    step its share: on an H100, 1B, 32 rows, a closed loop of 128-token prompts ran 7,959 tok/s with
-    chunks of 128, 6,864 and 6,565 with 256 and 5,559 with 512 (one lease); two such prompts
-    together take 256."""
+    quarter, a half and all of `mixed_tokens` (one length below 256); past 512, every power of two
+    from 128 up to it, then itself (a burst's many prompts ride in one step, a lone prompt still pads
+    little). Every padded token costs the step its share: on an H100, 1B, 32 rows, a closed loop of
+    128-token prompts ran 7,959 tok/s with chunks of 128, 6,864 and 6,565 with 256 and 5,559 with
+    512 (one lease); two such prompts together take 256."""
     if not mixed_tokens:
         return ()
+    if mixed_tokens > 512:
+        powers = tuple(1 << k for k in range(7, mixed_tokens.bit_length()) if 1 << k < mixed_tokens)
+        return powers + (mixed_tokens,)
     return (mixed_tokens // 4, mixed_tokens // 2, mixed_tokens) if mixed_tokens >= 256 else (mixed_tokens,)
 
 

@@ -117,7 +117,7 @@ def write_run(buf: mx.array, new: mx.array, start: mx.array) -> mx.array:
     """buf (N * bs, H, 1, D) with new (B, H, T, D) written at the run of slots [start, start + B * T)
     in row-major order (start (1,) int32, an array: no retrace per start). A slice update: a copy
     kernel, where a scatter's kernel computes an index per element (on this CPU 3.5x faster than
-    `write`; benchmarks/chunk_write.py)."""
+    `write`; benchmarks/chunk_write.py, a probe since removed)."""
     B, H, T, D = new.shape
     return mx.slice_update(buf, new.transpose(0, 2, 1, 3).reshape(B * T, H, 1, D), start, axes=(0,))
 

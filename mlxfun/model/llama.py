@@ -227,7 +227,8 @@ def attention(config: ModelConfig, layer: Layer, x: mx.array, offset: mx.array, 
 # prefills of varied sizes, as continuous batching admits them (32 rows x 128 tokens: 2^24 scores),
 # would pay again and again. Above it the fused kernel, given an additive mask, is 2.2-5.5x faster
 # (1B's heads, 16 layers: 64 x 128 tokens 2.1 against 6.6 ms, 128 x 128 3.3 against 11.8, 8 x 2,048
-# 20 against 109; benchmarks/attention_paths.py), so a shape repeated a few times repays its build.
+# 20 against 109; benchmarks/attention_paths.py, a probe since removed), so a shape repeated a few
+# times repays its build.
 # cuDNN serves 16-bit types only: float32 would run MLX's unfused fallback, no faster, and a batch
 # whose chunk crossed the limit would attend by other arithmetic than its rows alone (greedy
 # batched == alone is checked in float32). So float32, and the CPU, where both paths took the same

@@ -4,7 +4,7 @@
 makes of 512) into the source of the fused kernel that uses it. A value that changes with a
 shape, such as a block table's width, then makes new kernels for each new value: on CUDA each is
 compiled by NVRTC, and the first decode step after a 1B row's table grew from 16 to 32 columns
-took 9 s on an H200 (`benchmarks/stall_probe.py`), against 0.03 s once those kernels were built.
+took 9 s on an H200 (`benchmarks/stall_probe.py`, a probe since removed), against 0.03 s once those kernels were built.
 """
 
 from __future__ import annotations

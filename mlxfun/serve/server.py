@@ -433,7 +433,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--mixed-tokens", type=int, default=None, metavar="TOKENS",
                    help="new prompts of up to this many tokens in all ride along a decode step rather than "
                         f"prefill on their own (default: {MIXED_TOKENS} on a GPU, in chunks of a quarter, a half or "
-                        "all of it; 0 on the CPU; 0: never; off with a draft model or a bounded cache)")
+                        "all of it, past 512 of each power of two from 128; each length compiles at start; 0 on the "
+                        "CPU; 0: never; off with a draft model or a bounded cache)")
     p.add_argument("--no-warmup", action="store_true",
                    help="take requests at once, without compiling every step first (tests; the first requests "
                         "of each kind then wait for their compile)")

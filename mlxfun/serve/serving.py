@@ -363,7 +363,13 @@ def metrics_text(engine: Engine, tokens_per_second: float) -> str:
             ("device_wait_seconds_total", "counter", "Host seconds the engine waited for the device before queuing "
              "a write into its KV pool.", f"{s.device_wait_seconds:.6f}"),
             ("idle_seconds_total", "counter", "Seconds the engine waited with no request running or queued (its "
-             "clients' time between requests).", f"{s.idle_seconds:.6f}")):
+             "clients' time between requests).", f"{s.idle_seconds:.6f}"),
+            ("rounds_total", "counter", "Engine rounds (each queues a step and hands out the one before).", s.rounds),
+            ("round_seconds_total", "counter", "Wall seconds of the engine's rounds.", f"{s.round_seconds:.6f}"),
+            ("plain_rounds_total", "counter", "Rounds that neither admitted nor followed a round that did (the "
+             "steady decode step).", s.plain_rounds),
+            ("plain_round_seconds_total", "counter", "Wall seconds of the plain rounds.",
+             f"{s.plain_round_seconds:.6f}")):
         lines.append(f"{family(name, kind, help_)} {value}")
     for name, window, help_ in (
             ("time_to_first_token_seconds", s.ttft, "Time to first token over the last requests (a window)."),
