@@ -288,6 +288,35 @@ def test_prompts_that_ride_along_decode_steps_equal_alone(tiny, mixed):
         Engine(tiny, rows=2, mixed_tokens=-1)
 
 
+def test_a_cpu_server_decodes_in_two_halves_and_samples_in_the_lightest_mode_its_rows_allow(tiny):
+    """A CPU server's step is split (`Engine.split`): one forward half for every mode, then the
+    mode's sampling half. Rows with top-p alone sample as an offline run does (no top-k search, no
+    penalties: each search is 32 passes over the logits there); a row with top-k or a penalty
+    brings the full mode. Tokens equal each request alone either way."""
+    from mlxfun.engine.step import FORWARD, Mode
+
+    engine = Engine(tiny, rows=4, fixed_shapes=True, kv_memory=1 << 24)
+    assert engine.split and engine.step_cache is not None
+    options = [dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=1.0, seed=2),
+               dict(temperature=0.7, top_k=5, presence_penalty=0.5, seed=3)]
+
+    def run(chosen):
+        ids = [engine.add([5 + i, 6, 7, 8], max_tokens=6, ignore_eos=True,
+                          settings=sampling.make_settings(1, **options[i])) for i in chosen]
+        while not engine.idle:
+            engine.step()
+        return [engine.take(i).row.token_ids for i in ids]
+
+    light = Mode(sample=True, penalties=False, search=sampling.Search.TOP_P)
+    assert run([0, 1]) == [generate(tiny, [[5 + i, 6, 7, 8]], max_tokens=6, ignore_eos=True, **options[i]).token_ids[0]
+                           for i in (0, 1)]
+    assert {mode for _, mode in engine.step_cache._made} == {FORWARD, light}
+    full = Mode(sample=True, penalties=True, search=sampling.Search.ALL)
+    assert run([0, 2]) == [generate(tiny, [[5 + i, 6, 7, 8]], max_tokens=6, ignore_eos=True, **options[i]).token_ids[0]
+                           for i in (0, 2)]
+    assert {mode for _, mode in engine.step_cache._made} == {FORWARD, light, full}
+
+
 def test_chunk_lengths_pad_a_lone_prompt_little_at_any_budget():
     from mlxfun.engine.riding import chunk_sizes
 

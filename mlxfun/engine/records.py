@@ -173,20 +173,28 @@ def mode_for(requests: Sequence[Record]) -> Mode:
 TOP_LOGPROBS_FIXED = 20
 
 
-def fixed_mode(mode: Mode) -> Mode:
+def fixed_mode(mode: Mode, light: bool = False) -> Mode:
     """The mode a fixed-shape engine (a server) runs for `mode`, one of few, so all compile at
     start (`Engine.warm_up`): a sampled step also runs penalties and the top-k / top-p search
     (settings that leave them off change nothing), and logprobs come with 20 top ones (each row
-    keeps the ones it asked for)."""
+    keeps the ones it asked for). `light` (a split step's engine, `Engine.split`, where a mode costs
+    only its sampling half to compile): sampled rows without penalties or top-k run a lighter mode,
+    the top-p search alone or no search (temperature only, OpenAI's default), as an offline run
+    does; on the CPU each search is 32 passes over the logits."""
     top = -1 if mode.top_logprobs < 0 else max(mode.top_logprobs, TOP_LOGPROBS_FIXED)
+    if light and mode.sample and not mode.penalties and not mode.search & sampling.Search.TOP_K:
+        return Mode(sample=True, penalties=False, search=mode.search, top_logprobs=top, masked=mode.masked)
     search = sampling.Search.ALL if mode.sample else sampling.Search.NONE
     return Mode(sample=mode.sample, penalties=mode.sample, search=search, top_logprobs=top, masked=mode.masked)
 
 
-def fixed_modes(masks: bool) -> list[Mode]:
+def fixed_modes(masks: bool, light: bool = False) -> list[Mode]:
     """Every mode `fixed_mode` gives (`masks`: structured output is available)."""
-    return [fixed_mode(Mode(sample=s, top_logprobs=t, masked=m)) for m in ((False, True) if masks else (False,))
-            for s in (False, True) for t in (-1, TOP_LOGPROBS_FIXED)]
+    searches = (sampling.Search.NONE, sampling.Search.TOP_P) if light else ()
+    sampled = [Mode(sample=True, search=search) for search in searches] + [Mode(sample=True, penalties=True)]
+    return [fixed_mode(base._replace(top_logprobs=t, masked=m), light)
+            for m in ((False, True) if masks else (False,)) for base in [Mode()] + sampled
+            for t in (-1, TOP_LOGPROBS_FIXED)]
 
 
 def request_mode(request: Request) -> Mode:

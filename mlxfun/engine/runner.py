@@ -160,15 +160,15 @@ class Runner:
         return out
 
     def forward(self, steps: Steps, penalties: bool) -> mx.array:
-        """Queue a decode step's forward pass (the masked decode's first half) -> logits."""
+        """Queue a decode step's forward pass (a split step's first half) -> logits."""
         logits, state = steps.forward(self.step_params, self.input_state(penalties))
         self._advanced(state)
         self.settle()
         mx.async_eval(logits, self.state)
         return logits
 
-    def sample(self, steps: Steps, logits: mx.array, masks: mx.array, penalties: bool) -> StepOut:
-        """Queue the masked decode's second half: each row's token under its mask."""
+    def sample(self, steps: Steps, logits: mx.array, masks: mx.array | None, penalties: bool) -> StepOut:
+        """Queue a split step's second half: each row's token (under its mask, where the mode is masked)."""
         out, state = steps.sample(logits, masks, self.input_state(penalties), self.settings)
         self._advanced(state)
         mx.async_eval(out, self.state)

@@ -36,6 +36,11 @@ class Mode(NamedTuple):
     masked: bool = False  # some row is constrained: sampling applies a (B, V/32) token bitmask (split step)
 
 
+# The forward half of a split step (`forward_step`) computes the same for every mode: the Steps of
+# this one serve them all, so it compiles once per shape, not once per mode.
+FORWARD = Mode()
+
+
 class DecodeState(NamedTuple):
     """Everything a decode step reads and writes, as arrays."""
 

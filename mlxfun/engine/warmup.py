@@ -22,7 +22,7 @@ import numpy as np
 from mlxfun.engine import sampling
 from mlxfun.engine.records import fixed_modes
 from mlxfun.engine.riding import idle_chunk
-from mlxfun.engine.step import Chunk, first_token
+from mlxfun.engine.step import FORWARD, Chunk, first_token
 from mlxfun.features import structured
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ def warm_up(engine: Engine) -> Warmup:
     engine.sync()
     runner.restack([None] * len(sched.owner))
     idle_width = runner.state.cache.table.shape[1]  # an idle state's table: zeros, every row on the scratch block
-    modes = fixed_modes(masks_available())
+    modes = fixed_modes(masks_available(), engine.split)
     widths = sched.pages.widths or [sched.pages.width]
     per_width = [0.0] * len(widths)
     row_widths = sched.widths()
@@ -77,11 +77,11 @@ def warm_up(engine: Engine) -> Warmup:
                 if (i or rows != row_widths[0]) and mx.default_device() == mx.cpu:
                     # Traced only: MLX's CPU kernels of the first shape serve every shape, and a step
                     # over a wide table costs seconds there (its keys are gathered).
-                    _trace(runner, steps, mode, everything, chunks)
+                    _trace(runner, steps, mode, everything, chunks, engine.split)
                     continue
-                if mode.masked:
-                    logits = runner.forward(steps, mode.penalties)
-                    out = runner.sample(steps, logits, everything, mode.penalties)
+                if mode.masked or engine.split:
+                    logits = runner.forward(runner.steps_for(FORWARD), False)
+                    out = runner.sample(steps, logits, everything if mode.masked else None, mode.penalties)
                 else:
                     out = runner.decode(steps, mode.penalties)
                 mx.eval(out, runner.state)
@@ -136,16 +136,18 @@ def _prompt_lengths(engine: Engine) -> tuple[int, ...]:
     return lengths
 
 
-def _trace(runner, steps, mode, everything: mx.array, chunks: list[Chunk]) -> None:
-    """Trace a step on the state's shapes; nothing runs (its lazy outputs are dropped)."""
+def _trace(runner, steps, mode, everything: mx.array, chunks: list[Chunk], split: bool) -> None:
+    """Trace a step on the state's shapes; nothing runs (its lazy outputs are dropped). A split
+    step (`Engine.split`, or masked) traces the shared forward half and the mode's sampling half."""
     state = runner.input_state(mode.penalties)
-    if mode.masked:
-        logits, state = steps.forward(runner.step_params, state)
-        steps.sample(logits, everything, state, runner.settings)
+    if mode.masked or split:
+        logits, after = runner.steps_for(FORWARD).forward(runner.step_params, runner.input_state(False))
+        steps.sample(logits, everything if mode.masked else None, after._replace(counts=state.counts),
+                     runner.settings)
     else:
         steps.decode(runner.step_params, state, runner.settings)
-        for chunk in chunks:
-            steps.mixed(runner.step_params, state, runner.settings, chunk)
+    for chunk in [] if mode.masked else chunks:
+        steps.mixed(runner.step_params, state, runner.settings, chunk)
 
 
 def _first_tokens(engine: Engine, modes) -> None:
