@@ -286,6 +286,8 @@ def test_prompts_that_ride_along_decode_steps_equal_alone(tiny, mixed):
                                                                                        stats.admissions)
     with pytest.raises(mlxfun.InputError, match="mixed_tokens must be a non-negative integer"):
         Engine(tiny, rows=2, mixed_tokens=-1)
+    with pytest.raises(mlxfun.InputError, match="mixed_tokens must be at most 8192"):
+        Engine(tiny, rows=2, mixed_tokens=8193)
 
 
 def test_a_cpu_server_decodes_in_two_halves_and_samples_in_the_lightest_mode_its_rows_allow(tiny):

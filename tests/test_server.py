@@ -429,6 +429,8 @@ def test_a_negative_admit_wait_or_mixed_tokens_exits_2_naming_the_flag_before_lo
     assert capsys.readouterr().err.strip() == "mlxfun: error: --admit-wait must be a non-negative integer, got -1"
     assert main(["--mixed-tokens", "-5", "--port", "0"]) == 2
     assert capsys.readouterr().err.strip() == "mlxfun: error: --mixed-tokens must be a non-negative integer, got -5"
+    assert main(["--mixed-tokens", "100000", "--port", "0"]) == 2
+    assert "--mixed-tokens must be at most 8192" in capsys.readouterr().err
 
 
 # ---- the bridge alone: an engine failure ends the requests in it, and a fresh engine serves on ----

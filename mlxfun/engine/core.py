@@ -97,7 +97,7 @@ class Engine:
         check_options(rows, prefill_step, block_size, max_kv_size, admit_min, pad_multiple, kv_memory,
                       prefix_cache, prefix_cache_bytes, num_draft_tokens)
         check_non_negative_int("admit_wait", admit_wait, allow_none=True)
-        check_non_negative_int("mixed_tokens", mixed_tokens, allow_none=True)
+        riding.check_mixed_tokens("mixed_tokens", mixed_tokens)
         check_bool("batch_invariant", batch_invariant)
         # With max_kv_size every query sees at most that many positions: rows become rings. A model
         # whose config asks for batch invariance keeps it.

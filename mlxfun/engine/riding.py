@@ -17,9 +17,23 @@ import numpy as np
 from mlxfun.engine.records import Record
 from mlxfun.engine.scheduler import Scheduler
 from mlxfun.engine.step import Chunk
+from mlxfun.errors import InputError, check_non_negative_int
 
 # A GPU server's decode step carries up to this many prompt tokens of the requests it admits.
 MIXED_TOKENS = 512
+# At most this many: each chunk length compiles at start, and a step's activations grow with it.
+MAX_MIXED_TOKENS = 8192
+
+
+def check_mixed_tokens(name: str, value: int | None) -> None:
+    """Raise InputError unless `value` (None: the default) is a whole number of prompt tokens a
+    decode step may carry: 0 (none) to MAX_MIXED_TOKENS."""
+    if value is None:
+        return
+    check_non_negative_int(name, value)
+    if value > MAX_MIXED_TOKENS:
+        raise InputError(f"{name} must be at most {MAX_MIXED_TOKENS} (each chunk length compiles at start; longer "
+                         f"prompts prefill on their own), got {value}")
 
 
 def chunk_sizes(mixed_tokens: int) -> tuple[int, ...]:

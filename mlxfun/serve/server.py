@@ -35,7 +35,7 @@ except ImportError as e:  # pragma: no cover
 
 from mlxfun.cli.main import add_generation_flags, add_model_flags, flag_message, generation_config
 from mlxfun.engine.options import GenerationConfig, Request, requests
-from mlxfun.engine.riding import MIXED_TOKENS
+from mlxfun.engine.riding import MIXED_TOKENS, check_mixed_tokens
 from mlxfun.errors import InputError, MlxfunError, check_non_negative_int, check_positive_int
 from mlxfun.model.load import Model
 from mlxfun.serve import first_requests, tools
@@ -433,8 +433,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--mixed-tokens", type=int, default=None, metavar="TOKENS",
                    help="new prompts of up to this many tokens in all ride along a decode step rather than "
                         f"prefill on their own (default: {MIXED_TOKENS} on a GPU, in chunks of a quarter, a half or "
-                        "all of it, past 512 of each power of two from 128; each length compiles at start; 0 on the "
-                        "CPU; 0: never; off with a draft model or a bounded cache)")
+                        "all of it, past 512 of each power of two from 128; each length compiles at start; at most "
+                        "8192; 0 on the CPU; 0: never; off with a draft model or a bounded cache)")
     p.add_argument("--no-warmup", action="store_true",
                    help="take requests at once, without compiling every step first (tests; the first requests "
                         "of each kind then wait for their compile)")
@@ -504,8 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         check_positive_int("max_queued", args.max_queued)
         if args.admit_wait is not None:
             check_non_negative_int("--admit-wait", args.admit_wait)
-        if args.mixed_tokens is not None:
-            check_non_negative_int("--mixed-tokens", args.mixed_tokens)
+        check_mixed_tokens("--mixed-tokens", args.mixed_tokens)
         # The engine's model is made where it runs (MLX streams are per thread), with the flags'
         # scheduler options: the prefix cache, a prompt cache, a draft model.
         spec = EngineSpec(args.model, args.dtype, rows, generation_config(args), kv_memory_flag(args.kv_memory),
