@@ -319,6 +319,29 @@ def test_a_cpu_server_decodes_in_two_halves_and_samples_in_the_lightest_mode_its
     assert {mode for _, mode in engine.step_cache._made} == {FORWARD, light, full}
 
 
+def test_a_warmed_up_ring_server_traces_nothing_on_the_request_path(tiny):
+    """A bounded cache's rows read a ring's columns whatever they hold, not the ladder's widths:
+    the warm-up compiles the steps at that width (it compiled the ladder's, and the first request
+    traced its step). Tokens equal each request alone under the same ring."""
+    from mlxfun.engine.warmup import warm_up
+
+    engine = Engine(tiny, rows=4, fixed_shapes=True, kv_memory=1 << 24, max_kv_size=8)
+    warm = warm_up(engine)
+    assert warm.widths == (engine.scheduler.pages.ring * engine.scheduler.pool.block_size,)
+    traces = engine.step_cache.traces
+    options = [dict(), dict(temperature=0.8, top_p=0.9, seed=3), dict(temperature=1.0, seed=4),
+               dict(temperature=0.7, top_k=4, frequency_penalty=0.3, seed=5)]
+    prompts = [[3, 4, 5, 6], [7, 8, 9], list(range(10, 40)), [15, 16]]
+    ids = [engine.add(p, max_tokens=20, ignore_eos=True, settings=sampling.make_settings(1, **o))
+           for p, o in zip(prompts, options)]
+    while not engine.idle:
+        engine.step()
+    assert engine.step_cache.traces == traces
+    assert [engine.take(i).row.token_ids for i in ids] == [
+        generate(tiny, [p], max_tokens=20, ignore_eos=True, max_kv_size=8, **o).token_ids[0]
+        for p, o in zip(prompts, options)]
+
+
 def test_chunk_lengths_pad_a_lone_prompt_little_at_any_budget():
     from mlxfun.engine.riding import chunk_sizes
 

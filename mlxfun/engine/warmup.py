@@ -61,7 +61,8 @@ def warm_up(engine: Engine) -> Warmup:
     runner.restack([None] * len(sched.owner))
     idle_width = runner.state.cache.table.shape[1]  # an idle state's table: zeros, every row on the scratch block
     modes = fixed_modes(masks_available(), engine.split)
-    widths = sched.pages.widths or [sched.pages.width]
+    # A ring's table is its ring's columns whatever the rows hold (`Pages.fit_width`), not the ladder's.
+    widths = [sched.pages.ring] if sched.pages.ring is not None else sched.pages.widths or [sched.pages.width]
     per_width = [0.0] * len(widths)
     row_widths = sched.widths()
     for rows in row_widths:  # all rows on a GPU; on the CPU, each power of two the rows shrink to
