@@ -48,8 +48,9 @@
 #                seeded, all starting at once unless $SERVE_ARRIVAL) against offline generate; $SERVE_PROCS client
 #                processes; SERVE_SPY=1: under py-spy (add its wheel to .whl), stacks read by benchmarks/spy_threads.py;
 #                a burst beside other processes on the device: SERVE_CLIENTS=128 SERVE_EACH=4 SERVE_MODES=greedy;
-#                SERVE_LM=1: mlx_lm.server too (from .whl); SERVE_ALSO=NAME=ARGS: another mlxfun server with
-#                those flags (say mlxfun-mixed2048=--mixed-tokens 2048); offline is the best of 2 runs, every
+#                SERVE_LM=1: mlx_lm.server too (from .whl); SERVE_ALSO=NAME=ARGS[|NAME=ARGS...]: more mlxfun
+#                servers with those flags (say mlxfun-mixed2048=--mixed-tokens 2048|mlxfun-wait0=--admit-wait 0),
+#                each started after the last stopped; offline is the best of 2 runs, every
 #                timed phase samples the GPU's utilization, and each run splits the engine's rounds into plain
 #                ones (ms each) and the admissions' excess over them
 #   step-gap     benchmarks/step_gap.py: steady decode rounds, $GAP_SHAPE (8B), 32 rows, $GAP_ROUNDS (100) each, variants
@@ -161,13 +162,14 @@ for suite in "$@"; do
       # process and thread in $OUT, read by benchmarks/spy_threads.py)
       wheels
       lm=(); [ "${SERVE_LM:-0}" = 1 ] && python3 -c "import mlx_lm" 2>/dev/null && lm=(--mlx-lm --mlx-lm-python python3)
+      also=(); IFS='|' read -ra entries <<< "${SERVE_ALSO:-}"; for e in "${entries[@]}"; do also+=(--mlxfun-also "$e"); done
       name=serve-load-${SERVE_SHAPE:-1B}-${SERVE_CLIENTS:-32}-arrival${SERVE_ARRIVAL:-0}${SERVE_PROCS:+-procs$SERVE_PROCS}
       spy=(); [ "${SERVE_SPY:-0}" = 1 ] && spy=(/tmp/site/bin/py-spy record --subprocesses --threads --idle --nonblocking \
         -r ${SPY_RATE:-100} -f raw -o "$OUT/$name-spy.txt" --) && name=$name-spy
       timeout ${SERVE_TIMEOUT:-560} "${spy[@]}" python3 benchmarks/serve_load.py --shape ${SERVE_SHAPE:-1B} \
         --clients ${SERVE_CLIENTS:-32} --requests $((${SERVE_EACH:-8} * ${SERVE_CLIENTS:-32})) \
         --modes ${SERVE_MODES:-greedy,seeded} --offline --arrival ${SERVE_ARRIVAL:-0} ${SERVE_PROCS:+--client-procs $SERVE_PROCS} \
-        "${lm[@]}" ${SERVE_ALSO:+--mlxfun-also "$SERVE_ALSO"} --json "$OUT/$name.json" | grep -v "^$" ;;
+        "${lm[@]}" "${also[@]}" --json "$OUT/$name.json" | grep -v "^$" ;;
     http-layer)  # the HTTP layer alone, per streamed chunk: uvloop + httptools against asyncio + h11
       wheels
       timeout ${HTTP_TIMEOUT:-200} python3 benchmarks/http_layer.py --clients ${SERVE_CLIENTS:-128} --repeats 3 \
