@@ -1,7 +1,7 @@
 """The runner: the device side of the engine. It owns the weights the steps read, the decode
 state (`step.DecodeState`: the KV pool, each row's token, position, step and counts) and the
 rows' sampling settings, and queues the compiled steps on them: prefill chunks, the first token,
-decode, the masked decode's two halves and verify rounds.
+decode, a split step's two halves (structured output; a CPU server's every step) and verify rounds.
 
 It decides nothing: the scheduler says which rows hold what, and the engine passes that in
 (row indices, block tables, pool sizes). Every step is queued (`mx.async_eval`), not waited for.
