@@ -291,14 +291,14 @@ def test_prompts_that_ride_along_decode_steps_equal_alone(tiny, mixed):
 
 
 def test_a_cpu_server_decodes_in_two_halves_and_samples_in_the_lightest_mode_its_rows_allow(tiny):
-    """A CPU server's step is split (`Engine.split`): one forward half for every mode, then the
+    """A CPU server's step is split (`Runner.split`): one forward half for every mode, then the
     mode's sampling half. Rows with top-p alone sample as an offline run does (no top-k search, no
     penalties: each search is 32 passes over the logits there); a row with top-k or a penalty
     brings the full mode. Tokens equal each request alone either way."""
     from mlxfun.engine.step import FORWARD, Mode
 
     engine = Engine(tiny, rows=4, fixed_shapes=True, kv_memory=1 << 24)
-    assert engine.split and engine.step_cache is not None
+    assert engine.runner.split and engine.step_cache is not None
     options = [dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=1.0, seed=2),
                dict(temperature=0.7, top_k=5, presence_penalty=0.5, seed=3)]
 

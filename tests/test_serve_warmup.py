@@ -78,8 +78,8 @@ def test_no_step_traces_after_the_warm_up(model):
         engine = s.bridge.engine
         warm = s.bridge.warmup
         assert engine.chunk_sizes == warm.chunk_sizes == (64, 128, 256)
-        # The CPU's split steps (`Engine.split`) warm the lighter sampled modes too.
-        assert engine.split
+        # The CPU's split steps (`Runner.split`) warm the lighter sampled modes too.
+        assert engine.runner.split
         plain = sum(not m.masked for m in fixed_modes(masks_available(), light=True))
         # On the CPU the rows follow the live requests, in powers of two: each count is warmed up.
         assert warm.rows == (1, 2, 4) and engine.scheduler.widths() == [1, 2, 4]

@@ -55,7 +55,7 @@ from mlxfun.engine.riding import Admitted, chunk_sizes, default_mixed_tokens
 from mlxfun.engine.rows import Row
 from mlxfun.engine.runner import Runner
 from mlxfun.engine.scheduler import Scheduler, default_admit_wait
-from mlxfun.engine.step import FORWARD, Mode, StepCache, StepOut, Steps, compiled_steps
+from mlxfun.engine.step import Mode, StepCache, StepOut, Steps, compiled_steps
 from mlxfun.engine.strategy import WeightStrategy, default_strategy
 from mlxfun.errors import InputError, check_bool, check_non_negative_int
 from mlxfun.features import speculative
@@ -108,12 +108,6 @@ class Engine:
             check_invariant(self.config, model.params)
         check_bool("fixed_shapes", fixed_shapes)
         self.fixed = fixed_shapes
-        # A CPU server's decode step runs in two halves (`step.forward_step`, then the mode's
-        # `sample_step`): the forward pass compiles once per shape, not once per mode, so lighter
-        # sampled modes cost little to warm up (`records.fixed_mode(light=True)`; SmolLM2, 32 rows,
-        # a 1 GB pool: 5.4 s for 16 modes, against 6.6-7.0 s for 8 unsplit). A GPU step keeps one
-        # launch: there the host's time per step counts.
-        self.split = fixed_shapes and mx.default_device() != mx.gpu
         if fixed_shapes and steps is compiled_steps:
             steps = StepCache()
         self.step_cache = steps if isinstance(steps, StepCache) else None  # counts traces
@@ -121,7 +115,8 @@ class Engine:
         on_gpu = mx.default_device() == mx.gpu
         # Chunk lengths rounded up on a GPU, so attention kernels are built for few shapes.
         self.runner = Runner(model, self.config, rows, strategy, steps, block_size, prefill_step,
-                             pad_multiple or prefill.pad_multiple(), settle_bytes(fixed_shapes))
+                             pad_multiple or prefill.pad_multiple(), settle_bytes(fixed_shapes),
+                             split=fixed_shapes and not on_gpu)  # a CPU server's steps in two halves
         self.kv_memory = kv_budget(kv_memory, strategy, fixed_shapes)
         self.slot_bytes = kv.slot_bytes(self.config, self.runner.dtype)
         self.block_bytes = block_size * self.slot_bytes
@@ -414,11 +409,7 @@ class Engine:
         """Queue one decode step for every row (rows without a live request decode idly)."""
         roster = self._prepare_step()
         admitted, self._chunk = self._chunk, None
-        if self.split and admitted is None:
-            logits = self.runner.forward(self.runner.steps_for(FORWARD), False)
-            out = self.runner.sample(roster.steps, logits, None, roster.mode.penalties)
-        else:
-            out = self.runner.decode(roster.steps, roster.mode.penalties, None if admitted is None else admitted.chunk)
+        out = self.runner.decode(roster.steps, roster.mode.penalties, None if admitted is None else admitted.chunk)
         # A row admitted by the step's chunk starts at its prompt's end, where `place` put it.
         self._advanced(roster.live if admitted is None else [r for r in roster.live if r not in admitted.rows])
         if admitted is not None:
@@ -439,7 +430,7 @@ class Engine:
         # The forward pass is queued at once. MLX holds the GIL while it encodes the graph, so the
         # worker reads and matches the tokens after that; letting it go first (up to 1 ms) left the
         # device idle meanwhile (1.16-1.22x a free step against 1.07-1.12x, 1B and 8B, batch 32, H200).
-        logits = self.runner.forward(self.runner.steps_for(FORWARD), False)
+        logits = self.runner.forward()
         self._advanced(roster.live)
         values = job.result()  # the masks are filled
         out = self.runner.sample(roster.steps, logits, self.constraints.device(), roster.mode.penalties)
@@ -502,7 +493,7 @@ class Engine:
 
     def _mode(self, records: Sequence[Record]) -> Mode:
         mode = mode_for(records)
-        return fixed_mode(mode, self.split) if self.fixed else mode
+        return fixed_mode(mode, self.runner.split) if self.fixed else mode
 
     def _prepare_step(self) -> Roster:
         """Blocks for each live row's next position (rows preempted for them where the pool is

@@ -177,7 +177,7 @@ def fixed_mode(mode: Mode, light: bool = False) -> Mode:
     """The mode a fixed-shape engine (a server) runs for `mode`, one of few, so all compile at
     start (`Engine.warm_up`): a sampled step also runs penalties and the top-k / top-p search
     (settings that leave them off change nothing), and logprobs come with 20 top ones (each row
-    keeps the ones it asked for). `light` (a split step's engine, `Engine.split`, where a mode costs
+    keeps the ones it asked for). `light` (a split step's engine, `Runner.split`, where a mode costs
     only its sampling half to compile): sampled rows without penalties or top-k run a lighter mode,
     the top-p search alone or no search (temperature only, OpenAI's default), as an offline run
     does; on the CPU each search is 32 passes over the logits."""

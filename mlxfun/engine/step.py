@@ -8,7 +8,7 @@ With structured output the step is split in two compiled halves, `forward` (deco
 update -> logits) and `sample` (logits and a token mask -> tokens): the mask of step k+1 depends
 on token k, so the host queues forward k+1 (its input, token k, stays on the device), reads token
 k, computes mask k+1 while the device runs the forward pass, then queues sample k+1. A CPU
-server splits every step so (`Engine.split`): `forward` is the same for every mode (`FORWARD`'s
+server splits every step so (`Runner.split`): `forward` is the same for every mode (`FORWARD`'s
 compiles once per shape), so each mode adds only its sampling half. `verify` checks k drafted
 tokens per row at once (speculative decoding).
 """

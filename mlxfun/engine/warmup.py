@@ -60,7 +60,7 @@ def warm_up(engine: Engine) -> Warmup:
     engine.sync()
     runner.restack([None] * len(sched.owner))
     idle_width = runner.state.cache.table.shape[1]  # an idle state's table: zeros, every row on the scratch block
-    modes = fixed_modes(masks_available(), engine.split)
+    modes = fixed_modes(masks_available(), runner.split)
     # A ring's table is its ring's columns whatever the rows hold (`Pages.fit_width`), not the ladder's.
     widths = [sched.pages.ring] if sched.pages.ring is not None else sched.pages.widths or [sched.pages.width]
     per_width = [0.0] * len(widths)
@@ -78,11 +78,10 @@ def warm_up(engine: Engine) -> Warmup:
                 if (i or rows != row_widths[0]) and mx.default_device() == mx.cpu:
                     # Traced only: MLX's CPU kernels of the first shape serve every shape, and a step
                     # over a wide table costs seconds there (its keys are gathered).
-                    _trace(runner, steps, mode, everything, chunks, engine.split)
+                    _trace(runner, steps, mode, everything, chunks)
                     continue
-                if mode.masked or engine.split:
-                    logits = runner.forward(runner.steps_for(FORWARD), False)
-                    out = runner.sample(steps, logits, everything if mode.masked else None, mode.penalties)
+                if mode.masked:
+                    out = runner.sample(steps, runner.forward(), everything, mode.penalties)
                 else:
                     out = runner.decode(steps, mode.penalties)
                 mx.eval(out, runner.state)
@@ -137,11 +136,11 @@ def _prompt_lengths(engine: Engine) -> tuple[int, ...]:
     return lengths
 
 
-def _trace(runner, steps, mode, everything: mx.array, chunks: list[Chunk], split: bool) -> None:
+def _trace(runner, steps, mode, everything: mx.array, chunks: list[Chunk]) -> None:
     """Trace a step on the state's shapes; nothing runs (its lazy outputs are dropped). A split
-    step (`Engine.split`, or masked) traces the shared forward half and the mode's sampling half."""
+    step (`Runner.split`, or masked) traces the shared forward half and the mode's sampling half."""
     state = runner.input_state(mode.penalties)
-    if mode.masked or split:
+    if mode.masked or runner.split:
         logits, after = runner.steps_for(FORWARD).forward(runner.step_params, runner.input_state(False))
         steps.sample(logits, everything if mode.masked else None, after._replace(counts=state.counts),
                      runner.settings)
